@@ -1,0 +1,25 @@
+# Fresh-machine entry points: `make demo` (main job) and `make test` (test suite).
+VENV := .venv
+PY := $(VENV)/bin/python
+# Debian's interpreter: the Triton Python-backend stub links its libpython.
+BASE_PYTHON := /usr/bin/python3
+
+.PHONY: install demo test lint
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(BASE_PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -e ".[dev]"
+	touch $@
+
+demo: install
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH bash scripts/demo.sh
+
+test: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/pytest -q -rs
+
+lint: install
+	$(VENV)/bin/ruff check .

@@ -1,0 +1,1 @@
+"""dejavu-triton: disaggregated prefill/decode serving (DejaVu + Splitwise) on Triton."""

@@ -1,0 +1,46 @@
+"""The ``dejavu`` command: a table of subcommands, each imported only when used.
+
+Every entry names ``module:function``; the function takes the remaining argv
+and returns an exit code, building its own ``argparse`` parser with
+``prog="dejavu <words>"``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
+    ("model", "make"): ("orchestrator.engine.checkpoint:main", "write a dummy checkpoint folder"),
+    ("run",): ("orchestrator.engine.reference:main", "generate in one process (reference)"),
+    ("up",): ("orchestrator.cluster.launcher:up_main", "start a local cluster of tritonservers"),
+    ("status",): ("orchestrator.cluster.launcher:status_main", "show the local cluster"),
+    ("down",): ("orchestrator.cluster.launcher:down_main", "stop the local cluster"),
+    ("generate",): ("clients.generate:main", "generate through Triton HTTP/gRPC"),
+    ("plan",): ("orchestrator.planner.cli:plan_main", "size prompt and token pools"),
+    ("simulate",): ("orchestrator.planner.cli:simulate_main", "simulate serving policies"),
+    ("bench", "kv"): ("orchestrator.kv.bench:main", "KV streaming ablation (Fig. 11)"),
+    ("bench", "serving"): ("clients.perf:main", "perf_analyzer against the ensemble"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: dejavu COMMAND [ARGS...]", "", "commands:"]
+    for words, (_, help_text) in COMMANDS.items():
+        lines.append(f"  {' '.join(words):<16} {help_text}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    for words, (target, _) in sorted(COMMANDS.items(), key=lambda kv: -len(kv[0])):
+        if tuple(argv[: len(words)]) == words:
+            module_name, func_name = target.split(":")
+            func = getattr(importlib.import_module(module_name), func_name)
+            return int(func(argv[len(words) :]) or 0)
+    print(_usage(), file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
+    return 0 if not argv or argv[0] in ("-h", "--help") else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
