@@ -20,6 +20,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("plan",): ("orchestrator.planner.cli:plan_main", "size prompt and token pools"),
     ("simulate",): ("orchestrator.planner.cli:simulate_main", "simulate serving policies"),
     ("bench", "kv"): ("orchestrator.kv.bench:main", "KV streaming ablation (Fig. 11)"),
+    ("bench", "pipeline"): ("orchestrator.pipeline.bench:main", "pipeline bubbles and swapping"),
     ("bench", "serving"): ("clients.perf:main", "perf_analyzer against the ensemble"),
 }
 

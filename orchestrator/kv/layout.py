@@ -41,12 +41,21 @@ class KVLayout:
         return (self.num_layers, 2, self.num_kv_heads, self.max_seq_len, self.head_dim)
 
     @property
+    def layer_range(self) -> range:
+        """Global indices of this node's layers."""
+        return range(self.first_layer, self.first_layer + self.num_layers)
+
+    @property
     def itemsize(self) -> int:
         return torch.empty((), dtype=self.torch_dtype).element_size()
 
     def token_bytes_per_layer(self) -> int:
         """Bytes one position adds to one layer (K and V, all heads)."""
         return 2 * self.num_kv_heads * self.head_dim * self.itemsize
+
+    def step_bytes(self) -> int:
+        """Bytes one token step adds to one sequence's slot (all layers)."""
+        return self.num_layers * self.token_bytes_per_layer()
 
     def slot_bytes(self) -> int:
         return self.num_layers * self.max_seq_len * self.token_bytes_per_layer()

@@ -1,0 +1,41 @@
+"""T-node, decoupled: admit into the token loop, stream each token as it is made."""
+
+from orchestrator.serving import pb
+from orchestrator.serving.node import load_decode_service
+from orchestrator.serving.params import PARAM_TENSORS, GenerationParams
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.service = load_decode_service(pb.parameters(args))
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            tensors = pb.inputs(request, ["input_ids", *PARAM_TENSORS])
+
+            def emit(tokens, final, sender=sender):
+                sender.send(pb.response(output_ids=pb.ids(tokens)), flags=pb.FINAL if final else 0)
+
+            def fail(message, sender=sender):
+                sender.send(pb.error(f"decode: {message}"), flags=pb.FINAL)
+
+            def send_ticket(ticket, sender=sender):
+                sender.send(pb.response(kv_ticket=pb.strings(ticket)))
+
+            try:
+                self.service.admit(
+                    request.request_id(),
+                    tensors["input_ids"].reshape(-1).tolist(),
+                    GenerationParams.from_tensors(tensors),
+                    emit,
+                    fail,
+                    request.is_cancelled,
+                    send_ticket,
+                )
+            except Exception as exc:  # a refused request must not hurt the others
+                fail(str(exc))
+        return None
+
+    def finalize(self):
+        self.service.stop()

@@ -1,0 +1,30 @@
+"""P-node: prefill, stream the KV layer by layer to the ticket's T-node, return the first token."""
+
+from orchestrator.serving import pb
+from orchestrator.serving.node import load_prefill_worker
+from orchestrator.serving.params import PARAM_TENSORS, GenerationParams
+from orchestrator.serving.prefill_worker import PrefillJob
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.worker = load_prefill_worker(pb.parameters(args))
+
+    def execute(self, requests):
+        jobs, responses = [], [None] * len(requests)
+        for i, request in enumerate(requests):
+            tensors = pb.inputs(request, ["input_ids", "kv_ticket", *PARAM_TENSORS])
+            try:
+                params = GenerationParams.from_tensors(tensors)
+                ticket = tensors["kv_ticket"].reshape(-1)[0]
+                prompt = tensors["input_ids"].reshape(-1).tolist()
+                jobs.append((i, PrefillJob(request.request_id(), prompt, params, ticket)))
+            except ValueError as exc:
+                responses[i] = pb.error(f"prefill: {exc}")
+        results = self.worker.run([job for _, job in jobs])
+        for (i, _), result in zip(jobs, results, strict=True):
+            if isinstance(result, Exception):
+                responses[i] = pb.error(f"prefill: {result}")
+            else:
+                responses[i] = pb.response(output_ids=pb.ids([result]))
+        return responses

@@ -1,0 +1,1 @@
+"""Command-line clients: generate through Triton, load tests."""

@@ -1,0 +1,150 @@
+"""``dejavu generate``: text through the ensemble over HTTP or gRPC, printed as it streams.
+
+HTTP uses Triton's generate extension (``/v2/models/<m>/generate`` and
+``generate_stream``); gRPC uses a bidirectional stream (the ensemble is
+decoupled, so plain HTTP ``infer`` is not available). Without ``--url`` the
+frontend of the cluster in ``--dir`` (``dejavu up``) is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+TIMEOUT_S = 120.0
+# ensemble input -> numpy dtype / Triton dtype of its [1] tensor
+PARAMETERS = {
+    "max_tokens": (np.int32, "INT32"),
+    "end_id": (np.int32, "INT32"),
+    "temperature": (np.float32, "FP32"),
+    "top_k": (np.int32, "INT32"),
+    "top_p": (np.float32, "FP32"),
+    "random_seed": (np.uint64, "UINT64"),
+    "stream": (np.bool_, "BOOL"),
+}
+
+
+class GenerateError(RuntimeError):
+    """The server refused or failed the request; the message is the server's."""
+
+
+@dataclass
+class Chunk:
+    text: str
+    ids: list[int]
+
+
+def stream_http(url: str, prompt: str, stream: bool = True, model: str = "ensemble", **params):
+    """Chunks from ``generate_stream`` (or one from ``generate`` when not streaming)."""
+    body = json.dumps({"text_input": prompt, "stream": stream, **params}).encode()
+    endpoint = "generate_stream" if stream else "generate"
+    request = urllib.request.Request(f"http://{url}/v2/models/{model}/{endpoint}", body)
+    try:
+        with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
+            if not stream:
+                yield _chunk(json.loads(response.read()))
+                return
+            for line in response:
+                if line.startswith(b"data:"):
+                    yield _chunk(json.loads(line[len(b"data:") :]))
+    except urllib.error.HTTPError as exc:
+        body = exc.read().strip().removeprefix(b"data:")  # generate_stream errors are events too
+        raise GenerateError(json.loads(body).get("error", str(exc))) from None
+
+
+def _chunk(message: dict) -> Chunk:
+    if "error" in message:
+        raise GenerateError(message["error"])
+    ids = message.get("output_ids", [])
+    return Chunk(message["text_output"], ids if isinstance(ids, list) else [ids])
+
+
+def stream_grpc(
+    url: str, prompt: str, stream: bool = True, model: str = "ensemble", **params
+) -> Iterator[Chunk]:
+    import tritonclient.grpc as grpcclient
+
+    values = {"text_input": np.array([prompt.encode()], dtype=np.object_)}
+    values.update({k: np.array([v], dtype=PARAMETERS[k][0]) for k, v in params.items()})
+    values["stream"] = np.array([stream])
+    inputs = []
+    for name, array in values.items():
+        dtype = "BYTES" if name == "text_input" else PARAMETERS[name][1]
+        inputs.append(grpcclient.InferInput(name, list(array.shape), dtype))
+        inputs[-1].set_data_from_numpy(array)
+    responses: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    done = False
+    try:
+        client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+        while not done:
+            try:
+                result, error = responses.get(timeout=TIMEOUT_S)
+            except queue.Empty:
+                raise GenerateError(f"no response from {url} in {TIMEOUT_S:.0f} s") from None
+            if error is not None:
+                raise GenerateError(error.message())
+            done = result.get_response().parameters["triton_final_response"].bool_param
+            text = result.as_numpy("text_output")
+            if text is not None:  # the empty final response carries no tensors
+                yield Chunk(text.reshape(-1)[0].decode(), result.as_numpy("output_ids").tolist())
+    finally:
+        # Leaving early (an error, a consumer that stops) cancels the request on the server.
+        client.stop_stream(cancel_requests=not done)
+        client.close()
+
+
+def frontend_url(run_dir: str, protocol: str) -> str:
+    from orchestrator.cluster.launcher import read_state
+
+    return read_state(run_dir)["frontend"][protocol]
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="dejavu generate", description=__doc__.splitlines()[0])
+    parser.add_argument("prompt")
+    parser.add_argument("--url", help="host:port of the frontend (default: from --dir)")
+    parser.add_argument("--dir", default="runs/local", help="cluster folder of `dejavu up`")
+    parser.add_argument("--protocol", choices=["http", "grpc"], default="http")
+    parser.add_argument("--stream", action="store_true", help="print tokens as they arrive")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--end-id", type=int)
+    parser.add_argument("--temperature", type=float, help="above 0 samples (default greedy)")
+    parser.add_argument("--top-k", type=int)
+    parser.add_argument("--top-p", type=float)
+    parser.add_argument("--seed", type=int, dest="random_seed")
+    parser.add_argument("--model", default="ensemble")
+    args = parser.parse_args(argv)
+    try:
+        url = args.url or frontend_url(args.dir, args.protocol)
+    except FileNotFoundError as exc:
+        print(f"dejavu generate: {exc}; pass --url", file=sys.stderr)
+        return 1
+    params = {
+        name: getattr(args, name)
+        for name in ("max_tokens", "end_id", "temperature", "top_k", "top_p", "random_seed")
+        if getattr(args, name) is not None
+    }
+    run = stream_http if args.protocol == "http" else stream_grpc
+    try:
+        for chunk in run(url, args.prompt, stream=args.stream, model=args.model, **params):
+            print(chunk.text, end="", flush=True)
+    except (GenerateError, OSError) as exc:
+        print(f"\ndejavu generate: {exc}", file=sys.stderr)
+        return 1
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

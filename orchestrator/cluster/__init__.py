@@ -1,0 +1,1 @@
+"""Local clusters of real tritonserver processes."""

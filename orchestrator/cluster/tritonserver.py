@@ -1,0 +1,223 @@
+"""One real ``tritonserver`` process: its files, its ports, its life.
+
+The binary, the Python backend and its stubs ship inside the ``nvidia-pytriton``
+wheel. A node gets a backend directory (the 3.11 stub next to
+``libtriton_python.so``: only that stub links Debian's libpython), a model
+repository assembled from ``model_repository/`` and ``backends/python/`` with
+per-node parameters, three free loopback ports and a log file.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytriton
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = ROOT / "model_repository"
+MODEL_CODE = ROOT / "backends" / "python"
+WHEEL = Path(pytriton.__file__).resolve().parent / "tritonserver"
+WHEEL_LIBS = WHEEL.parents[1] / "nvidia_pytriton.libs"
+SHM_DIR = Path("/dev/shm")
+
+
+class ServerError(RuntimeError):
+    """A tritonserver that would not start, or died."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_backend_dir(dest: Path) -> Path:
+    """``dest/python`` with the backend library, its utils and the 3.11 stub."""
+    python_dir = dest / "python"
+    python_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("libtriton_python.so", "triton_python_backend_utils.py"):
+        shutil.copy2(WHEEL / "backends" / "python" / name, python_dir / name)
+    stub = WHEEL / "python_backend_stubs" / "3.11" / "triton_python_backend_stub"
+    shutil.copy2(stub, python_dir / stub.name)
+    return dest
+
+
+def _parameter(key: str, value: str) -> str:
+    escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+    return f'parameters {{ key: "{key}" value: {{ string_value: "{escaped}" }} }}\n'
+
+
+def add_model(repo: Path, model: str, params: dict[str, str] | None = None) -> None:
+    """Copy ``model``'s config (plus ``params``) and its model.py into ``repo``."""
+    config = CONFIGS / model / "config.pbtxt"
+    if not config.exists():
+        raise ValueError(f"no model {model!r} in {CONFIGS}")
+    version = repo / model / "1"
+    version.mkdir(parents=True, exist_ok=True)
+    text = config.read_text()
+    text += "".join(_parameter(k, str(v)) for k, v in (params or {}).items())
+    (repo / model / "config.pbtxt").write_text(text)
+    code = MODEL_CODE / model / "model.py"
+    if code.exists():
+        shutil.copy2(code, version / "model.py")
+
+
+@dataclass
+class TritonServer:
+    """A tritonserver on loopback ports; ``start`` returns once it is ready."""
+
+    name: str
+    repo: Path
+    backend_dir: Path
+    log_path: Path
+    http_port: int = field(default_factory=free_port)
+    grpc_port: int = field(default_factory=free_port)
+    metrics_port: int = field(default_factory=free_port)
+    env: dict[str, str] = field(default_factory=dict)
+    process: subprocess.Popen | None = None
+
+    @property
+    def shm_prefix(self) -> str:
+        # Our own prefix, so cleanup after a crash removes this node's regions only.
+        return f"dejavu_{self.name}_{self.grpc_port}_"
+
+    @property
+    def http_url(self) -> str:
+        return f"127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def command(self) -> list[str]:
+        return [
+            str(WHEEL / "bin" / "tritonserver"),
+            f"--model-repository={self.repo}",
+            f"--backend-directory={self.backend_dir}",
+            f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
+            "--http-address=127.0.0.1",
+            "--grpc-address=127.0.0.1",
+            "--metrics-address=127.0.0.1",
+            f"--http-port={self.http_port}",
+            f"--grpc-port={self.grpc_port}",
+            f"--metrics-port={self.metrics_port}",
+            "--allow-gpu-metrics=false",
+            "--pinned-memory-pool-byte-size=0",
+            "--exit-timeout-secs=2",
+            "--log-verbose=0",
+        ]
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        # The stub ignores PYTHONPATH; it runs the python first on PATH, so the
+        # venv's bin goes first. It also needs the wheel's libcudart.
+        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+        env["LD_LIBRARY_PATH"] = f"{WHEEL_LIBS}{os.pathsep}{env.get('LD_LIBRARY_PATH', '')}"
+        env.setdefault("UCX_NET_DEVICES", "lo")
+        env.setdefault("UCX_TLS", "tcp,sm")
+        env.update(self.env)
+        return env
+
+    def start(self, timeout_s: float = 120.0) -> TritonServer:
+        self.launch()
+        self.wait_ready(timeout_s)
+        return self
+
+    def launch(self) -> None:
+        """Start the process without waiting: several nodes can start side by side."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.environment(),
+                start_new_session=True,  # Ctrl-C in a shell must not kill the nodes
+            )
+
+    def is_ready(self) -> bool:
+        return is_ready(self.http_url)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                raise ServerError(
+                    f"tritonserver {self.name} exited with {self.process.returncode}; "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
+            if self.is_ready():
+                return
+            time.sleep(0.2)
+        self.stop()
+        raise ServerError(
+            f"tritonserver {self.name} not ready after {timeout_s:.0f} s; "
+            f"log {self.log_path}:\n{self.log_tail()}"
+        )
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        if self.process is not None:
+            stop_process(self.process.pid, timeout_s)
+            self.process.wait(timeout=5)
+        clean_shm(self.shm_prefix)
+
+
+def is_ready(http_url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{http_url}/v2/health/ready", timeout=2) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def stop_process(pid: int, timeout_s: float = 15.0) -> None:
+    """SIGTERM, then SIGKILL after ``timeout_s``; the stubs exit with the server."""
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return
+        time.sleep(0.1)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+
+
+def _alive(pid: int) -> bool:
+    try:
+        # A child we started is a zombie until reaped; waitpid reaps it here.
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return False
+    except ChildProcessError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def clean_shm(prefix: str) -> None:
+    """Remove the Python backend's shared-memory regions a killed node leaves behind."""
+    for path in SHM_DIR.glob(f"{prefix}*"):
+        path.unlink(missing_ok=True)

@@ -1,0 +1,235 @@
+"""The torch engine: one pipeline stage of a GPT-2, OPT or Llama model, CPU or CUDA.
+
+Prefill packs the batch's prompts into one ``[sum T_i, hidden]`` tensor for the
+linear layers and runs causal attention per prompt. Decode runs all sequences
+in one step, attending over each sequence's own slot with a length mask.
+Both run under ``no_grad`` rather than ``inference_mode``, so callers may
+still write into the tensors they get back (transports, swapping).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from orchestrator.engine.base import LayerHook, StageSpec
+from orchestrator.engine.config import ModelConfig
+from orchestrator.engine.layers import ACTIVATIONS, apply_rope, norm, rope_table
+from orchestrator.engine.weights import Params, StageWeights, load_stage_weights
+from orchestrator.kv.layout import DTYPES, KVCache
+
+# (q, k, v) of one layer, each [N, heads, head_dim] -> attention output [N, heads * head_dim]
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class TorchEngine:
+    def __init__(
+        self,
+        config: ModelConfig,
+        stage: StageSpec,
+        weights: StageWeights,
+        device: torch.device,
+        dtype: str,
+        max_seq_len: int,
+    ):
+        if config.activation not in ACTIVATIONS:
+            raise ValueError(f"unsupported activation {config.activation!r}")
+        self.config, self.stage, self.weights = config, stage, weights
+        self.device, self.dtype = device, DTYPES[dtype]
+        self.kv_layout = config.kv_layout(stage, max_seq_len, dtype)
+        self.hidden_size, self.vocab_size = config.hidden_size, config.vocab_size
+        self.act = ACTIVATIONS[config.activation]
+        self.rope = (
+            rope_table(config.rope_theta, config.head_dim, max_seq_len, device)
+            if config.rope_theta is not None
+            else None
+        )
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.kv_layout.max_seq_len
+
+    def new_cache(self) -> KVCache:
+        return KVCache.empty(self.kv_layout, self.device)
+
+    @torch.no_grad()
+    def prefill(
+        self,
+        inputs: Sequence[torch.Tensor],
+        caches: Sequence[KVCache],
+        on_layer: LayerHook | None = None,
+    ) -> list[torch.Tensor]:
+        self._check_caches(caches, len(inputs))
+        lengths = [len(x) for x in inputs]
+        for i, (x, cache) in enumerate(zip(inputs, caches, strict=True)):
+            self._check_input(x, f"prompt {i}")
+            if not 0 < len(x) <= self.max_seq_len:
+                raise ValueError(f"prompt {i} has {len(x)} tokens; need 1..{self.max_seq_len}")
+            if cache.length:
+                raise ValueError(f"prefill needs an empty cache; cache {i} holds {cache.length}")
+        for cache, n in zip(caches, lengths, strict=True):
+            cache.length = n  # before the layers, so ``on_layer`` sees how much each layer holds
+        positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])
+        x = self._stage_input(torch.cat([x.to(self.device) for x in inputs]), positions)
+
+        for i, w in enumerate(self.weights.layers):
+            layer = self.stage.first_layer + i
+            x = self._block(x, w, positions, self._prefill_attend(layer, caches, lengths))
+            if on_layer is not None:
+                on_layer(layer, caches)
+
+        if not self.stage.is_last:
+            return list(x.split(lengths))
+        last_rows = torch.tensor(lengths, device=self.device).cumsum(0) - 1
+        return list(self._logits(x[last_rows]))
+
+    @torch.no_grad()
+    def decode(self, inputs: torch.Tensor, caches: Sequence[KVCache]) -> torch.Tensor:
+        self._check_caches(caches, len(inputs))
+        self._check_input(inputs, "decode input")
+        for i, cache in enumerate(caches):
+            if cache.length >= self.max_seq_len:
+                raise ValueError(f"cache {i} is full ({self.max_seq_len} positions)")
+        positions = torch.tensor([c.length for c in caches], device=self.device)
+        x = self._stage_input(inputs.to(self.device), positions)
+        for i, w in enumerate(self.weights.layers):
+            layer = self.stage.first_layer + i
+            x = self._block(x, w, positions, self._decode_attend(layer, caches, positions))
+        for cache in caches:
+            cache.length += 1
+        return self._logits(x) if self.stage.is_last else x
+
+    # -- the model ---------------------------------------------------------
+
+    def _stage_input(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Embed ids on the first stage; later stages receive hidden states."""
+        if not self.stage.is_first:
+            return x.to(self.dtype)
+        h = F.embedding(x, self.weights.embed)
+        if self.weights.pos is not None:
+            h = h + F.embedding(positions + self.config.position_offset, self.weights.pos)
+        return h
+
+    def _block(self, x: torch.Tensor, w: Params, positions: torch.Tensor, attend: Attend):
+        cfg = self.config
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        h = norm(x, w["norm1.weight"], w.get("norm1.bias"), cfg.norm, cfg.norm_eps)
+        q, k, v = F.linear(h, w["qkv.weight"], w.get("qkv.bias")).split(
+            [q_size, kv_size, kv_size], dim=-1
+        )
+        q = q.view(-1, cfg.num_heads, cfg.head_dim)
+        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        if self.rope is not None:
+            cos, sin = self.rope[0][positions], self.rope[1][positions]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        x = x + F.linear(attend(q, k, v), w["o.weight"], w.get("o.bias"))
+
+        h = norm(x, w["norm2.weight"], w.get("norm2.bias"), cfg.norm, cfg.norm_eps)
+        if cfg.gated_mlp:
+            h = self.act(F.linear(h, w["gate.weight"])) * F.linear(h, w["up.weight"])
+        else:
+            h = self.act(F.linear(h, w["up.weight"], w.get("up.bias")))
+        return x + F.linear(h, w["down.weight"], w.get("down.bias"))
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        final = self.weights.final_norm
+        x = norm(x, final["weight"], final.get("bias"), self.config.norm, self.config.norm_eps)
+        return F.linear(x, self.weights.lm_head).float()
+
+    # -- attention over the KV slots ---------------------------------------
+
+    def _prefill_attend(self, layer: int, caches: Sequence[KVCache], lengths: list[int]) -> Attend:
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            outs = []
+            for cache, q_i, k_i, v_i in zip(
+                caches, q.split(lengths), k.split(lengths), v.split(lengths), strict=True
+            ):
+                slot, n = cache.layer(layer), len(q_i)
+                # [T, heads, dim] -> [heads, T, dim], the slot's order
+                q_i, k_i, v_i = q_i.transpose(0, 1), k_i.transpose(0, 1), v_i.transpose(0, 1)
+                slot[0, :, :n] = k_i
+                slot[1, :, :n] = v_i
+                out = F.scaled_dot_product_attention(
+                    q_i[None], k_i[None], v_i[None], is_causal=True, enable_gqa=True
+                )
+                outs.append(out[0].transpose(0, 1).reshape(n, -1))
+            return torch.cat(outs)
+
+        return attend
+
+    def _decode_attend(
+        self, layer: int, caches: Sequence[KVCache], positions: torch.Tensor
+    ) -> Attend:
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            for b, cache in enumerate(caches):
+                slot, pos = cache.layer(layer), cache.length
+                slot[0, :, pos] = k[b]
+                slot[1, :, pos] = v[b]
+            span = max(c.length for c in caches) + 1
+            kv = torch.stack([c.layer(layer)[:, :, :span] for c in caches])  # [B, 2, kvh, L, d]
+            # Each sequence sees its own positions only: [B, 1, 1, L]
+            mask = torch.arange(span, device=self.device)[None, :] <= positions[:, None]
+            out = F.scaled_dot_product_attention(
+                q[:, :, None], kv[:, 0], kv[:, 1], attn_mask=mask[:, None, None], enable_gqa=True
+            )
+            return out.reshape(len(caches), -1)
+
+        return attend
+
+    # -- input checks -------------------------------------------------------
+
+    def _check_caches(self, caches: Sequence[KVCache], count: int) -> None:
+        if count == 0:
+            raise ValueError("empty batch")
+        if len(caches) != count:
+            raise ValueError(f"{count} inputs but {len(caches)} caches")
+        for i, cache in enumerate(caches):
+            if cache.layout != self.kv_layout:
+                raise ValueError(f"cache {i} has layout {cache.layout}, want {self.kv_layout}")
+
+    def _check_input(self, x: torch.Tensor, what: str) -> None:
+        """Ids ``[N]`` on the first stage, hidden states ``[N, hidden]`` elsewhere."""
+        if self.stage.is_first:
+            if x.dim() != 1 or x.dtype.is_floating_point:
+                raise ValueError(
+                    f"{what}: first stage takes 1-D token ids, got {x.dtype} {tuple(x.shape)}"
+                )
+            if len(x) and not 0 <= int(x.min()) <= int(x.max()) < self.vocab_size:
+                raise ValueError(f"{what}: token id out of range [0, {self.vocab_size})")
+        elif x.dim() != 2 or x.shape[1] != self.hidden_size:
+            raise ValueError(
+                f"{what}: stage takes [T, {self.hidden_size}] hidden states, got {tuple(x.shape)}"
+            )
+
+
+def load_engine(
+    model_dir: str | Path,
+    stage: StageSpec | None = None,
+    device: str | torch.device = "cpu",
+    dtype: str | None = None,
+    max_seq_len: int | None = None,
+) -> TorchEngine:
+    """Load one stage (default: the whole model) from a local HF checkpoint folder.
+
+    ``dtype`` defaults to float32 on CPU and to the checkpoint's dtype elsewhere;
+    ``max_seq_len`` (the KV slot size) to the model's maximum positions.
+    """
+    config = ModelConfig.from_dir(model_dir)
+    stage = stage or StageSpec.whole(config.num_layers)
+    if stage.num_layers != config.num_layers:
+        raise ValueError(f"stage {stage} does not fit a {config.num_layers}-layer model")
+    device = torch.device(device)
+    dtype = dtype or ("float32" if device.type == "cpu" else config.dtype)
+    if dtype not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)}")
+    max_seq_len = max_seq_len or config.max_positions
+    if config.rope_theta is None and max_seq_len > config.max_positions:
+        raise ValueError(
+            f"max_seq_len {max_seq_len} exceeds the model's {config.max_positions} positions"
+        )
+    weights = load_stage_weights(model_dir, config, stage, device, DTYPES[dtype])
+    return TorchEngine(config, stage, weights, device, dtype, max_seq_len)

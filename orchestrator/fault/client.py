@@ -1,0 +1,173 @@
+"""The node side of the controller: registration, a heartbeat thread, acks, recovery plans.
+
+Nothing on the serving path waits for the controller: ``ack`` only records the
+step, and the heartbeat thread sends the acks recorded since its last beat.
+When the controller is unreachable the node keeps serving and keeps its acks;
+failures in that window go undetected until the controller returns. A
+restarted controller knows nobody: on its first ``NOT_FOUND`` the client
+registers again and re-sends every ack it holds, which rebuilds the state.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+import grpc
+
+from orchestrator.fault.rpc import Stub
+
+log = logging.getLogger("dejavu.fault.client")
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    pipeline: str
+    stage: int
+    depth: int
+    role: str = "token"
+    address: str = ""  # where peers reach the node's service (Triton URL)
+    transport: str = ""  # replication transport metadata (base64)
+
+
+class ControllerClient:
+    def __init__(
+        self,
+        controller: str,
+        spec: NodeSpec,
+        heartbeat_s: float = 0.2,
+        rpc_timeout_s: float = 1.0,
+        node_id: str | None = None,
+    ) -> None:
+        if heartbeat_s <= 0 or rpc_timeout_s <= 0:
+            raise ValueError("heartbeat_s and rpc_timeout_s must be > 0")
+        self.spec = spec
+        self.node_id = node_id or f"{spec.pipeline}/{spec.stage}/{uuid.uuid4().hex[:8]}"
+        self.heartbeat_s, self.rpc_timeout_s = heartbeat_s, rpc_timeout_s
+        self.epoch, self.state = 0, "unknown"  # of the pipeline, as of the last beat
+        self.connected = False
+        self.fenced = threading.Event()  # the controller declared this node dead
+        self._stub = Stub(controller)
+        self._registered = False
+        self._warned = False  # "unreachable" logged since the last contact
+        self._acks: dict[tuple[int, int], int] = {}  # (source stage, microbatch) -> step
+        self._unsent: set[tuple[int, int]] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"heartbeat-{self.node_id}",
+                                        daemon=True)
+
+    def start(self) -> ControllerClient:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop beating (a crash looks the same to the controller) and close the channel."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=timeout_s)
+        self._stub.close()
+
+    # -- the serving path --------------------------------------------------
+
+    def ack(self, source_stage: int, microbatch: int, step: int) -> None:
+        """This node holds ``source_stage``'s KV of ``microbatch`` through ``step``."""
+        key = (source_stage, microbatch)
+        with self._lock:
+            if step > self._acks.get(key, -1):
+                self._acks[key] = step
+                self._unsent.add(key)
+
+    def wait_for_recovery_plan(self, after_epoch: int, timeout_s: float,
+                               poll_s: float = 0.02) -> dict:
+        """Block until the controller has a plan newer than ``after_epoch``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                reply = self._call("Plan", {"pipeline": self.spec.pipeline,
+                                            "after_epoch": after_epoch})
+                if reply["plan"] is not None:
+                    return reply["plan"]
+            except grpc.RpcError as e:
+                log.debug("plan poll failed: %s", e.code())
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"no recovery plan for pipeline {self.spec.pipeline!r} after epoch "
+                    f"{after_epoch} within {timeout_s} s"
+                )
+            time.sleep(poll_s)
+
+    def recovered(self, epoch: int) -> None:
+        self._flush_acks()  # the restored replicas' acks first: the next plan relies on them
+        reply = self._call("Recovered", {"node_id": self.node_id, "epoch": epoch})
+        self.epoch, self.state = reply["epoch"], reply["state"]
+
+    def status(self) -> dict:
+        return self._call("Status", {})
+
+    # -- the heartbeat thread -------------------------------------------------
+
+    def _call(self, method: str, request: dict) -> dict:
+        return self._stub.call(method, request, self.rpc_timeout_s)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._beat()
+            self._stop.wait(self.heartbeat_s)
+
+    def _beat(self) -> None:
+        try:
+            if not self._registered:
+                self._register()
+            reply = self._call("Heartbeat", {"node_id": self.node_id})
+            self.epoch, self.state = reply["epoch"], reply["state"]
+            self._flush_acks()
+            if not self.connected:
+                log.info("%s: connected to the controller", self.node_id)
+            self.connected, self._warned = True, False
+        except grpc.RpcError as e:
+            code = e.code()
+            if code == grpc.StatusCode.NOT_FOUND:
+                log.warning("%s: the controller forgot this node (restarted); re-registering",
+                            self.node_id)
+                self._registered = False
+            elif code == grpc.StatusCode.ALREADY_EXISTS:
+                # A spare waiting for the controller to declare the old holder dead.
+                log.debug("%s: %s; retrying", self.node_id, e.details())
+            elif code == grpc.StatusCode.FAILED_PRECONDITION:
+                log.error("%s: the controller declared this node dead", self.node_id)
+                self.fenced.set()
+                self._stop.set()
+            elif self.connected or not self._warned:
+                log.warning("%s: controller unreachable (%s); serving goes on, failures "
+                            "go undetected until it returns", self.node_id, code)
+                self._warned = True
+            self.connected = False
+
+    def _register(self) -> None:
+        spec = self.spec
+        reply = self._call("Register", {
+            "node_id": self.node_id, "role": spec.role, "pipeline": spec.pipeline,
+            "stage": spec.stage, "depth": spec.depth, "address": spec.address,
+            "transport": spec.transport,
+        })
+        self.epoch, self.state = reply["epoch"], reply["state"]
+        self._registered = True
+        with self._lock:
+            self._unsent = set(self._acks)  # a new controller has none of them
+
+    def _flush_acks(self) -> None:
+        with self._lock:
+            batch = [[s, j, self._acks[(s, j)]] for (s, j) in sorted(self._unsent)]
+            self._unsent.clear()
+        if not batch:
+            return
+        try:
+            self._call("Ack", {"node_id": self.node_id, "acks": batch})
+        except grpc.RpcError:
+            with self._lock:  # keep them for the next beat
+                self._unsent.update((s, j) for s, j, _ in batch)
+            raise

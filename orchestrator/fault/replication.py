@@ -1,0 +1,212 @@
+"""KV replicas on the next stage: stage x streams its KV to stage (x+1)%D's host memory.
+
+Built from the KV library, nothing re-implemented: the holder's
+:class:`ReplicaStore` is a :class:`~orchestrator.kv.connector.KVReceiver` pool
+(one slot per replicated request); a request's existing KV (its prompt, or a
+whole cache during recovery) goes over :class:`~orchestrator.kv.connector.KVSender`
+layer by layer, and each token step's delta over the buffered
+:class:`~orchestrator.kv.delta.DeltaStreamer`, in the background while the next
+step computes.
+
+Acks: the *source* acks ``(x, j, t)`` once the streamer reports every delta
+submitted up to step t landed. A one-sided WRITE that completes at the
+initiator has put the bytes in the holder's memory (NIXL/UCX semantics), so the
+holder need not watch each delta. An ack that is late or lost only makes
+recovery redo more steps, never fewer.
+
+The holder's side crosses nodes through :class:`ReplicaPeer` (``open`` a slot
+and get a ticket, ``free`` it); in one process it is the store itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from orchestrator.kv.connector import KVReceiver, KVSender
+from orchestrator.kv.delta import DeltaStreamer
+from orchestrator.kv.errors import KVTransferError
+from orchestrator.kv.layout import KVCache, KVLayout
+from orchestrator.kv.transport.base import Transport
+
+log = logging.getLogger("dejavu.fault.replication")
+
+AckFn = Callable[[int, int, int], None]  # (source stage, microbatch, step)
+
+
+class ReplicaPeer(Protocol):
+    """The holder as the source sees it."""
+
+    def open(self, request_id: str, length: int) -> bytes:
+        """Reserve a replica slot; the ticket the source writes ``length`` positions with."""
+        ...
+
+    def free(self, request_id: str) -> None: ...
+
+
+class ReplicaStore:
+    """Holder side: replicas of one source stage's KV in registered host memory."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        source_layout: KVLayout,
+        num_slots: int,
+        secret: bytes,
+        timeout_s: float = 10.0,
+    ) -> None:
+        self.layout = source_layout
+        self.receiver = KVReceiver(transport, source_layout, num_slots, secret, timeout_s)
+        self._held: set[str] = set()
+        self._lock = threading.Lock()
+
+    def open(self, request_id: str, length: int) -> bytes:
+        with self._lock:
+            if request_id in self._held:  # re-seeded after a recovery: start over
+                self.receiver.release(request_id)
+            ticket = self.receiver.reserve(request_id, length)
+            self._held.add(request_id)
+            return ticket
+
+    def free(self, request_id: str) -> None:
+        with self._lock:
+            self._held.discard(request_id)
+            self.receiver.release(request_id)
+
+    def replica(self, request_id: str, length: int) -> KVCache:
+        """The replica as a cache view, its first ``length`` positions valid."""
+        cache, _ = self.receiver.wait(request_id)
+        if length > self.layout.max_seq_len:
+            raise ValueError(f"replica length {length} > max_seq_len {self.layout.max_seq_len}")
+        return KVCache(self.layout, cache.data, length)
+
+    @property
+    def held(self) -> list[str]:
+        with self._lock:
+            return sorted(self._held)
+
+    def held_bytes(self) -> int:
+        return len(self.held) * self.layout.slot_bytes()
+
+
+def send_cache(sender: KVSender, request_id: str, cache: KVCache, ticket: bytes,
+               timeout_s: float) -> None:
+    """Send ``cache``'s first ``cache.length`` positions, layer by layer, to ``ticket``."""
+    handle = sender.start(request_id, [ticket])
+    first = cache.layout.first_layer
+    for layer in range(first, first + cache.layout.num_layers):
+        sender.save_layer(handle, layer, cache)
+    sender.finish(handle)
+    sender.wait_for_save(handle, timeout_s)
+
+
+class Replicator:
+    """Source side: replicates one stage's requests to its holder and acks each step.
+
+    The stage calls :meth:`step` after computing step t of microbatch j, and
+    :meth:`remove` when a request ends. A request ``step`` has not seen yet is
+    replicated whole first (its prompt; after a recovery, everything so far).
+    If the holder fails, replication stops (logged) until a recovery builds a
+    new ``Replicator``: the controller learns of the failure from heartbeats.
+    """
+
+    def __init__(
+        self,
+        stage: int,
+        transport: Transport,
+        layout: KVLayout,
+        secret: bytes,
+        holder: ReplicaPeer,
+        ack: AckFn,
+        max_batch: int,
+        timeout_s: float = 10.0,
+    ) -> None:
+        self.stage, self.holder, self._ack, self.timeout_s = stage, holder, ack, timeout_s
+        self.sender = KVSender(transport, layout, secret)
+        self.streamer = DeltaStreamer(transport, layout, secret, max_batch, timeout_s=timeout_s)
+        self.error: KVTransferError | None = None
+        self._attached: set[str] = set()
+        self._steps: queue.Queue[tuple[int, int] | threading.Event | None] = queue.Queue()
+        self._acker = threading.Thread(target=self._ack_landed, name=f"acks-{stage}", daemon=True)
+        self._acker.start()
+
+    def step(self, microbatch: int, step: int, request_ids: Sequence[str],
+             caches: Sequence[KVCache]) -> None:
+        """Replicate what step ``step`` of ``microbatch`` wrote; ack once it landed."""
+        if self.error is not None:
+            return
+        try:
+            old = [(rid, c) for rid, c in zip(request_ids, caches, strict=True)
+                   if rid in self._attached]
+            self.seed([r for r in request_ids if r not in self._attached],
+                      [c for r, c in zip(request_ids, caches, strict=True)
+                       if r not in self._attached])
+            if old:
+                ids, held = zip(*old, strict=True)
+                self.streamer.submit(ids, held, [c.length - 1 for c in held])
+        except KVTransferError as error:
+            self._broken(error)
+            return
+        self._steps.put((microbatch, step))
+
+    def seed(self, request_ids: Sequence[str], caches: Sequence[KVCache]) -> None:
+        """Replicate these requests' KV so far, whole (a prompt, or recovery step 2)."""
+        for rid, cache in zip(request_ids, caches, strict=True):
+            ticket = self.holder.open(rid, cache.length)
+            send_cache(self.sender, rid, cache, ticket, self.timeout_s)
+            self.streamer.add_target(rid, ticket)
+            self._attached.add(rid)
+
+    def remove(self, request_id: str) -> None:
+        """The request ended: stop streaming it and free its replica."""
+        if request_id not in self._attached:
+            return
+        self._attached.discard(request_id)
+        self.streamer.remove_target(request_id)
+        if self.error is None:
+            try:
+                self.holder.free(request_id)
+            except Exception as error:  # a dead holder frees everything anyway
+                log.warning("stage %d: freeing replica of %s failed: %s", self.stage,
+                            request_id, error)
+
+    def flush(self) -> None:
+        """Wait until every step so far has landed and been acked (tests, shutdown)."""
+        done = threading.Event()
+        self._steps.put(done)
+        if not done.wait(self.timeout_s):
+            raise TimeoutError(f"stage {self.stage}: replication not flushed in {self.timeout_s}s")
+        if self.error is not None:
+            raise self.error
+
+    def close(self) -> None:
+        self._steps.put(None)
+        self._acker.join(timeout=self.timeout_s)
+        self.streamer.close()
+
+    def _broken(self, error: KVTransferError) -> None:
+        if self.error is None:
+            log.warning("stage %d: replication to its holder failed, stopped: %s",
+                        self.stage, error)
+        self.error = error
+
+    def _ack_landed(self) -> None:
+        """Flush the streamer, then ack every step queued before the flush began."""
+        while (item := self._steps.get()) is not None:
+            batch = [item]
+            while not self._steps.empty():
+                batch.append(self._steps.get())
+            try:
+                self.streamer.flush(self.timeout_s)
+            except KVTransferError as error:
+                self._broken(error)
+            for entry in batch:
+                if entry is None:
+                    return
+                if isinstance(entry, threading.Event):
+                    entry.set()
+                elif self.error is None:
+                    self._ack(self.stage, *entry)

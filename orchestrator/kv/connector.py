@@ -1,0 +1,570 @@
+"""The API prefill (P) and decode (T) nodes call to move a prompt's KV cache.
+
+Decode node (owns a registered pool of KV slots in host memory)::
+
+    receiver = KVReceiver(transport, layout, num_slots, secret)
+    ticket = receiver.reserve(request_id, prompt_len)   # bytes; send to the P node(s)
+    cache, extra = receiver.wait(request_id)            # KVCache view of the slot, sender's extra
+    ...decode with ``cache``...
+    receiver.release(request_id)                        # also after an error or a cancel
+
+Prefill node (one ticket per token stage; layers are routed to the stage that holds them)::
+
+    sender = KVSender(transport, layout, secret)
+    handle = sender.start(request_id, tickets)
+    engine.prefill(..., on_layer=lambda l, caches: sender.save_layer(handle, l, caches[i]))
+    sender.finish(handle, extra=first_token_bytes)
+    sender.wait_for_save(handle, timeout_s=10)          # raises KVTransferError naming the peer
+
+How it moves: ``save_layer`` packs the prompt positions of one layer into a
+registered staging block and posts one WRITE of it into the receiver's slot
+(scattered over the slot's strided runs); the block's checked header
+(:mod:`orchestrator.kv.wire`) rides in the transfer's notification, so the
+receiver validates each layer after its bytes have landed. ``finish`` tells
+every token stage that this prompt stage is done; a receiver is complete once
+all of its layers arrived and the last prompt stage (the one holding the
+model's last layer, which produced ``extra``) has finished. Nothing is trusted
+until its header verifies: a failed or timed-out request never returns a cache.
+
+States (:class:`KVPoll`): receiver WAITING -> TRANSFERRING -> SUCCESS | FAILED;
+sender BOOTSTRAPPING -> TRANSFERRING -> SUCCESS | FAILED.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from orchestrator.kv.errors import KVTransferError
+from orchestrator.kv.layout import KVCache, KVLayout
+from orchestrator.kv.primitives import kv_spans, pack, pair_spans, region_view, routes
+from orchestrator.kv.transport.base import KVPoll, Region, TransferHandle, Transport
+from orchestrator.kv.wire import (
+    BlockHeader,
+    BlockKind,
+    Ticket,
+    check_payload,
+    check_shape,
+    crc32_of,
+    decode_header,
+    encode_header,
+    peek_request_id,
+)
+
+log = logging.getLogger(__name__)
+
+
+def _pieces(cache: KVCache, layers: range, positions: range) -> list[torch.Tensor]:
+    """The contiguous runs of a KV region, in wire (and CRC) order."""
+    view = region_view(cache, layers, positions)
+    return [
+        view[i, kv, h]
+        for i in range(len(layers))
+        for kv in range(2)
+        for h in range(cache.layout.num_kv_heads)
+    ]
+
+
+def _sleep(waited_s: float) -> None:
+    """Poll back-off: sub-millisecond at first, at most 2 ms."""
+    time.sleep(min(0.002, 0.0001 + waited_s / 100))
+
+
+@dataclass
+class _Incoming:
+    slot: int
+    prompt_len: int
+    missing: set[int]
+    state: KVPoll = KVPoll.WAITING
+    length: int = 0  # filled positions: prompt_len on success, +1 per accepted delta
+    extra: bytes | None = None
+    error: KVTransferError | None = None
+    heard_from: dict[str, float] = field(default_factory=dict)  # peer -> last message time
+
+
+class KVReceiver:
+    """Decode-side endpoint: a pool of ``num_slots`` registered KV slots."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        layout: KVLayout,
+        num_slots: int,
+        secret: bytes,
+        timeout_s: float = 30.0,
+        checksum: bool = False,
+    ) -> None:
+        if num_slots < 1 or not secret:
+            raise ValueError("need at least one slot and a non-empty secret")
+        self.transport, self.layout, self.secret = transport, layout, secret
+        self.timeout_s, self.checksum = timeout_s, checksum
+        self.pool = torch.zeros((num_slots, *layout.shape), dtype=layout.torch_dtype)
+        self._base = transport.register(self.pool).addr
+        self._metadata = transport.metadata()
+        self._free: deque[int] = deque(range(num_slots))
+        # Slots of failed requests wait out a late writer before reuse.
+        self._quarantine: deque[tuple[float, int]] = deque()
+        self._requests: dict[str, _Incoming] = {}
+        self._lock = threading.RLock()
+
+    def _slot_addr(self, slot: int) -> int:
+        return self._base + slot * self.layout.slot_bytes()
+
+    def _take_slot(self) -> int | None:
+        now = time.monotonic()
+        while self._quarantine and self._quarantine[0][0] <= now:
+            self._free.append(self._quarantine.popleft()[1])
+        return self._free.popleft() if self._free else None
+
+    def reserve(self, request_id: str, prompt_len: int) -> bytes:
+        """Take a slot for ``request_id``; returns the ticket the prefill node writes with."""
+        if not 0 < prompt_len <= self.layout.max_seq_len:
+            raise ValueError(f"prompt_len {prompt_len} not in [1, {self.layout.max_seq_len}]")
+        with self._lock:
+            if request_id in self._requests:
+                raise ValueError(f"request {request_id!r} already holds a slot")
+            slot = self._take_slot()
+            if slot is None:
+                raise RuntimeError(f"no free KV slot ({len(self.pool)} in use)")
+            first = self.layout.first_layer
+            self._requests[request_id] = _Incoming(
+                slot, prompt_len, set(range(first, first + self.layout.num_layers))
+            )
+        ticket = Ticket(
+            request_id,
+            self.transport.name,
+            self._metadata,
+            self._slot_addr(slot),
+            self.layout,
+            prompt_len,
+            self.checksum,
+        )
+        return ticket.encode(self.secret)
+
+    def poll(self, request_id: str) -> KVPoll:
+        with self._lock:
+            self._progress()
+            return self._get(request_id).state
+
+    def wait(self, request_id: str, timeout_s: float | None = None) -> tuple[KVCache, bytes]:
+        """Block until the request's KV is complete; the cache is a view of its slot."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        start = time.monotonic()
+        while True:
+            with self._lock:
+                self._progress()
+                incoming = self._get(request_id)
+                if incoming.state == KVPoll.SUCCESS:
+                    assert incoming.extra is not None
+                    return self._cache(incoming), incoming.extra
+                if incoming.state == KVPoll.FAILED:
+                    assert incoming.error is not None
+                    raise incoming.error
+                waited = time.monotonic() - start
+                if waited > timeout_s:
+                    self._fail(request_id, self._timeout_error(request_id, incoming, waited))
+                    continue
+            _sleep(waited)
+
+    def cache(self, request_id: str) -> KVCache:
+        """The slot as it stands now, including token-step deltas streamed into it."""
+        with self._lock:
+            self._progress()
+            incoming = self._get(request_id)
+            if incoming.state != KVPoll.SUCCESS:
+                raise RuntimeError(f"request {request_id!r} is {incoming.state.name}, not ready")
+            return self._cache(incoming)
+
+    def _cache(self, incoming: _Incoming) -> KVCache:
+        return KVCache(self.layout, self.pool[incoming.slot], incoming.length)
+
+    def release(self, request_id: str) -> None:
+        """Free the request's slot (after use, an error or a cancel)."""
+        with self._lock:
+            incoming = self._requests.pop(request_id, None)
+            if incoming is None:
+                return
+            if incoming.state == KVPoll.SUCCESS:
+                self._free.append(incoming.slot)
+            else:  # a sender may still be writing into it
+                self._quarantine.append((time.monotonic() + self.timeout_s, incoming.slot))
+
+    def close(self) -> None:
+        """Unregister the pool; outstanding requests are dropped."""
+        self.transport.deregister(self.pool)
+        self._requests.clear()
+
+    def _get(self, request_id: str) -> _Incoming:
+        try:
+            return self._requests[request_id]
+        except KeyError:
+            raise KeyError(f"request {request_id!r} holds no slot on this node") from None
+
+    def _timeout_error(self, rid: str, incoming: _Incoming, waited: float) -> KVTransferError:
+        missing = sorted(incoming.missing)
+        want = f"layers {missing}" if missing else "the last prompt stage's finish"
+        if not incoming.heard_from:
+            return KVTransferError(
+                "<no sender>",
+                f"timed out after {waited:.1f}s: nothing received, waiting for {want}",
+                rid,
+            )
+        peer, last = max(incoming.heard_from.items(), key=lambda kv: kv[1])
+        silent = time.monotonic() - last
+        return KVTransferError(
+            peer,
+            f"timed out after {waited:.1f}s waiting for {want}; peer silent for {silent:.1f}s",
+            rid,
+        )
+
+    def _fail(self, request_id: str, error: KVTransferError, force: bool = False) -> None:
+        """Mark a pending request failed (``force``: also one that already succeeded)."""
+        incoming = self._requests.get(request_id)
+        done = (KVPoll.FAILED,) if force else (KVPoll.SUCCESS, KVPoll.FAILED)
+        if incoming is not None and incoming.state not in done:
+            incoming.state, incoming.error = KVPoll.FAILED, error
+            log.warning("%s", error)
+
+    def _progress(self) -> None:
+        for peer, message in self.transport.drain_notifications():
+            try:
+                header = decode_header(message, self.secret, peer)
+            except KVTransferError as error:
+                # Unauthenticated: only ever fails the request it names, never fills it.
+                self._fail(peek_request_id(message) or "", error)
+                continue
+            if header.kind == BlockKind.DELTA:
+                self._accept_delta(peer, header)
+                continue
+            incoming = self._requests.get(header.request_id)
+            if incoming is None or incoming.state in (KVPoll.SUCCESS, KVPoll.FAILED):
+                log.debug(
+                    "dropping a block of inactive request %r from %s", header.request_id, peer
+                )
+                continue
+            incoming.heard_from[peer] = time.monotonic()
+            try:
+                self._accept(peer, header, incoming)
+            except KVTransferError as error:
+                self._fail(header.request_id, error)
+
+    def _accept(self, peer: str, header: BlockHeader, incoming: _Incoming) -> None:
+        rid = header.request_id
+        if header.kind == BlockKind.FINISH:
+            if header.first_layer + header.num_layers == header.total_layers:
+                incoming.extra = header.extra
+        elif header.kind == BlockKind.LAYERS:
+            check_shape(header, self.layout, peer)
+            if header.seq_len != incoming.prompt_len:
+                raise KVTransferError(
+                    peer,
+                    f"sequence length mismatch: block has "
+                    f"{header.seq_len}, reserved {incoming.prompt_len}",
+                    rid,
+                )
+            layers = header.layer_range
+            if not incoming.missing.issuperset(layers):
+                raise KVTransferError(peer, f"layers {list(layers)} received twice", rid)
+            expected = len(layers) * incoming.prompt_len * self.layout.token_bytes_per_layer()
+            check_payload(header, expected, peer)
+            self._check_crc(peer, header, incoming, layers)
+            incoming.missing.difference_update(layers)
+            incoming.state = KVPoll.TRANSFERRING
+        else:
+            raise KVTransferError(peer, f"unexpected {header.kind.name} block", rid)
+        if not incoming.missing and incoming.extra is not None:
+            incoming.state, incoming.length = KVPoll.SUCCESS, incoming.prompt_len
+
+    def _accept_delta(self, peer: str, header: BlockHeader) -> None:
+        """One token step of a batch, already written at each request's next position."""
+        entries = [(str(rid), int(pos)) for rid, pos in json.loads(header.extra)]
+        rids = [rid for rid, _ in entries]
+        try:
+            check_shape(header, self.layout, peer)
+            if header.num_layers != self.layout.num_layers:
+                raise KVTransferError(
+                    peer,
+                    f"delta covers {header.num_layers} layers, "
+                    f"receiver holds {self.layout.num_layers}",
+                    ",".join(rids),
+                )
+            check_payload(header, len(entries) * self.layout.step_bytes(), peer)
+            for rid, position in entries:
+                incoming = self._get(rid)
+                if incoming.state != KVPoll.SUCCESS or position != incoming.length:
+                    raise KVTransferError(
+                        peer,
+                        f"delta for position {position} of a "
+                        f"{incoming.state.name} request holding "
+                        f"{incoming.length} positions",
+                        rid,
+                    )
+            if header.crc32 is not None:
+                every = self.layout.layer_range
+                got = crc32_of(
+                    piece
+                    for rid, position in entries
+                    for piece in _pieces(
+                        self._cache(self._requests[rid]), every, range(position, position + 1)
+                    )
+                )
+                if got != header.crc32:
+                    raise KVTransferError(
+                        peer, f"bad delta checksum: {got:08x} vs {header.crc32:08x}", ",".join(rids)
+                    )
+        except (KVTransferError, KeyError) as error:
+            if not isinstance(error, KVTransferError):
+                error = KVTransferError(peer, str(error), ",".join(rids))
+            for rid in rids:
+                self._fail(rid, error, force=True)
+            return
+        for rid, position in entries:
+            incoming = self._requests[rid]
+            incoming.length = position + 1
+            incoming.heard_from[peer] = time.monotonic()
+
+    def _check_crc(self, peer: str, header: BlockHeader, incoming: _Incoming, layers) -> None:
+        if header.crc32 is None:
+            if self.checksum:
+                raise KVTransferError(
+                    peer, "block carries no checksum; receiver requires one", header.request_id
+                )
+            return
+        cache = KVCache(self.layout, self.pool[incoming.slot], incoming.prompt_len)
+        got = crc32_of(_pieces(cache, layers, range(incoming.prompt_len)))
+        if got != header.crc32:
+            raise KVTransferError(
+                peer,
+                f"bad checksum for layers {list(layers)}: payload CRC32 "
+                f"{got:08x}, header says {header.crc32:08x}",
+                header.request_id,
+            )
+
+
+@dataclass
+class SendHandle:
+    """One request's send state on a prefill node."""
+
+    request_id: str
+    tickets: list[Ticket]
+    owner: dict[int, int]  # global layer -> index of the ticket whose stage holds it
+    prompt_len: int
+    total_layers: int
+    staging: int  # index of this request's staging block
+    transfers: list[TransferHandle] = field(default_factory=list)
+    state: KVPoll = KVPoll.BOOTSTRAPPING
+    finished: bool = False
+    error: KVTransferError | None = None
+
+
+class KVSender:
+    """Prefill-side endpoint; ``max_inflight`` requests may be sending at once."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        layout: KVLayout,
+        secret: bytes,
+        checksum: bool = False,
+        max_inflight: int = 4,
+    ) -> None:
+        if not secret:
+            raise ValueError("need a non-empty secret")
+        self.transport, self.layout, self.secret = transport, layout, secret
+        self.checksum = checksum
+        self.staging = torch.empty((max_inflight, layout.slot_bytes()), dtype=torch.uint8)
+        self._staging_base = transport.register(self.staging).addr
+        self._free_staging = deque(range(max_inflight))
+        self._draining: list[SendHandle] = []  # timed-out handles whose staging is still read
+        self._lock = threading.RLock()
+
+    def start(self, request_id: str, tickets: list[bytes]) -> SendHandle:
+        """Verify the tickets, connect to their nodes and take a staging block."""
+        if not tickets:
+            raise ValueError("need one ticket per token stage")
+        decoded = [Ticket.decode(t, self.secret) for t in tickets]
+        for ticket in decoded:
+            self._check_ticket(request_id, ticket, decoded[0].prompt_len)
+        stage_ranges = [t.layout.layer_range for t in decoded]
+        mine = self.layout.layer_range
+        owner = {layer: r.dst for r in routes([mine], stage_ranges) for layer in r.layers}
+        nodes = ",".join(t.node for t in decoded)
+        if sum(map(len, stage_ranges)) != len(set().union(*stage_ranges)):
+            raise KVTransferError(
+                nodes, f"token stages {[list(r) for r in stage_ranges]} overlap", request_id
+            )
+        if len(owner) != len(mine):
+            raise KVTransferError(
+                nodes,
+                f"token stages {[list(r) for r in stage_ranges]} do not hold layers "
+                f"{sorted(set(mine) - set(owner))} of this prompt stage",
+                request_id,
+            )
+        for ticket in decoded:
+            try:
+                self.transport.add_peer(ticket.node, ticket.metadata)
+            except Exception as exc:
+                raise KVTransferError(ticket.node, f"cannot connect: {exc}", request_id) from exc
+        with self._lock:
+            self._reclaim_staging()
+            if not self._free_staging:
+                raise KVTransferError(
+                    "<local>",
+                    f"all {len(self.staging)} staging blocks are in flight (raise max_inflight)",
+                    request_id,
+                )
+            staging = self._free_staging.popleft()
+        total = max(r.stop for r in stage_ranges)
+        return SendHandle(request_id, decoded, owner, decoded[0].prompt_len, total, staging)
+
+    def _check_ticket(self, request_id: str, ticket: Ticket, prompt_len: int) -> None:
+        theirs, ours = ticket.layout, self.layout
+        for name, got, want in (
+            ("request id", ticket.request_id, request_id),
+            ("KV heads", theirs.num_kv_heads, ours.num_kv_heads),
+            ("head size", theirs.head_dim, ours.head_dim),
+            ("dtype", theirs.dtype, ours.dtype),
+            ("prompt length", ticket.prompt_len, prompt_len),
+        ):
+            if got != want:
+                raise KVTransferError(
+                    ticket.node, f"{name} mismatch: ticket has {got}, sender {want}", request_id
+                )
+        if ticket.prompt_len > ours.max_seq_len:
+            raise KVTransferError(
+                ticket.node,
+                f"prompt length {ticket.prompt_len} exceeds the "
+                f"sender's max_seq_len {ours.max_seq_len}",
+                request_id,
+            )
+
+    def save_layer(self, handle: SendHandle, global_layer: int, cache: KVCache) -> None:
+        """Post layer ``global_layer``'s prompt KV; never blocks, errors surface at wait."""
+        if handle.error is not None or handle.finished:
+            return
+        ticket_index = handle.owner.get(global_layer)
+        if ticket_index is None:
+            raise ValueError(f"layer {global_layer} is not on this prompt stage")
+        ticket = handle.tickets[ticket_index]
+        layers, positions = range(global_layer, global_layer + 1), range(handle.prompt_len)
+        nbytes = handle.prompt_len * self.layout.token_bytes_per_layer()
+        offset = (global_layer - self.layout.first_layer) * nbytes
+        staging = self.staging[handle.staging, offset : offset + nbytes]
+        pack(cache, layers, positions, staging)
+        crc = None
+        if self.checksum or ticket.checksum:
+            crc = crc32_of([staging])
+        header = BlockHeader.for_layout(
+            BlockKind.LAYERS,
+            handle.request_id,
+            self.layout.layers(global_layer, 1),
+            seq_len=handle.prompt_len,
+            payload_bytes=nbytes,
+            crc32=crc,
+        )
+        remote = kv_spans(ticket.layout, ticket.slot_addr, layers, positions)
+        local = self._staging_region(handle, offset, nbytes)
+        transfer = self.transport.write(
+            ticket.node, pair_spans([local], remote), encode_header(header, self.secret)
+        )
+        handle.transfers.append(transfer)
+        handle.state = KVPoll.TRANSFERRING
+        self.poll(handle)
+
+    def _staging_region(self, handle: SendHandle, offset: int, nbytes: int) -> Region:
+        return Region(self._staging_base + handle.staging * self.staging.shape[1] + offset, nbytes)
+
+    def finish(self, handle: SendHandle, extra: bytes = b"") -> None:
+        """Tell every token stage this prompt stage is done; ``extra`` rides along."""
+        if handle.error is not None:
+            return
+        header = BlockHeader.for_layout(
+            BlockKind.FINISH,
+            handle.request_id,
+            self.layout,
+            seq_len=handle.prompt_len,
+            payload_bytes=0,
+            total_layers=handle.total_layers,
+            extra=extra,
+        )
+        message = encode_header(header, self.secret)
+        for ticket in handle.tickets:
+            try:
+                self.transport.notify(ticket.node, message)
+            except ConnectionError as exc:
+                handle.error = KVTransferError(ticket.node, str(exc), handle.request_id)
+                handle.state = KVPoll.FAILED
+                return
+        handle.finished = True
+
+    def poll(self, handle: SendHandle) -> KVPoll:
+        """Progress the posted layers; SUCCESS once all landed and ``finish`` was sent.
+
+        NIXL sends a transfer's notification (the block header) when the
+        initiator observes completion, so every ``save_layer`` and ``poll``
+        also moves the earlier layers' notifications along.
+        """
+        if handle.state in (KVPoll.BOOTSTRAPPING, KVPoll.TRANSFERRING):
+            landed = [self._check(handle, t) for t in handle.transfers]
+            if handle.state != KVPoll.FAILED and handle.finished and all(landed):
+                handle.state = KVPoll.SUCCESS
+        return handle.state
+
+    def _check(self, handle: SendHandle, transfer: TransferHandle) -> bool:
+        """True once ``transfer`` is done; records a failure on the handle."""
+        state = self.transport.poll(transfer)
+        if state == KVPoll.FAILED and handle.error is None:
+            handle.error = KVTransferError(
+                transfer.peer, transfer.error or "failed", handle.request_id
+            )
+            handle.state = KVPoll.FAILED
+        return state == KVPoll.SUCCESS
+
+    def wait_for_save(self, handle: SendHandle, timeout_s: float) -> None:
+        """Block until every posted layer landed and ``finish`` was sent."""
+        start = time.monotonic()
+        try:
+            while True:
+                state = self.poll(handle)
+                if state == KVPoll.FAILED:
+                    assert handle.error is not None
+                    raise handle.error
+                if state == KVPoll.SUCCESS:
+                    return
+                waited = time.monotonic() - start
+                if waited > timeout_s:
+                    pending = [t.peer for t in handle.transfers if t.state != KVPoll.SUCCESS]
+                    why = "finish() was not called" if not handle.finished else "transfers pending"
+                    handle.error = KVTransferError(
+                        ",".join(sorted(set(pending))) or "<local>",
+                        f"timed out after {waited:.1f}s: {why} ({len(pending)} of "
+                        f"{len(handle.transfers)} unfinished)",
+                        handle.request_id,
+                    )
+                    handle.state = KVPoll.FAILED
+                    raise handle.error
+                _sleep(waited)
+        finally:
+            with self._lock:
+                self._draining.append(handle)
+                self._reclaim_staging()
+
+    def close(self) -> None:
+        """Unregister the staging blocks (after every handle's ``wait_for_save``)."""
+        self.transport.deregister(self.staging)
+
+    def _reclaim_staging(self) -> None:
+        """Free staging blocks whose transfers are no longer in flight."""
+        still = []
+        for handle in self._draining:
+            if any(self.transport.poll(t) == KVPoll.TRANSFERRING for t in handle.transfers):
+                still.append(handle)
+            else:
+                self._free_staging.append(handle.staging)
+        self._draining = still

@@ -1,0 +1,14 @@
+"""The one error the KV library raises for a failed or rejected transfer."""
+
+from __future__ import annotations
+
+
+class KVTransferError(RuntimeError):
+    """A transfer failed, timed out or was rejected; says which peer and why."""
+
+    def __init__(self, peer: str, reason: str, request_id: str | None = None) -> None:
+        self.peer = peer
+        self.reason = reason
+        self.request_id = request_id
+        where = f"request {request_id!r}, " if request_id is not None else ""
+        super().__init__(f"KV transfer ({where}peer {peer!r}): {reason}")

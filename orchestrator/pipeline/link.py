@@ -1,0 +1,84 @@
+"""What flows between pipeline stages, and the link it flows over.
+
+Stage ``i`` sends each microbatch step to stage ``i + 1``; the last stage sends
+the step's tokens back to the head. In one process a :class:`QueueLink`
+(bounded, so a slow stage back-pressures the one before it); across Triton
+nodes the same messages go over a transport behind the same two calls.
+"""
+
+from __future__ import annotations
+
+import queue
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from orchestrator.engine.sampling import SamplingParams
+
+
+@dataclass
+class StepMessage:
+    """One microbatch step on its way down the pipeline."""
+
+    microbatch: int
+    step: int
+    seq_ids: list[int]  # rows of ``inputs``: sequences taking a token step
+    inputs: torch.Tensor | None  # [B] token ids (first stage) or [B, hidden]
+    prompt_seq_ids: list[int] = field(default_factory=list)  # colocated: prompts to run
+    prompts: list[torch.Tensor] = field(default_factory=list)  # [T] ids or [T, hidden] each
+    admit: list[int] = field(default_factory=list)  # prompt KV waits in each stage's inbox
+    release: list[int] = field(default_factory=list)  # free these sequences' KV first
+    sampling: dict[int, SamplingParams] = field(default_factory=dict)  # sequences new here
+    error: str | None = None  # an earlier stage failed this step; pass it on
+
+
+@dataclass
+class TokenMessage:
+    """The last stage's answer for one microbatch step."""
+
+    microbatch: int
+    step: int
+    tokens: dict[int, int]  # seq id -> new token
+    error: str | None = None
+
+
+class Shutdown:
+    """Sent through the pipeline to stop every stage in order."""
+
+
+Message = StepMessage | TokenMessage | Shutdown
+
+
+class LinkTimeout(TimeoutError):
+    pass
+
+
+class Link(Protocol):
+    def send(self, message: Message, timeout_s: float) -> None:
+        """Deliver or raise :class:`LinkTimeout`; never blocks past ``timeout_s``."""
+        ...
+
+    def recv(self, timeout_s: float) -> Message | None:
+        """The next message, or ``None`` if none came within ``timeout_s``."""
+        ...
+
+
+class QueueLink:
+    """In-process link: a bounded FIFO between two threads."""
+
+    def __init__(self, capacity: int, name: str = "link") -> None:
+        self.name = name
+        self._queue: queue.Queue[Message] = queue.Queue(maxsize=capacity)
+
+    def send(self, message: Message, timeout_s: float) -> None:
+        try:
+            self._queue.put(message, timeout=timeout_s)
+        except queue.Full:
+            raise LinkTimeout(f"{self.name}: receiver took nothing for {timeout_s} s") from None
+
+    def recv(self, timeout_s: float) -> Message | None:
+        try:
+            return self._queue.get(timeout=timeout_s)
+        except queue.Empty:
+            return None

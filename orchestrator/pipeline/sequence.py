@@ -1,0 +1,92 @@
+"""Per-request state in a token pipeline: what was asked, what came out, why it ended."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from orchestrator.engine.sampling import SamplingParams
+
+# (sequence, new token or None for an ending without one, finished?)
+TokenCallback = Callable[["Sequence", int | None, bool], None]
+
+_ids = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # queued; colocated: prompt not run yet, disaggregated: KV pending
+    READY = "ready"  # disaggregated: prompt KV is on the token stages, first token known
+    RUNNING = "running"  # holds a slot of a microbatch
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    EOS = "eos"
+    LENGTH = "length"  # max_tokens reached
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    eos_id: int | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    on_token: TokenCallback | None = None
+    # Pipeline-internal id: small, unique, used as the key of every stage's KV.
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    # monotonic seconds, for latency
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError(f"request {self.request_id!r}: empty prompt")
+        if self.max_tokens < 1:
+            raise ValueError(f"request {self.request_id!r}: max_tokens must be >= 1, "
+                             f"got {self.max_tokens}")
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def append(self, token: int) -> None:
+        """Record one generated token; ends the sequence on eos or max_tokens (early stop)."""
+        self.output_ids.append(token)
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+        if token == self.eos_id:
+            self.finish_reason = FinishReason.EOS
+        elif len(self.output_ids) >= self.max_tokens:
+            self.finish_reason = FinishReason.LENGTH
+        if self.finish_reason is not None:
+            self.status, self.finish_time = Status.FINISHED, time.monotonic()
+        if self.on_token is not None:
+            self.on_token(self, token, self.is_finished)
+
+    def finish(self, reason: FinishReason, error: str | None = None) -> None:
+        """End without a new token (cancel, error); the callback hears it once."""
+        if self.is_finished:
+            return
+        self.status, self.finish_reason, self.error = Status.FINISHED, reason, error
+        self.finish_time = time.monotonic()
+        if self.on_token is not None:
+            self.on_token(self, None, True)

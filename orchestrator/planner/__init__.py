@@ -1,0 +1,1 @@
+"""Pool sizing (DejaVu planner) and the serving simulators that check it."""

@@ -1,0 +1,245 @@
+"""``dejavu plan`` and ``dejavu simulate``."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from orchestrator.engine.config import ModelConfig
+from orchestrator.planner import workload as wl
+from orchestrator.planner.perf_model import Profile, Workload, profile_from_config, profile_live
+from orchestrator.planner.planner import Plan, plan
+from orchestrator.planner.search import exhaustive
+from orchestrator.planner.simulator import SimResult
+
+GB = 1e9
+
+
+def _plan_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="dejavu plan",
+        description="Profile a model live, size the prompt and token pools, write a cluster spec.",
+    )
+    ap.add_argument("--model", required=True, help="HF model folder")
+    ap.add_argument("--machines", type=int, default=8, help="D, machines available")
+    ap.add_argument("--memory-gb", type=float, default=80.0, help="M, memory per machine (GB)")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--new-tokens", type=int, default=128, help="N, tokens generated per request")
+    ap.add_argument("--batch", type=int, default=8, help="requests per microbatch")
+    ap.add_argument("--dtype", default=None, help="serving dtype for the byte sizes (typed mode)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--reps", type=int, default=5, help="profiling repetitions")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch CPU threads while profiling (more oversubscribe shared cores)")
+    ap.add_argument("--Y", type=float, help="what-if: prompt time (s), skips profiling")
+    ap.add_argument("--t", type=float, help="what-if: token step time (s)")
+    ap.add_argument("--m", type=float, help="what-if: streaming overhead factor")
+    ap.add_argument("--out", type=Path, help="write the cluster spec (JSON) here")
+    return ap
+
+
+def plan_main(argv: list[str]) -> int:
+    ap = _plan_parser()
+    args = ap.parse_args(argv)
+    typed = [args.Y, args.t, args.m]
+    if any(v is not None for v in typed) and None in typed:
+        ap.error("what-if planning needs all of --Y, --t and --m")
+    try:
+        workload = Workload(args.prompt_len, args.new_tokens, args.batch)
+        if args.machines < 1 or args.memory_gb <= 0:
+            raise ValueError("--machines must be >= 1 and --memory-gb positive")
+        memory = args.memory_gb * GB
+        if args.Y is not None:
+            cfg = ModelConfig.from_dir(args.model)
+            profile = profile_from_config(cfg, workload, memory, args.Y, args.t, args.m, args.dtype)
+            m_raw = None
+        else:
+            torch.set_num_threads(args.threads)
+            profile, timings = profile_live(args.model, workload, memory, args.device, args.reps)
+            m_raw = timings.m_raw
+        result = plan(profile, args.machines)
+    except (ValueError, FileNotFoundError) as e:
+        ap.exit(2, f"dejavu plan: error: {e}\n")
+    show_plan(result, m_raw)
+    if args.out:
+        result.write_spec(args.out, args.model)
+        Console().print(f"spec written to {args.out}")
+    return 0
+
+
+def show_plan(result: Plan, m_raw: float | None = None) -> None:
+    p, console = result.profile, Console()
+    table = Table(title="profile", show_header=True)
+    for col in ("symbol", "value", "source"):
+        table.add_column(col)
+    rows = [
+        ("L", f"{p.L}", "config"), ("W0", f"{p.W0 / GB:.6g} GB", "config"),
+        ("C0", f"{p.C0 / GB:.6g} GB", "config"), ("K0", f"{p.K0 / GB:.6g} GB", "config"),
+        ("M", f"{p.M / GB:.6g} GB", "given"), ("N", f"{p.N}", "given"),
+        ("Y", f"{p.Y * 1e3:.3f} ms", p.source.get("Y", "")),
+        ("t", f"{p.t * 1e3:.3f} ms", p.source.get("t", "")),
+        ("m", f"{p.m:.4f}" + (f" (raw {m_raw:.4f})" if m_raw is not None else ""),
+         p.source.get("m", "")),
+    ]
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+    verdict = "disaggregate" if result.inequality_says_disaggregate else "colocate"
+    console.print(
+        f"D={result.machines}  D_p >= {result.min_prompt_depth}  D_t >= {result.min_token_depth}  "
+        f"Y/t = {result.ratio:.3f}  threshold (D-1)/(D(2-m)-1) = {result.threshold:.3f}  "
+        f"-> inequality says {verdict}"
+    )
+    dp, dt = result.real_split
+    console.print(f"real split D_p = {dp:.3f}, D_t = {dt:.3f}; I_c(depth D) = {result.I_c:.4g} s")
+    cands = Table(title="layouts (inverse throughput, s per D microbatches)")
+    cands.add_column("layout")
+    cands.add_column("I", justify="right")
+    for s in result.candidates:
+        cands.add_row(str(s.layout), f"{s.inverse_throughput:.4g}")
+    console.print(cands)
+    console.print(f"[bold]decision: {result.layout}[/bold]")
+
+
+def _simulate_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="dejavu simulate",
+        description="Makespan vs machines for colocated, colocated-DP and disaggregated serving.",
+    )
+    ap.add_argument("--trace", choices=["conv", "code", "synthetic"], default="synthetic")
+    ap.add_argument("--machines", default="2-16", help="a range A-B or a comma list")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--rate", type=float, help="Poisson arrivals per second (default: all at 0)")
+    ap.add_argument("--profile", type=Path, help="a spec written by `dejavu plan` to calibrate")
+    ap.add_argument("--prompt-len", type=int, default=512, help="synthetic prompts")
+    ap.add_argument("--new-tokens", type=int, default=128, help="synthetic N")
+    ap.add_argument("--early-stops", action="store_true", help="synthetic: stop in 1..N")
+    ap.add_argument("--out", type=Path, default=Path("simulate-out"))
+    return ap
+
+
+# What-if calibration when no measured profile is given: a 64-layer model that
+# needs 2 machines per token pipeline, prompts 25x a token step.
+DEFAULT_PROFILE = Profile(
+    L=64, W0=1.6 * GB, C0=0.032 * GB, K0=0.008 * GB, M=80 * GB, Y=0.5, t=0.02, m=1.05,
+    workload=Workload(512, 128, 8),
+    source=dict.fromkeys(("L", "W0", "C0", "K0", "M", "Y", "t", "m"), "default what-if"),
+)
+
+
+def _machine_counts(text: str) -> list[int]:
+    if "-" in text:
+        low, high = (int(x) for x in text.split("-"))
+        counts = list(range(low, high + 1))
+    else:
+        counts = [int(x) for x in text.split(",")]
+    if not counts or min(counts) < 1:
+        raise ValueError(f"bad --machines {text!r}")
+    return counts
+
+
+def _requests(args) -> list[wl.Request]:
+    if args.trace == "synthetic":
+        reqs = wl.synthetic(args.requests, args.prompt_len, args.new_tokens, args.early_stops,
+                            args.seed)
+    else:
+        reqs = [wl.Request(r.id, 0.0, r.prompt_len, r.output_len)
+                for r in wl.sample(wl.load_trace(args.trace), args.requests, args.seed)]
+    return wl.poisson(reqs, args.rate, args.seed) if args.rate else reqs
+
+
+def best_per_policy(profile: Profile, requests: list[wl.Request], machines: int) -> dict:
+    """The shortest makespan each policy reaches with ``machines``: {policy: (layout, result)}."""
+    best: dict[str, tuple] = {}
+    for layout, result in exhaustive(profile, requests, machines).results:
+        best.setdefault(result.policy, (layout, result))
+    return best
+
+
+def simulate_main(argv: list[str]) -> int:
+    ap = _simulate_parser()
+    args = ap.parse_args(argv)
+    try:
+        counts = _machine_counts(args.machines)
+        profile = DEFAULT_PROFILE
+        if args.profile:
+            profile = Profile.from_dict(json.loads(args.profile.read_text())["planner"]["profile"])
+        requests = _requests(args)
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        ap.exit(2, f"dejavu simulate: error: {e}\n")
+    rows = []
+    for machines in counts:
+        try:
+            best = best_per_policy(profile, requests, machines)
+            pick = plan(profile, machines).layout
+        except ValueError as e:  # the model does not fit on this few machines
+            Console().print(f"D={machines}: {e}")
+            continue
+        for policy, (layout, result) in best.items():
+            rows.append(_row(machines, policy, str(layout), result, layout == pick))
+    if not rows:
+        ap.exit(2, "dejavu simulate: error: no machine count fits the model\n")
+    args.out.mkdir(parents=True, exist_ok=True)
+    _write_csv(args.out / "simulate.csv", rows)
+    _plot(args.out / "makespan.png", rows, args.trace)
+    _print_table(rows)
+    Console().print(f"wrote {args.out / 'simulate.csv'} and {args.out / 'makespan.png'}")
+    return 0
+
+
+def _row(machines: int, policy: str, layout: str, r: SimResult, planner_pick: bool) -> dict:
+    return {
+        "machines": machines, "policy": policy, "layout": layout,
+        "makespan_s": r.makespan, "throughput_rps": r.throughput,
+        "ttft_p50": r.ttft.p50, "ttft_p90": r.ttft.p90, "ttft_p99": r.ttft.p99,
+        "tbt_p50": r.tbt.p50, "tbt_p90": r.tbt.p90, "tbt_p99": r.tbt.p99,
+        "machine_seconds": r.machine_seconds, "utilization": r.utilization,
+        "planner_pick": planner_pick,
+    }
+
+
+def _write_csv(path: Path, rows: list[dict]) -> None:
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def _plot(path: Path, rows: list[dict], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for policy in sorted({r["policy"] for r in rows}):
+        pts = [(r["machines"], r["makespan_s"]) for r in rows if r["policy"] == policy]
+        ax.plot(*zip(*pts, strict=True), marker="o", label=policy)
+    ax.set_xlabel("machines")
+    ax.set_ylabel("makespan (s)")
+    ax.set_title(f"makespan vs machines ({title})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _print_table(rows: list[dict]) -> None:
+    table = Table(title="best layout per policy")
+    for col in ("machines", "policy", "layout", "makespan_s", "throughput_rps", "ttft_p99",
+                "tbt_p99", "machine_seconds", "planner_pick"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(*(f"{v:.4g}" if isinstance(v, float) and not math.isnan(v) else str(v)
+                        for v in (r["machines"], r["policy"], r["layout"], r["makespan_s"],
+                                  r["throughput_rps"], r["ttft_p99"], r["tbt_p99"],
+                                  r["machine_seconds"], r["planner_pick"])))
+    Console(width=160).print(table)

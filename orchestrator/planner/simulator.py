@@ -1,0 +1,293 @@
+"""A discrete-event simulator of pipeline-parallel serving (DejaVu Appendix B).
+
+Policies:
+- ``colocated``: pipelines of depth d that run prompts and tokens (one
+  pipeline of depth D is the baseline, several are baseline-DP);
+- ``disaggregated``: a prompt pipeline of depth D_p streams each microbatch's KV
+  to a token pipeline of depth D_t (both may be replicated).
+
+The model, and where it is simplified:
+- Requests are grouped into microbatches of ``batch`` in arrival order; a
+  microbatch occupies its pipeline slot until its longest request is done
+  (microbatch-level scheduling, as in DejaVu's modified FasterTransformer), so
+  early stops leave holes that new prompts fill.
+- A pipeline of depth d holds d microbatches; each stage serves passes FIFO. A
+  prompt pass costs ``Y/d`` per stage with Y linear in the microbatch's prompt
+  tokens; a token pass costs ``t/d`` whatever the context length or how many
+  requests are left (token steps are memory-bound).
+- Disaggregated prompts pay the streaming factor m; the KV then waits in the
+  token pool's host memory until a token slot frees (no transfer time beyond m,
+  no memory limit on that wait).
+- Deterministic: ties in the event heap break by insertion order; all
+  randomness lives in the workload (seeded).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from orchestrator.planner.perf_model import Profile
+from orchestrator.planner.workload import Request
+
+
+class EventLoop:
+    """A heap of (time, sequence, action)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+
+    def at(self, time: float, action: Callable[[], None]) -> None:
+        heapq.heappush(self._heap, (time, next(self._seq), action))
+
+    def after(self, delay: float, action: Callable[[], None]) -> None:
+        self.at(self.now + delay, action)
+
+    def run(self) -> None:
+        while self._heap:
+            self.now, _, action = heapq.heappop(self._heap)
+            action()
+
+
+@dataclass(frozen=True)
+class Percentiles:
+    p50: float
+    p90: float
+    p99: float
+
+    @classmethod
+    def of(cls, values: list[float] | np.ndarray) -> Percentiles:
+        if len(values) == 0:
+            return cls(math.nan, math.nan, math.nan)
+        p50, p90, p99 = np.percentile(np.asarray(values, dtype=float), [50, 90, 99])
+        return cls(float(p50), float(p90), float(p99))
+
+
+@dataclass(frozen=True)
+class SimResult:
+    policy: str
+    config: str
+    machines: int
+    requests: int
+    makespan: float
+    ttft: Percentiles
+    tbt: Percentiles
+    e2e: Percentiles
+    busy_machine_seconds: float
+
+    @property
+    def throughput(self) -> float:
+        """Requests per second over the makespan."""
+        return self.requests / self.makespan
+
+    @property
+    def machine_seconds(self) -> float:
+        """Machines are held for the whole run."""
+        return self.machines * self.makespan
+
+    @property
+    def utilization(self) -> float:
+        return self.busy_machine_seconds / self.machine_seconds
+
+
+@dataclass(frozen=True)
+class RequestTimes:
+    """When one request arrived, got its first token, and each later token."""
+
+    request: Request
+    first_token: float
+    tokens: list[float]
+
+    def tbts(self) -> list[float]:
+        return list(np.diff([self.first_token, *self.tokens]))
+
+
+def summarize(
+    policy: str, config: str, machines: int, times: list[RequestTimes], busy: float
+) -> SimResult:
+    start = min(r.request.arrival for r in times)
+    end = max(r.tokens[-1] if r.tokens else r.first_token for r in times)
+    return SimResult(
+        policy=policy,
+        config=config,
+        machines=machines,
+        requests=len(times),
+        makespan=end - start,
+        ttft=Percentiles.of([r.first_token - r.request.arrival for r in times]),
+        tbt=Percentiles.of(list(itertools.chain.from_iterable(r.tbts() for r in times))),
+        e2e=Percentiles.of([(r.tokens[-1] if r.tokens else r.first_token) - r.request.arrival
+                            for r in times]),
+        busy_machine_seconds=busy,
+    )
+
+
+@dataclass(eq=False)
+class Microbatch:
+    requests: list[Request]
+    steps: int  # token passes: its longest request's output_len
+    prompt_tokens: int
+    prompt_done: float = math.nan
+    step_times: list[float] = field(default_factory=list)
+
+    @property
+    def ready(self) -> float:
+        return max(r.arrival for r in self.requests)
+
+    def request_times(self) -> list[RequestTimes]:
+        return [
+            RequestTimes(r, self.prompt_done, self.step_times[: r.output_len])
+            for r in self.requests
+        ]
+
+
+def microbatches(requests: list[Request], batch: int) -> list[Microbatch]:
+    if batch < 1:
+        raise ValueError(f"microbatch size must be >= 1, got {batch}")
+    ordered = sorted(requests, key=lambda r: (r.arrival, r.id))
+    groups = [ordered[i : i + batch] for i in range(0, len(ordered), batch)]
+    return [
+        Microbatch(g, max(r.output_len for r in g), sum(r.prompt_len for r in g)) for g in groups
+    ]
+
+
+class Pipeline:
+    """``depth`` stages serving passes FIFO; a pass is one microbatch through every stage."""
+
+    def __init__(
+        self, loop: EventLoop, depth: int, on_pass: Callable[[Pipeline, Microbatch], None]
+    ):
+        self.loop, self.depth, self.on_pass = loop, depth, on_pass
+        self.queues: list[deque[tuple[Microbatch, float]]] = [deque() for _ in range(depth)]
+        self.busy = [False] * depth
+        self.in_flight = 0
+        self.busy_seconds = 0.0
+
+    @property
+    def has_slot(self) -> bool:
+        return self.in_flight < self.depth
+
+    def submit(self, mb: Microbatch, whole_model_time: float) -> None:
+        self.queues[0].append((mb, whole_model_time / self.depth))
+        self._start(0)
+
+    def _start(self, stage: int) -> None:
+        if self.busy[stage] or not self.queues[stage]:
+            return
+        mb, duration = self.queues[stage].popleft()
+        self.busy[stage] = True
+        self.busy_seconds += duration
+        self.loop.after(duration, lambda: self._finish(stage, mb, duration))
+
+    def _finish(self, stage: int, mb: Microbatch, duration: float) -> None:
+        self.busy[stage] = False
+        if stage + 1 < self.depth:
+            self.queues[stage + 1].append((mb, duration))
+            self._start(stage + 1)
+        else:
+            self.on_pass(self, mb)
+        self._start(stage)
+
+
+def _least_loaded(pipes: list[Pipeline]) -> Pipeline | None:
+    free = [p for p in pipes if p.has_slot]
+    return min(free, key=lambda p: p.in_flight) if free else None
+
+
+class _Cluster:
+    """Prompt pipelines feed token pipelines; colocated when they are the same pipelines."""
+
+    def __init__(
+        self, profile: Profile, prompt_depths: list[int], token_depths: list[int] | None
+    ):
+        self.profile, self.loop = profile, EventLoop()
+        self.colocated = token_depths is None
+        self.prompt_pipes = [Pipeline(self.loop, d, self._prompt_or_token) for d in prompt_depths]
+        self.token_pipes = (
+            self.prompt_pipes if token_depths is None
+            else [Pipeline(self.loop, d, self._token_pass) for d in token_depths]
+        )
+        self.prompt_factor = 1.0 if self.colocated else profile.m
+        self.waiting: deque[Microbatch] = deque()
+        self.streamed: deque[Microbatch] = deque()  # prompt done, waiting for a token slot
+        self.done: list[Microbatch] = []
+
+    def run(self, mbs: list[Microbatch]) -> list[Microbatch]:
+        for mb in mbs:
+            self.loop.at(mb.ready, lambda mb=mb: (self.waiting.append(mb), self._dispatch()))
+        self.loop.run()
+        if len(self.done) != len(mbs):
+            raise RuntimeError(f"simulation ended with {len(mbs) - len(self.done)} unfinished")
+        return self.done
+
+    def busy_seconds(self) -> float:
+        pipes = {id(p): p for p in self.prompt_pipes + self.token_pipes}.values()
+        return sum(p.busy_seconds for p in pipes)
+
+    def _dispatch(self) -> None:
+        while self.streamed and (pipe := _least_loaded(self.token_pipes)):
+            pipe.in_flight += 1
+            pipe.submit(self.streamed.popleft(), self.profile.t)
+        while self.waiting and (pipe := _least_loaded(self.prompt_pipes)):
+            mb = self.waiting.popleft()
+            pipe.in_flight += 1
+            prompt_time = self.profile.prompt_time_per_token * mb.prompt_tokens
+            pipe.submit(mb, self.prompt_factor * prompt_time)
+
+    def _prompt_or_token(self, pipe: Pipeline, mb: Microbatch) -> None:
+        if not math.isnan(mb.prompt_done):
+            self._token_pass(pipe, mb)
+            return
+        mb.prompt_done = self.loop.now
+        if self.colocated:
+            pipe.submit(mb, self.profile.t)
+        else:
+            pipe.in_flight -= 1
+            self.streamed.append(mb)
+            self._dispatch()
+
+    def _token_pass(self, pipe: Pipeline, mb: Microbatch) -> None:
+        mb.step_times.append(self.loop.now)
+        if len(mb.step_times) < mb.steps:
+            pipe.submit(mb, self.profile.t)
+            return
+        pipe.in_flight -= 1
+        self.done.append(mb)
+        self._dispatch()
+
+
+def simulate_colocated(
+    profile: Profile, requests: list[Request], depth: int, pipelines: int = 1,
+    batch: int | None = None,
+) -> SimResult:
+    """``pipelines`` colocated pipelines of ``depth`` machines each."""
+    if depth < 1 or pipelines < 1:
+        raise ValueError(f"need depth >= 1 and pipelines >= 1, got {depth}, {pipelines}")
+    cluster = _Cluster(profile, [depth] * pipelines, None)
+    done = cluster.run(microbatches(requests, batch or profile.workload.batch))
+    policy = "colocated" if pipelines == 1 else "colocated-dp"
+    return summarize(policy, f"{pipelines}x depth {depth}", depth * pipelines,
+                     [t for mb in done for t in mb.request_times()], cluster.busy_seconds())
+
+
+def simulate_disaggregated(
+    profile: Profile, requests: list[Request], prompt_depth: int, token_depth: int,
+    replicas: int = 1, batch: int | None = None,
+) -> SimResult:
+    """``replicas`` x (prompt pipeline of ``prompt_depth`` + token pipeline of ``token_depth``)."""
+    if prompt_depth < 1 or token_depth < 1 or replicas < 1:
+        raise ValueError(
+            f"need depths and replicas >= 1, got {prompt_depth}, {token_depth}, {replicas}"
+        )
+    cluster = _Cluster(profile, [prompt_depth] * replicas, [token_depth] * replicas)
+    done = cluster.run(microbatches(requests, batch or profile.workload.batch))
+    return summarize("disaggregated", f"{replicas}x (P{prompt_depth}+T{token_depth})",
+                     (prompt_depth + token_depth) * replicas,
+                     [t for mb in done for t in mb.request_times()], cluster.busy_seconds())

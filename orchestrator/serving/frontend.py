@@ -1,0 +1,190 @@
+"""The frontend's per-request path: route, hand the prompt from P to T, relay tokens.
+
+Disaggregated: open a stream to the decode model on the chosen T-node; its
+first response is a KV ticket (a reserved slot); the chosen P-node prefills,
+streams the KV into that slot and returns the first token, which goes to the
+client at once; the T-node's tokens follow. Colocated: the T-node prefills
+itself and every token comes from its stream. All calls are Triton gRPC.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from orchestrator.serving.params import GenerationParams
+from orchestrator.serving.router import Router
+from orchestrator.serving.text import CONTEXT_TOKENS
+
+# tokens of this response, the tokens already sent just before them, is it the last
+Emit = Callable[[list[int], list[int], bool], None]
+
+
+class ServingError(RuntimeError):
+    """A downstream node failed or refused the request; the message says which and why."""
+
+
+class Cancelled(Exception):
+    """The client went away; downstream work has been cancelled."""
+
+
+def _tensor(name: str, array: np.ndarray) -> grpcclient.InferInput:
+    dtype = "BYTES" if array.dtype == np.object_ else _TRITON_DTYPES[array.dtype.type]
+    tensor = grpcclient.InferInput(name, list(array.shape), dtype)
+    tensor.set_data_from_numpy(array)
+    return tensor
+
+
+_TRITON_DTYPES = {
+    np.int32: "INT32",
+    np.float32: "FP32",
+    np.uint64: "UINT64",
+    np.bool_: "BOOL",
+}
+
+
+def request_tensors(prompt_ids: list[int], params: GenerationParams) -> list:
+    arrays = {"input_ids": np.array(prompt_ids, dtype=np.int32), **params.to_tensors()}
+    return [_tensor(name, array) for name, array in arrays.items()]
+
+
+def _is_unreachable(error: Exception) -> bool:
+    return isinstance(error, InferenceServerException) and "UNAVAILABLE" in str(error.status())
+
+
+@dataclass
+class DecodeStream:
+    """One gRPC stream to a T-node's decode model, for one request."""
+
+    url: str
+    timeout_s: float
+    responses: queue.Queue = field(default_factory=queue.Queue)
+
+    def __post_init__(self) -> None:
+        self.client = grpcclient.InferenceServerClient(self.url)
+        self.client.start_stream(callback=lambda result, error: self.responses.put((result, error)))
+
+    def send(self, request_id: str, prompt_ids: list[int], params: GenerationParams) -> None:
+        self.client.async_stream_infer(
+            "decode",
+            request_tensors(prompt_ids, params),
+            request_id=request_id,
+            enable_empty_final_response=True,
+        )
+
+    def next(self, is_cancelled: Callable[[], bool]) -> tuple[grpcclient.InferResult, bool]:
+        """The next response and whether it is the last; raises on error or timeout."""
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            if is_cancelled():
+                raise Cancelled()
+            try:
+                result, error = self.responses.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if error is not None:
+                raise error
+            final = result.get_response().parameters["triton_final_response"].bool_param
+            return result, final
+        raise ServingError(f"decode node {self.url} sent nothing for {self.timeout_s:.0f} s")
+
+    def close(self, cancel: bool) -> None:
+        try:
+            self.client.stop_stream(cancel_requests=cancel)
+        finally:
+            self.client.close()
+
+
+class Frontend:
+    def __init__(
+        self, prefill_urls: list[str], decode_urls: list[str], timeout_s: float = 60.0
+    ) -> None:
+        self.prefill = Router(prefill_urls) if prefill_urls else None
+        self.decode = Router(decode_urls)
+        self.timeout_s = timeout_s
+        self.prefill_clients = {url: grpcclient.InferenceServerClient(url) for url in prefill_urls}
+
+    @property
+    def colocated(self) -> bool:
+        return self.prefill is None
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        params: GenerationParams,
+        emit: Emit,
+        is_cancelled: Callable[[], bool],
+    ) -> None:
+        """Relay tokens through ``emit`` until the last; raises ServingError or Cancelled."""
+        request_id = uuid.uuid4().hex
+        url = self.decode.pick(params.max_tokens)
+        left = params.max_tokens  # pending tokens this request holds on the T-node
+        sent: list[int] = []
+        held: list[int] = []  # without streaming, everything goes out in the last response
+
+        def relay(tokens: list[int], final: bool) -> None:
+            nonlocal left
+            self.decode.done(url, min(left, len(tokens)))
+            left -= min(left, len(tokens))
+            held.extend(tokens)
+            if params.stream or final:
+                emit(list(held), sent[-CONTEXT_TOKENS:], final)
+                sent.extend(held)
+                held.clear()
+
+        stream = None
+        cancel = True
+        try:
+            try:
+                stream = DecodeStream(url, self.timeout_s)
+                stream.send(request_id, prompt_ids, params)
+                result, final = stream.next(is_cancelled)
+            except InferenceServerException as exc:
+                if _is_unreachable(exc):
+                    self.decode.mark_down(url)
+                    raise ServingError(f"decode node {url} is down: {exc.message()}") from exc
+                raise ServingError(f"decode node {url}: {exc.message()}") from exc
+            if not self.colocated:
+                ticket = result.as_numpy("kv_ticket")
+                if ticket is None:
+                    raise ServingError(f"decode node {url} answered without a KV ticket")
+                first = self._prefill(request_id, prompt_ids, params, ticket)
+                relay([first], False)
+                result, final = stream.next(is_cancelled)
+            while True:
+                tokens = result.as_numpy("output_ids")
+                relay([] if tokens is None else tokens.tolist(), final)
+                if final:
+                    cancel = False
+                    return
+                result, final = stream.next(is_cancelled)
+        except InferenceServerException as exc:
+            raise ServingError(f"decode node {url}: {exc.message()}") from exc
+        finally:
+            self.decode.done(url, left)
+            if stream is not None:
+                stream.close(cancel)
+
+    def _prefill(
+        self, request_id: str, prompt_ids: list[int], params: GenerationParams, ticket: np.ndarray
+    ) -> int:
+        assert self.prefill is not None
+        with self.prefill.assign(len(prompt_ids)) as url:
+            inputs = [*request_tensors(prompt_ids, params), _tensor("kv_ticket", ticket)]
+            try:
+                result = self.prefill_clients[url].infer(
+                    "prefill", inputs, request_id=request_id, client_timeout=self.timeout_s
+                )
+            except InferenceServerException as exc:
+                if _is_unreachable(exc):
+                    self.prefill.mark_down(url)
+                    raise ServingError(f"prefill node {url} is down: {exc.message()}") from exc
+                raise ServingError(f"prefill node {url}: {exc.message()}") from exc
+            return int(result.as_numpy("output_ids")[0])

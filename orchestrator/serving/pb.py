@@ -1,0 +1,53 @@
+"""Glue between Triton's Python backend and the serving library (import inside a stub only).
+
+The models in ``backends/python`` stay thin: read tensors with :func:`inputs`,
+call the library, answer with :func:`response` or :func:`error`.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+def parameters(args: dict) -> dict[str, str]:
+    """The model's ``parameters`` from config.pbtxt (filled per node by the launcher)."""
+    config = json.loads(args["model_config"])
+    return {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
+
+
+def inputs(request, names: list[str]) -> dict[str, np.ndarray | None]:
+    """Each named input as numpy, ``None`` where an optional input was not sent."""
+    found = {}
+    for name in names:
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        found[name] = None if tensor is None else tensor.as_numpy()
+    return found
+
+
+def text(array: np.ndarray) -> str:
+    """One string from a ``[1]`` or ``[1, 1]`` BYTES tensor."""
+    if array.size != 1:
+        raise ValueError(f"expected one string, got shape {list(array.shape)}")
+    value = array.reshape(-1)[0]
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+def response(**arrays: np.ndarray) -> pb_utils.InferenceResponse:
+    return pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in arrays.items()])
+
+
+def error(message: str) -> pb_utils.InferenceResponse:
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message))
+
+
+def ids(tokens: list[int]) -> np.ndarray:
+    return np.array(tokens, dtype=np.int32)
+
+
+def strings(*values: str | bytes) -> np.ndarray:
+    return np.array([v.encode() if isinstance(v, str) else v for v in values], dtype=np.object_)

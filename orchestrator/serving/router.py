@@ -1,0 +1,55 @@
+"""Join-the-shortest-queue routing by pending tokens (Splitwise §4.2).
+
+A P-node's queue is the prompt tokens it still has to prefill; a T-node's is
+the tokens its admitted requests may still generate. A node that failed is
+left out for ``down_s`` seconds so a dead node with an empty queue does not
+attract every request.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+class NoNodeError(RuntimeError):
+    """Every node of a pool is down."""
+
+
+class Router:
+    def __init__(self, nodes: list[str], down_s: float = 5.0) -> None:
+        if not nodes:
+            raise ValueError("a router needs at least one node")
+        self.pending: dict[str, int] = dict.fromkeys(nodes, 0)
+        self.down_until: dict[str, float] = dict.fromkeys(nodes, 0.0)
+        self.down_s = down_s
+        self.lock = threading.Lock()
+
+    def pick(self, tokens: int) -> str:
+        """The live node with the fewest pending tokens; ``tokens`` join its queue."""
+        now = time.monotonic()
+        with self.lock:
+            live = [n for n in self.pending if self.down_until[n] <= now]
+            if not live:
+                raise NoNodeError(f"all nodes down: {', '.join(self.pending)}")
+            node = min(live, key=lambda n: self.pending[n])
+            self.pending[node] += tokens
+            return node
+
+    def done(self, node: str, tokens: int) -> None:
+        with self.lock:
+            self.pending[node] = max(0, self.pending[node] - tokens)
+
+    def mark_down(self, node: str) -> None:
+        with self.lock:
+            self.down_until[node] = time.monotonic() + self.down_s
+
+    @contextmanager
+    def assign(self, tokens: int) -> Iterator[str]:
+        node = self.pick(tokens)
+        try:
+            yield node
+        finally:
+            self.done(node, tokens)

@@ -1,0 +1,37 @@
+"""Text in and out: tokenize prompts, detokenize tokens as they stream.
+
+Streaming sends a few tokens at a time, and a token's text can depend on the
+ones before it (merged spaces, multi-byte characters split across tokens). So
+each streamed response carries the last ``CONTEXT_TOKENS`` tokens already sent;
+the new text is what the new tokens add to that context's text. This keeps
+the postprocessing model stateless.
+"""
+
+from __future__ import annotations
+
+from tokenizers import Tokenizer
+
+from orchestrator.serving.params import RequestError
+
+CONTEXT_TOKENS = 6
+REPLACEMENT = "\ufffd"  # what a decoder prints for an incomplete UTF-8 sequence
+
+
+def encode_prompt(tokenizer: Tokenizer, text: str) -> list[int]:
+    if not text:
+        raise RequestError("empty prompt: text_input is empty")
+    ids = tokenizer.encode(text).ids
+    if not ids:
+        raise RequestError(f"prompt {text[:40]!r} has no tokens")
+    return ids
+
+
+def new_text(tokenizer: Tokenizer, context: list[int], new: list[int]) -> str:
+    """The text ``new`` adds after ``context`` (both token ids)."""
+    before = tokenizer.decode(context, skip_special_tokens=True)
+    after = tokenizer.decode(context + new, skip_special_tokens=True)
+    if after.startswith(before):
+        return after[len(before) :]
+    # The context's text ended in half a character the new tokens complete.
+    before = before.rstrip(REPLACEMENT)
+    return after[len(before) :]

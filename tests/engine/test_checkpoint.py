@@ -1,0 +1,90 @@
+"""Dummy checkpoints, their tokenizer, and the ``dejavu model make`` / ``dejavu run`` CLIs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import tokenizers
+import transformers
+
+from orchestrator.engine.checkpoint import make_checkpoint
+from orchestrator.engine.config import ModelConfig
+from orchestrator.engine.tokenizer import load_tokenizer
+
+TEXT = "The prompt streams to the token machine, layer by layer."
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "opt", "llama"])
+def test_tokenizer_loads_in_hf_and_tokenizers(tiny_model, arch):
+    model_dir = tiny_model(arch)
+    config = ModelConfig.from_dir(model_dir)
+    hf = transformers.AutoTokenizer.from_pretrained(model_dir)
+    raw = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    assert (
+        hf(TEXT)["input_ids"] == raw.encode(TEXT).ids == load_tokenizer(model_dir).encode(TEXT).ids
+    )
+    assert hf.decode(hf(TEXT)["input_ids"]) == TEXT
+    assert raw.get_vocab_size() <= config.vocab_size
+    assert (hf.eos_token_id, hf.bos_token_id) == (config.eos_id, config.bos_id) == (2, 1)
+
+
+def test_same_seed_same_weights_other_seed_other_weights(tmp_path, tiny_model):
+    a = (tiny_model("gpt2") / "model.safetensors").read_bytes()
+    make_checkpoint("gpt2", "tiny", tmp_path / "same", seed=0)
+    make_checkpoint("gpt2", "tiny", tmp_path / "other", seed=1)
+    assert (tmp_path / "same" / "model.safetensors").read_bytes() == a
+    assert (tmp_path / "other" / "model.safetensors").read_bytes() != a
+
+
+def test_unknown_arch_or_preset(tmp_path):
+    with pytest.raises(ValueError, match="unknown arch 'bloom'; choose from gpt2, opt, llama"):
+        make_checkpoint("bloom", "tiny", tmp_path)
+    with pytest.raises(ValueError, match="unknown preset 'huge' for opt; choose from tiny, small"):
+        make_checkpoint("opt", "huge", tmp_path)
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+def dejavu(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_cli_make_then_run_json(tmp_path):
+    model_dir = tmp_path / "llama"
+    made = dejavu(
+        "model", "make", "--arch", "llama", "--preset", "tiny", "--seed", "3", str(model_dir)
+    )
+    assert made.returncode == 0, made.stderr
+    run = dejavu(
+        "run",
+        "--model",
+        str(model_dir),
+        "--max-tokens",
+        "5",
+        "--stages",
+        "2",
+        "--ignore-eos",
+        "--json",
+        "hello world",
+        "the cache",
+    )
+    assert run.returncode == 0, run.stderr
+    results = json.loads(run.stdout)
+    tokenizer = load_tokenizer(model_dir)
+    assert [r["prompt"] for r in results] == ["hello world", "the cache"]
+    for r in results:
+        assert r["prompt_ids"] == tokenizer.encode(r["prompt"]).ids
+        assert len(r["output_ids"]) == 5
+        assert r["text"] == tokenizer.decode(r["output_ids"])
+
+    bad = dejavu("model", "make", "--arch", "llama", "--preset", "nope", str(tmp_path / "x"))
+    assert bad.returncode == 2 and "unknown preset 'nope'" in bad.stderr
+    missing = dejavu("run", "--model", str(tmp_path / "none"), "hi")
+    assert missing.returncode == 2 and "no tokenizer.json" in missing.stderr

@@ -1,0 +1,250 @@
+"""KVSender -> KVReceiver over the in-process transport: regrouping, and every fault."""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from orchestrator.kv.connector import KVReceiver, KVSender
+from orchestrator.kv.errors import KVTransferError
+from orchestrator.kv.layout import KVCache, KVLayout
+from orchestrator.kv.primitives import PipelineConfig
+from orchestrator.kv.transport.base import KVPoll, Pair, TransferHandle
+from orchestrator.kv.transport.local import LocalFabric, LocalTransport
+from orchestrator.kv.wire import BlockHeader, BlockKind, encode_header
+
+SECRET = b"s3cret"
+MODEL = KVLayout(num_layers=6, num_kv_heads=2, head_dim=4, max_seq_len=16)
+
+
+class Cluster:
+    """Prompt and token stages of one model on a local fabric."""
+
+    def __init__(self, depth_p: int, depth_t: int, checksum: bool = False, **overrides) -> None:
+        self.fabric = LocalFabric()
+        config = PipelineConfig(MODEL.num_layers, depth_p, depth_t)
+        self.p_ranges, self.t_ranges = config.prompt_stages(), config.token_stages()
+        self.receivers = [
+            KVReceiver(self.node(f"t{i}"), MODEL.layers(r.start, len(r)), 2, SECRET,
+                       timeout_s=0.5, checksum=checksum)
+            for i, r in enumerate(self.t_ranges)
+        ]  # fmt: skip
+        sender_layout = {**MODEL.to_dict(), **overrides}
+        self.senders = [
+            KVSender(self.node(f"p{i}"), KVLayout(**sender_layout).layers(r.start, len(r)),
+                     SECRET)
+            for i, r in enumerate(self.p_ranges)
+        ]  # fmt: skip
+
+    def node(self, name: str, cls=LocalTransport) -> LocalTransport:
+        return cls(self.fabric, name)
+
+    def reserve(self, rid: str, prompt_len: int) -> list[bytes]:
+        return [r.reserve(rid, prompt_len) for r in self.receivers]
+
+    def prompt_caches(self, full: torch.Tensor) -> list[KVCache]:
+        return [
+            KVCache(s.layout, full[r.start : r.stop].clone(), 0)
+            for s, r in zip(self.senders, self.p_ranges, strict=True)
+        ]
+
+    def send(self, rid: str, tickets: Sequence[bytes], full: torch.Tensor, extra: bytes) -> None:
+        for stage, (sender, cache) in enumerate(
+            zip(self.senders, self.prompt_caches(full), strict=True)
+        ):
+            handle = sender.start(rid, list(tickets))
+            for layer in self.p_ranges[stage]:
+                sender.save_layer(handle, layer, cache)
+            sender.finish(handle, extra if stage == len(self.senders) - 1 else b"")
+            sender.wait_for_save(handle, timeout_s=1)
+
+
+@pytest.mark.parametrize(("depth_p", "depth_t"), [(1, 1), (1, 2), (2, 3), (3, 2)])
+@pytest.mark.parametrize("checksum", [False, True])
+def test_prompt_kv_arrives_exactly_across_regrouped_stages(depth_p, depth_t, checksum) -> None:
+    cluster = Cluster(depth_p, depth_t, checksum)
+    full = torch.randn(MODEL.shape)
+    tickets = cluster.reserve("r1", 11)
+    assert cluster.receivers[0].poll("r1") == KVPoll.WAITING
+    cluster.send("r1", tickets, full, extra=b"\x2a")
+    for receiver, layers in zip(cluster.receivers, cluster.t_ranges, strict=True):
+        assert receiver.poll("r1") == KVPoll.SUCCESS
+        cache, extra = receiver.wait("r1")
+        assert extra == b"\x2a" and cache.length == 11
+        assert cache.layout.first_layer == layers.start
+        assert torch.equal(cache.data[:, :, :, :11], full[layers.start : layers.stop, :, :, :11])
+        assert cache.data[:, :, :, 11:].abs().sum() == 0  # nothing beyond the prompt written
+        receiver.release("r1")
+
+
+def test_reserve_rejects_bad_requests() -> None:
+    receiver = Cluster(1, 1).receivers[0]
+    with pytest.raises(ValueError, match="prompt_len 17 not in"):
+        receiver.reserve("a", 17)
+    receiver.reserve("a", 3)
+    with pytest.raises(ValueError, match="already holds a slot"):
+        receiver.reserve("a", 3)
+    receiver.reserve("b", 3)
+    with pytest.raises(RuntimeError, match="no free KV slot"):
+        receiver.reserve("c", 3)
+    with pytest.raises(KeyError, match="holds no slot"):
+        receiver.poll("zzz")
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ({"num_kv_heads": 3}, "KV heads mismatch: ticket has 2, sender 3"),
+        ({"head_dim": 8}, "head size mismatch: ticket has 4, sender 8"),
+        ({"dtype": "bfloat16"}, "dtype mismatch: ticket has float32, sender bfloat16"),
+        ({"max_seq_len": 8}, "prompt length 11 exceeds the sender's max_seq_len 8"),
+    ],
+)
+def test_sender_rejects_mismatched_tickets(override: dict, message: str) -> None:
+    cluster = Cluster(1, 1, **override)
+    with pytest.raises(KVTransferError, match=message) as info:
+        cluster.senders[0].start("r1", cluster.reserve("r1", 11))
+    assert info.value.peer == "t0"
+
+
+def test_sender_rejects_tickets_that_miss_layers_or_name_another_request() -> None:
+    cluster = Cluster(1, 2)
+    tickets = cluster.reserve("r1", 5)
+    with pytest.raises(KVTransferError, match=r"do not hold layers \[3, 4, 5\]"):
+        cluster.senders[0].start("r1", tickets[:1])
+    with pytest.raises(KVTransferError, match="request id mismatch: ticket has r1, sender r2"):
+        cluster.senders[0].start("r2", tickets)
+
+
+def test_wrong_secret_is_rejected_on_both_sides() -> None:
+    cluster = Cluster(1, 1)
+    ticket = cluster.reserve("r1", 4)[0]
+    rogue = KVSender(cluster.node("rogue"), MODEL, b"guess")
+    with pytest.raises(KVTransferError, match="bad secret: ticket HMAC") as info:
+        rogue.start("r1", [ticket])
+    assert info.value.peer == "t0"
+    rogue.transport.add_peer("t0", b"t0")
+    forged = BlockHeader.for_layout(BlockKind.FINISH, "r1", MODEL, seq_len=4, payload_bytes=0)
+    rogue.transport.notify("t0", encode_header(forged, b"guess"))
+    with pytest.raises(KVTransferError, match="bad secret: header HMAC") as info:
+        cluster.receivers[0].wait("r1")
+    assert info.value.peer == "rogue"
+
+
+def forge(cluster: Cluster, **fields) -> KVTransferError:
+    """Send one authentic LAYERS header with ``fields`` changed; return the receiver's error."""
+    cluster.reserve("r1", 4)
+    sender = cluster.senders[0].transport
+    sender.add_peer("t0", b"t0")
+    nbytes = 4 * MODEL.token_bytes_per_layer()
+    header = BlockHeader.for_layout(
+        BlockKind.LAYERS, "r1", MODEL.layers(0, 1), seq_len=4, payload_bytes=nbytes
+    )
+    header = dataclasses.replace(header, **fields)
+    sender.notify("t0", encode_header(header, SECRET))
+    with pytest.raises(KVTransferError) as info:
+        cluster.receivers[0].wait("r1")
+    assert info.value.peer == "p0" and cluster.receivers[0].poll("r1") == KVPoll.FAILED
+    return info.value
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"seq_len": 5}, "sequence length mismatch: block has 5, reserved 4"),
+        ({"payload_bytes": 100}, "truncated payload: 100 bytes, expected 256"),
+        ({"payload_bytes": 257}, "oversized payload: 257 bytes, expected 256"),
+        ({"num_heads": 4}, "KV heads mismatch"),
+        ({"head_dim": 2}, "head size mismatch"),
+        ({"dtype": "float16"}, "dtype mismatch"),
+        ({"num_layers": 7}, "layers mismatch"),
+    ],
+)
+def test_receiver_names_each_mismatch(fields: dict, message: str) -> None:
+    assert message in str(forge(Cluster(1, 1), **fields))
+
+
+def test_receiver_requires_a_checksum_when_asked() -> None:
+    assert "receiver requires one" in str(forge(Cluster(1, 1, checksum=True)))
+
+
+class CorruptingTransport(LocalTransport):
+    """Flips one byte of the first piece it writes (a bad link / bad memory)."""
+
+    def write(self, peer: str, pairs: Sequence[Pair], notify: bytes = b"") -> TransferHandle:
+        handle = super().write(peer, pairs, notify=b"")
+        byte = ctypes.c_ubyte.from_address(pairs[0][1].addr)
+        byte.value ^= 0x10
+        if notify:
+            self.fabric.lookup(peer).deliver(self.name, notify)
+        return handle
+
+
+def test_checksum_catches_a_flipped_byte() -> None:
+    cluster = Cluster(1, 1, checksum=True)
+    cluster.senders[0] = KVSender(cluster.node("bad", CorruptingTransport), MODEL, SECRET)
+    tickets = cluster.reserve("r1", 4)
+    cluster.send("r1", tickets, torch.randn(MODEL.shape), b"")
+    with pytest.raises(KVTransferError, match=r"bad checksum for layers \[0\]") as info:
+        cluster.receivers[0].wait("r1")
+    assert info.value.peer == "bad"
+
+
+def test_receiver_times_out_naming_the_silent_sender() -> None:
+    cluster = Cluster(1, 1)
+    cluster.receivers[0].reserve("idle", 4)
+    with pytest.raises(KVTransferError, match="nothing received") as info:
+        cluster.receivers[0].wait("idle", timeout_s=0.05)
+    assert info.value.peer == "<no sender>"
+    sender, receiver = cluster.senders[0], cluster.receivers[0]
+    handle = sender.start("r1", cluster.reserve("r1", 4))
+    sender.save_layer(handle, 0, cluster.prompt_caches(torch.randn(MODEL.shape))[0])
+    cluster.fabric.leave("p0")  # the prefill node dies after one layer
+    with pytest.raises(KVTransferError, match=r"waiting for layers \[1, 2, 3, 4, 5\]") as info:
+        receiver.wait("r1", timeout_s=0.1)
+    assert info.value.peer == "p0"
+
+
+def test_sender_fails_naming_a_departed_receiver() -> None:
+    cluster = Cluster(1, 2)
+    sender = cluster.senders[0]
+    handle = sender.start("r1", cluster.reserve("r1", 4))
+    cache = cluster.prompt_caches(torch.randn(MODEL.shape))[0]
+    sender.save_layer(handle, 0, cache)
+    cluster.receivers[1].transport.close()  # the second token stage dies
+    for layer in range(1, 6):
+        sender.save_layer(handle, layer, cache)
+    sender.finish(handle)
+    with pytest.raises(KVTransferError, match="peer 't1'"):
+        sender.wait_for_save(handle, timeout_s=1)
+    assert sender.poll(handle) == KVPoll.FAILED
+
+
+def test_unfinished_send_times_out() -> None:
+    cluster = Cluster(1, 1)
+    handle = cluster.senders[0].start("r1", cluster.reserve("r1", 4))
+    with pytest.raises(KVTransferError, match="finish\\(\\) was not called"):
+        cluster.senders[0].wait_for_save(handle, timeout_s=0.01)
+
+
+def test_failed_slots_are_quarantined_before_reuse() -> None:
+    receiver = Cluster(1, 1).receivers[0]
+    receiver.reserve("bad", 4)
+    with pytest.raises(KVTransferError):
+        receiver.wait("bad", timeout_s=0.01)
+    receiver.release("bad")
+    receiver.reserve("a", 4)
+    with pytest.raises(RuntimeError, match="no free KV slot"):  # a late writer may still hit it
+        receiver.reserve("b", 4)
+
+
+def test_sender_bounds_requests_in_flight() -> None:
+    cluster = Cluster(1, 1)
+    sender = KVSender(cluster.node("small"), MODEL, SECRET, max_inflight=1)
+    sender.start("a", cluster.reserve("a", 4))
+    with pytest.raises(KVTransferError, match="all 1 staging blocks are in flight"):
+        sender.start("b", cluster.reserve("b", 4))

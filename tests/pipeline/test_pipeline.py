@@ -1,0 +1,217 @@
+"""Token pipelines end to end on a tiny model: token-exact against the single-process reference
+with early stops and refills, swapping within its arena budget, cancel, failures."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from orchestrator.engine.reference import generate, load_stages
+from orchestrator.engine.torch_engine import load_engine
+from orchestrator.pipeline.pipeline import TokenPipeline, stage_specs
+from orchestrator.pipeline.sequence import FinishReason, Sequence
+
+MAX_SEQ = 96
+# Different limits, more requests than slots: sequences stop early and are replaced mid-run.
+LIMITS = [3, 11, 1, 14, 6, 8, 2, 9]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return tiny_model("gpt2")
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(2, 24, (len(LIMITS),), generator=g).tolist()
+    return [torch.randint(4, 500, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def reference(model, prompts):
+    engines = load_stages(model, 1, max_seq_len=MAX_SEQ)
+    return [generate(engines, [p], m)[0] for p, m in zip(prompts, LIMITS, strict=True)]
+
+
+@pytest.fixture(scope="module")
+def eos_id(reference):
+    """A token the reference emits mid-way through a long output: eos early stops happen."""
+    return reference[3][4]
+
+
+def make_pipeline(model, depth: int, mode: str, swap: str, **kwargs) -> TokenPipeline:
+    engines = load_stages(model, depth, max_seq_len=MAX_SEQ)
+    if mode == "disaggregated":
+        kwargs.setdefault("prompt_engines", load_stages(model, 1, max_seq_len=MAX_SEQ))
+    kwargs.setdefault("num_microbatches", max(depth, 2))
+    return TokenPipeline(engines, 2, mode=mode, swap=swap, **kwargs)
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+@pytest.mark.parametrize("swap", ["off", "on"])
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_token_exact_with_early_stops(model, prompts, reference, eos_id, depth, swap, mode):
+    expected = [
+        generate(load_stages(model, 1, max_seq_len=MAX_SEQ), [p], m, eos_id)[0]
+        for p, m in zip(prompts, LIMITS, strict=True)
+    ]
+    assert any(out[-1] == eos_id and len(out) < m for out, m in zip(expected, LIMITS, strict=True))
+    with make_pipeline(model, depth, mode, swap) as pipeline:
+        assert pipeline.generate(prompts, LIMITS, timeout_s=60) == reference
+        assert pipeline.generate(prompts, LIMITS, eos_id, timeout_s=60) == expected
+        for arena in pipeline.arenas:
+            assert arena.peak_bytes <= arena.budget_bytes
+    assert pipeline.kv_held() == 0
+    assert all(arena.used_bytes == 0 for arena in pipeline.arenas)
+
+
+def test_swapping_holds_two_microbatches_on_the_device(model, prompts, reference):
+    """Three microbatches through two stages; each stage's arena holds 2 x batch slots and
+    prefetches the next microbatch while the current one computes."""
+    with make_pipeline(model, 2, "disaggregated", "on", num_microbatches=3) as pipeline:
+        assert pipeline.generate(prompts, LIMITS, timeout_s=60) == reference
+    for arena, kv in zip(pipeline.arenas, pipeline.kv, strict=True):
+        assert arena.budget_bytes == 2 * 2 * arena.slot_bytes
+        assert 0 < arena.peak_bytes <= arena.budget_bytes
+        # misses are first steps (nothing to prefetch yet); the rest was fetched ahead
+        assert kv.prefetched > kv.swapped_on_demand
+        assert kv.written_back_bytes > 0
+
+
+def test_resident_batch_that_does_not_fit_the_budget_is_refused(model):
+    engines = load_stages(model, 2, max_seq_len=MAX_SEQ)
+    slot = engines[0].kv_layout.slot_bytes()
+    with pytest.raises(ValueError, match="needs 4 slots"):
+        TokenPipeline(engines, 2, swap="off", device_kv_budget=3 * slot)
+    # the same budget fits batch 2 when swapping (2 microbatches x 2 would not)
+    TokenPipeline(engines, 2, swap="on", device_kv_budget=4 * slot)
+    # auto keeps KV resident when it fits
+    assert not TokenPipeline(engines, 1, swap="auto", device_kv_budget=3 * slot).swap
+    with pytest.raises(ValueError, match="swap_workload"):
+        TokenPipeline(engines, 2, swap="auto", device_kv_budget=3 * slot)
+
+
+def test_explicit_layer_map(model, prompts, reference):
+    specs = stage_specs(4, layers=[1, 3])
+    assert [(s.first_layer, s.last_layer) for s in specs] == [(0, 1), (1, 4)]
+    engines = [load_engine(model, s, max_seq_len=MAX_SEQ) for s in specs]
+    with TokenPipeline(engines, 3, mode="colocated") as pipeline:
+        assert pipeline.generate(prompts, LIMITS, timeout_s=60) == reference
+    with pytest.raises(ValueError, match="do not split"):
+        stage_specs(4, layers=[1, 2])
+
+
+def test_llama_gqa_disaggregated_prompt_stages_differ_from_token_stages(tiny_model):
+    model = tiny_model("llama")
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16]]
+    limits = [5, 2, 7]
+    ref_engines = load_stages(model, 1, max_seq_len=MAX_SEQ)
+    expected = [generate(ref_engines, [p], m)[0] for p, m in zip(prompts, limits, strict=True)]
+    # prompt pipeline split 1+3, token pipeline 2+1+1: KV regrouped on the way
+    prompt_engines = [load_engine(model, s, max_seq_len=MAX_SEQ)
+                      for s in stage_specs(4, layers=[1, 3])]
+    engines = [load_engine(model, s, max_seq_len=MAX_SEQ) for s in stage_specs(4, layers=[2, 1, 1])]
+    with TokenPipeline(engines, 1, prompt_engines=prompt_engines, swap="on") as pipeline:
+        assert pipeline.generate(prompts, limits, timeout_s=60) == expected
+
+
+def test_tokens_stream_through_callbacks_in_order(model, prompts, reference):
+    seen: dict[str, list[int]] = {}
+    finished: list[str] = []
+
+    def on_token(seq: Sequence, token: int | None, done: bool) -> None:
+        if token is not None:
+            seen.setdefault(seq.request_id, []).append(token)
+        if done:
+            finished.append(seq.request_id)
+
+    with make_pipeline(model, 2, "disaggregated", "off") as pipeline:
+        for i, (p, m) in enumerate(zip(prompts, LIMITS, strict=True)):
+            pipeline.submit(Sequence(f"r{i}", p, m, on_token=on_token))
+        pipeline.wait(60)
+    assert [seen[f"r{i}"] for i in range(len(prompts))] == reference
+    assert sorted(finished) == sorted(f"r{i}" for i in range(len(prompts)))
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_cancel_frees_kv(model, mode):
+    started = threading.Event()
+
+    def on_token(seq: Sequence, token: int | None, done: bool) -> None:
+        if len(seq.output_ids) >= 3:
+            started.set()
+
+    with make_pipeline(model, 2, mode, "on") as pipeline:
+        long = [pipeline.submit(Sequence(f"long{i}", [4, 5, 6], 80, on_token=on_token))
+                for i in range(3)]
+        queued = pipeline.submit(Sequence("queued", [7, 8], 80))
+        assert started.wait(30)
+        for seq in [*long, queued]:
+            assert pipeline.cancel(seq.request_id)
+        assert not pipeline.cancel("unknown")
+        pipeline.wait(30)
+        # the stages free the KV when the cancelled sequences' microbatches step next
+        deadline = time.monotonic() + 10
+        while pipeline.kv_held() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pipeline.kv_held() == 0
+        assert all(arena.used_bytes == 0 for arena in pipeline.arenas)
+    assert all(s.finish_reason is FinishReason.CANCELLED for s in [*long, queued])
+    assert all(len(s.output_ids) < 80 for s in long)
+
+
+class FailingEngine:
+    """A real stage whose third decode call raises or stalls (isolates the error paths)."""
+
+    def __init__(self, engine, stall_s: float = 0.0) -> None:
+        self._engine, self._calls, self._stall_s = engine, 0, stall_s
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def decode(self, inputs, caches):
+        self._calls += 1
+        if self._calls == 3:
+            if not self._stall_s:
+                raise RuntimeError("injected decode failure")
+            time.sleep(self._stall_s)
+        return self._engine.decode(inputs, caches)
+
+
+def test_a_failing_stage_ends_requests_with_its_error_and_frees_kv(model, prompts):
+    engines = load_stages(model, 2, max_seq_len=MAX_SEQ)
+    engines[1] = FailingEngine(engines[1])
+    with TokenPipeline(engines, 2, mode="colocated", swap="on") as pipeline:
+        with pytest.raises(RuntimeError, match="stage 1: injected decode failure"):
+            pipeline.generate(prompts, LIMITS, timeout_s=30)
+        assert pipeline.errors
+    assert pipeline.kv_held() == 0
+
+
+def test_bad_requests_are_refused_with_a_reason(model):
+    with make_pipeline(model, 1, "colocated", "off") as pipeline:
+        with pytest.raises(ValueError, match="exceed max_seq_len"):
+            pipeline.submit(Sequence("big", [1] * 90, 10))
+        pipeline.submit(Sequence("dup", [1, 2], 40))
+        with pytest.raises(ValueError, match="already running"):
+            pipeline.submit(Sequence("dup", [1, 2], 4))
+        pipeline.wait(30)
+    engines = load_stages(model, 2, max_seq_len=MAX_SEQ)
+    with pytest.raises(ValueError, match="chain"):
+        TokenPipeline(engines[::-1], 1)
+    with pytest.raises(ValueError, match="swap"):
+        TokenPipeline(engines, 1, swap="maybe")
+    with pytest.raises(ValueError, match="submit_prefilled"), TokenPipeline(engines, 1) as p:
+        p.submit(Sequence("x", [1], 2))
+
+
+def test_a_stalled_stage_times_out_instead_of_hanging(model, prompts):
+    engines = load_stages(model, 2, max_seq_len=MAX_SEQ)
+    engines[0] = FailingEngine(engines[0], stall_s=1.5)
+    pipeline = TokenPipeline(engines, 2, mode="colocated", step_timeout_s=0.3)
+    with pipeline, pytest.raises(RuntimeError, match="got no answer in 0.3 s"):
+        pipeline.generate(prompts, LIMITS, timeout_s=30)

@@ -1,0 +1,130 @@
+"""The pipeline simulator: calibration against the formulas, reproducibility,
+the planner vs exhaustive search, and DejaVu Appendix B's trends."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.planner import formulas as F
+from orchestrator.planner.perf_model import Profile, Workload
+from orchestrator.planner.planner import Layout, plan
+from orchestrator.planner.search import exhaustive, simulate_layout
+from orchestrator.planner.simulator import simulate_colocated, simulate_disaggregated
+from orchestrator.planner.workload import load_trace, poisson, sample, synthetic
+
+
+def profile(Y: float, t: float = 0.01, m: float = 1.0, N: int = 32, M: float = 1e9,
+            prompt_len: int = 64, batch: int = 1) -> Profile:
+    """Symbolic bytes (L=8, W0=1, C0=K0=0.25): M=8 forces D_p >= 2 and D_t >= 2."""
+    return Profile(L=8, W0=1, C0=0.25, K0=0.25, M=M, Y=Y, t=t, m=m,
+                   workload=Workload(prompt_len, N, batch))
+
+
+def per_D_microbatches(makespan: float, microbatches: int, D: int) -> float:
+    return makespan / microbatches * D
+
+
+@pytest.mark.parametrize("ratio", [1.5, 10, 40])
+def test_steady_state_matches_the_formulas(ratio):
+    """No early stops, saturated: colocated matches I_c, disaggregated I_dis (fill/drain aside)."""
+    D, N = 6, 32
+    p = profile(Y=ratio * 0.01, m=1.1, N=N)
+    reqs = synthetic(48 * D, 64, N)
+    colo = simulate_colocated(p, reqs, depth=D)
+    assert per_D_microbatches(colo.makespan, len(reqs), D) == pytest.approx(
+        F.colocated_inverse_throughput(D, p.Y, p.t, N), rel=0.02)
+    s = F.integer_split(D, p.Y, p.t, N, p.m, 1, 1)
+    dis = simulate_disaggregated(p, reqs, s.D_p, s.D_t)
+    assert per_D_microbatches(dis.makespan, len(reqs), D) == pytest.approx(s.I_dis, rel=0.03)
+
+
+def test_seeded_simulation_is_reproducible():
+    p = profile(Y=0.2, m=1.05, batch=4)
+    trace = load_trace("conv")
+
+    def run(seed: int):
+        reqs = poisson(sample(trace, 64, seed), rate=20.0, seed=seed)
+        return [simulate_layout(p, reqs, lay) for lay in
+                (Layout(1, 4), Layout(2, 2), Layout(1, 1, 3))]
+
+    first, again, other = run(7), run(7), run(8)
+    assert first == again
+    assert first != other
+
+
+def test_planner_pick_is_within_5_percent_of_exhaustive_search():
+    worst = 0.0
+    for D in (4, 6):
+        for ratio in (1.5, 6, 30):
+            for N in (8, 48):
+                for m, M in ((1.0, 1e9), (1.2, 8)):
+                    p = profile(Y=ratio * 0.01, m=m, N=N, M=M)
+                    search = exhaustive(p, synthetic(16 * D, 64, N), D)
+                    picked = search.makespan_of(plan(p, D).layout)
+                    gap = picked / search.best[1].makespan - 1
+                    worst = max(worst, gap)
+                    assert gap <= 0.05, (D, ratio, N, m, M, plan(p, D).layout, search.best[0])
+    print(f"worst planner gap vs exhaustive: {worst:.2%}")
+
+
+def _best_makespans(p: Profile, reqs, D: int) -> tuple[float, float]:
+    """(best colocated incl. data parallel, best disaggregated) makespans."""
+    results = exhaustive(p, reqs, D).results
+    colo = min(r.makespan for lay, r in results if lay.colocated)
+    dis = min(r.makespan for lay, r in results if not lay.colocated)
+    return colo, dis
+
+
+def test_disaggregation_gains_more_as_prompts_grow():
+    """Appendix B: same per-token prompt cost, longer prompts -> larger gain.
+
+    Memory forces token and colocated pipelines to depth >= 4 (M=6)."""
+    D, gains = 8, []
+    for prompt_len in (64, 512, 2048):
+        p = profile(Y=prompt_len * 2e-4, t=0.02, m=1.05, N=64, M=6, prompt_len=prompt_len)
+        reqs = synthetic(64, prompt_len, 64, early_stops=True, seed=3)
+        colo, dis = _best_makespans(p, reqs, D)
+        gains.append(colo / dis)
+    print("colocated/disaggregated makespan by prompt length:", gains)
+    assert gains[0] < gains[1] < gains[2]
+    assert gains[2] > 1.2
+
+
+def test_early_stops_hurt_the_colocated_baseline():
+    """Appendix B: early stops open bubbles in colocated pipelines, not in disaggregated ones."""
+    D, N, prompt_len = 8, 64, 1024
+    p = profile(Y=prompt_len * 2e-4, t=0.02, m=1.05, N=N, M=6, prompt_len=prompt_len)
+    per_step = {}
+    for early in (False, True):
+        reqs = synthetic(64, prompt_len, N, early_stops=early, seed=3)
+        steps = sum(r.output_len for r in reqs)
+        colo, dis = _best_makespans(p, reqs, D)
+        per_step[early] = (colo / steps, dis / steps)
+    colo_slowdown = per_step[True][0] / per_step[False][0]
+    dis_slowdown = per_step[True][1] / per_step[False][1]
+    print(f"seconds per token step, early stops / none: colocated {colo_slowdown:.2f}, "
+          f"disaggregated {dis_slowdown:.2f}")
+    assert colo_slowdown > 1.3
+    assert colo_slowdown > dis_slowdown * 1.2
+
+
+def test_winner_flips_where_the_planner_says():
+    """Sweep Y/t across the threshold: the simulated winner (one depth-D colocated
+    pipeline vs the best split) is the planner's integer decision, and the flip
+    comes no earlier than the real-valued inequality (rounding only delays it)."""
+    D, N, m = 6, 16, 1.2
+    threshold = F.disaggregation_threshold(D, m)
+    sim_flip = None
+    for ratio in (1.1, 1.5, 2, 3, 4, 5, 6, 8, 10, 14, 20):
+        p = profile(Y=ratio * 0.01, m=m, N=N)
+        reqs = synthetic(32 * D, 64, N)
+        split = F.integer_split(D, p.Y, p.t, N, m, 1, 1)
+        planner_dis = split.I_dis < F.colocated_inverse_throughput(D, p.Y, p.t, N)
+        colo = simulate_colocated(p, reqs, depth=D).makespan
+        dis = simulate_disaggregated(p, reqs, split.D_p, split.D_t).makespan
+        if abs(colo / dis - 1) > 0.02:  # closer than that is a tie
+            assert (dis < colo) == planner_dis, (ratio, colo, dis)
+        if dis < colo and sim_flip is None:
+            sim_flip = ratio
+    assert sim_flip is not None and sim_flip >= threshold
+    print(f"threshold {threshold:.2f}, simulated flip at Y/t = {sim_flip}")

@@ -1,0 +1,44 @@
+"""Shared by the tests that start real tritonserver clusters."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from clients.generate import stream_grpc, stream_http
+from orchestrator.engine.reference import generate
+from orchestrator.engine.tokenizer import load_tokenizer
+from orchestrator.engine.torch_engine import load_engine
+
+MAX_SEQ_LEN = 64
+PROMPTS = [
+    "The quick brown fox",
+    "Where is the server?",
+    "A pipeline splits the layers of a model into stages",
+    "0, 1, 2, 3",
+    "How many tokens per second",
+    "Large language models answer a prompt in two phases.",
+]
+
+
+def reference(model_dir: Path, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    """Greedy tokens of the single-process reference on the same weights."""
+    tokenizer = load_tokenizer(model_dir)
+    engine = load_engine(model_dir, max_seq_len=MAX_SEQ_LEN)
+    return generate([engine], [tokenizer.encode(p).ids for p in prompts], max_tokens)
+
+
+def run_concurrently(protocol: str, url: str, prompts: list[str], **params) -> list[list]:
+    """Every prompt at once; each result is that request's list of chunks."""
+    run = stream_grpc if protocol == "grpc" else stream_http
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(lambda p=p: list(run(url, p, **params))) for p in prompts]
+        return [f.result(timeout=120) for f in futures]
+
+
+def ids_of(chunks) -> list[int]:
+    return [t for chunk in chunks for t in chunk.ids]
+
+
+def text_of(chunks) -> str:
+    return "".join(chunk.text for chunk in chunks)

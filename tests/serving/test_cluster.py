@@ -1,0 +1,160 @@
+"""Disaggregated serving on real tritonservers: a frontend, one P-node and one T-node.
+
+Tokens come out exactly as the single-process reference makes them, through
+gRPC streaming, HTTP ``generate_stream`` and HTTP ``generate``, for requests
+that run at the same time; bad requests get an error that says what is wrong
+and the cluster serves the next one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from clients.generate import GenerateError, stream_grpc, stream_http
+from orchestrator.cluster.launcher import Cluster
+from orchestrator.engine.tokenizer import load_tokenizer
+from cluster_helpers import (
+    MAX_SEQ_LEN,
+    PROMPTS,
+    ids_of,
+    reference,
+    run_concurrently,
+    text_of,
+)
+
+pytestmark = pytest.mark.slow
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def cluster(model, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("disaggregated")
+    with Cluster.up(model, prefill=1, decode=1, run_dir=run_dir, max_seq_len=MAX_SEQ_LEN) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def expected(model):
+    return reference(model, PROMPTS, MAX_TOKENS)
+
+
+def good_request_works(cluster, expected) -> None:
+    chunks = list(stream_grpc(cluster.frontend.grpc_url, PROMPTS[0], max_tokens=MAX_TOKENS))
+    assert ids_of(chunks) == expected[0]
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_concurrent_streams_match_reference(cluster, model, expected, protocol):
+    url = cluster.frontend.grpc_url if protocol == "grpc" else cluster.frontend.http_url
+    results = run_concurrently(protocol, url, PROMPTS, max_tokens=MAX_TOKENS)
+    assert [ids_of(chunks) for chunks in results] == expected
+    assert all(len(chunks) == MAX_TOKENS for chunks in results)  # one response per token
+    tokenizer = load_tokenizer(model)
+    assert [text_of(c) for c in results] == [tokenizer.decode(ids) for ids in expected]
+
+
+def test_http_generate_without_streaming(cluster, model, expected):
+    results = run_concurrently(
+        "http", cluster.frontend.http_url, PROMPTS, max_tokens=MAX_TOKENS, stream=False
+    )
+    assert all(len(chunks) == 1 for chunks in results)
+    assert [ids_of(chunks) for chunks in results] == expected
+
+
+def test_end_id_stops_early(cluster, expected):
+    end_id = expected[1][3]
+    chunks = list(
+        stream_grpc(cluster.frontend.grpc_url, PROMPTS[1], max_tokens=MAX_TOKENS, end_id=end_id)
+    )
+    assert ids_of(chunks) == expected[1][: expected[1].index(end_id) + 1]
+
+
+def test_sampling_parameters_are_used_and_seeded(cluster, expected):
+    def sample(seed: int) -> list[int]:
+        params = dict(max_tokens=MAX_TOKENS, temperature=1.5, top_k=50, random_seed=seed)
+        return ids_of(stream_grpc(cluster.frontend.grpc_url, PROMPTS[2], **params))
+
+    first, again, other = sample(1), sample(1), sample(2)
+    assert first == again  # the same seed repeats on P and T
+    assert len(first) == MAX_TOKENS and (first != other or first != expected[2])
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "message"),
+    [
+        ("", {"max_tokens": 4}, "empty prompt"),
+        ("token " * 200, {"max_tokens": 4}, "does not fit the context of 64"),
+        ("hello", {"max_tokens": 0}, "max_tokens must be at least 1"),
+        ("hello", {"max_tokens": -3}, "max_tokens must be at least 1"),
+        ("hello", {"max_tokens": 100}, "exceeds the context of 64"),
+        ("hello", {"max_tokens": 4, "top_p": 0.0}, "top_p must be in"),
+    ],
+)
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_bad_requests_are_named_and_the_cluster_goes_on(
+    cluster, expected, protocol, prompt, params, message
+):
+    url = cluster.frontend.grpc_url if protocol == "grpc" else cluster.frontend.http_url
+    run = stream_grpc if protocol == "grpc" else stream_http
+    with pytest.raises(GenerateError, match=message):
+        list(run(url, prompt, **params))
+    good_request_works(cluster, expected)
+
+
+def _infer(url: str, model: str, inputs: dict[str, tuple[np.ndarray, str]]):
+    client = grpcclient.InferenceServerClient(url)
+    tensors = []
+    for name, (array, dtype) in inputs.items():
+        tensors.append(grpcclient.InferInput(name, list(array.shape), dtype))
+        tensors[-1].set_data_from_numpy(array)
+    results = []
+    client.start_stream(callback=lambda result, error: results.append((result, error)))
+    try:
+        client.async_stream_infer(model, tensors)
+    finally:
+        client.stop_stream()  # waits for the server to close the stream
+    return [error for _, error in results if error is not None]
+
+
+@pytest.mark.parametrize(
+    ("model_name", "max_tokens", "message"),
+    [
+        ("ensemble", (np.array([4.0], np.float32), "FP32"), "but model 'ensemble' expects 'int32'"),
+        ("ensemble", (np.array([4, 4], np.int32), "INT32"), "shape"),
+        ("no_such_model", (np.array([4], np.int32), "INT32"), "unknown model"),
+    ],
+)
+def test_wrong_dtype_shape_or_model(cluster, expected, model_name, max_tokens, message):
+    prompt = (np.array([b"hello"], dtype=np.object_), "BYTES")
+    errors = _infer(
+        cluster.frontend.grpc_url, model_name, {"text_input": prompt, "max_tokens": max_tokens}
+    )
+    assert errors and message in errors[0].message().lower(), errors
+    good_request_works(cluster, expected)
+
+
+def test_client_that_leaves_mid_stream_cancels_downstream(cluster, expected):
+    long = dict(max_tokens=MAX_SEQ_LEN - 8)
+    stream = stream_grpc(cluster.frontend.grpc_url, PROMPTS[0], **long)
+    assert len([next(stream) for _ in range(3)]) == 3
+    stream.close()  # the client goes away: stop_stream(cancel_requests=True)
+    for _ in range(3):
+        good_request_works(cluster, expected)
+
+
+def test_http_infer_on_the_decoupled_ensemble_says_so(cluster):
+    import tritonclient.http as httpclient
+
+    client = httpclient.InferenceServerClient(cluster.frontend.http_url)
+    text = httpclient.InferInput("text_input", [1], "BYTES")
+    text.set_data_from_numpy(np.array([b"hello"], dtype=np.object_))
+    with pytest.raises(InferenceServerException, match="decoupled"):
+        client.infer("ensemble", [text])

@@ -1,0 +1,35 @@
+"""Join-the-shortest-queue by pending tokens, and nodes marked down."""
+
+import pytest
+
+from orchestrator.serving.router import NoNodeError, Router
+
+
+def test_picks_the_node_with_fewest_pending_tokens():
+    router = Router(["a", "b", "c"])
+    assert router.pick(100) == "a"
+    assert router.pick(10) == "b"
+    assert router.pick(10) == "c"
+    assert router.pick(5) == "b"  # b: 10, c: 10 -> b first; then b: 15
+    router.done("a", 100)
+    assert router.pick(1) == "a"
+
+
+def test_assign_returns_tokens_on_exit_even_on_error():
+    router = Router(["a", "b"])
+    with pytest.raises(RuntimeError), router.assign(50) as node:
+        assert node == "a"
+        raise RuntimeError("boom")
+    assert router.pending == {"a": 0, "b": 0}
+
+
+def test_down_node_is_skipped_until_its_time_is_up():
+    router = Router(["a", "b"], down_s=60)
+    router.mark_down("a")
+    assert [router.pick(1) for _ in range(3)] == ["b", "b", "b"]
+    router.mark_down("b")
+    with pytest.raises(NoNodeError, match="all nodes down"):
+        router.pick(1)
+    router.down_s = 0
+    router.mark_down("a")
+    assert router.pick(1) == "a"

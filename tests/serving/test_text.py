@@ -1,0 +1,21 @@
+"""Streamed detokenization: the pieces add up to the whole text."""
+
+import random
+
+from orchestrator.engine.tokenizer import train_tokenizer
+from orchestrator.serving.text import CONTEXT_TOKENS, encode_prompt, new_text
+
+
+def test_streamed_pieces_concatenate_to_the_full_text():
+    tokenizer = train_tokenizer(400)
+    rng = random.Random(0)
+    text = "The prompt phase reads the whole prompt at once; the token phase follows."
+    ids = encode_prompt(tokenizer, text)
+    for _ in range(20):
+        pieces, sent, i = [], [], 0
+        while i < len(ids):
+            n = rng.randint(1, 3)
+            pieces.append(new_text(tokenizer, sent[-CONTEXT_TOKENS:], ids[i : i + n]))
+            sent += ids[i : i + n]
+            i += n
+        assert "".join(pieces) == tokenizer.decode(ids) == text
