@@ -28,7 +28,8 @@ from orchestrator.cluster.tritonserver import (
     clean_shm,
     is_ready,
     make_backend_dir,
-    stop_process,
+    stop_processes,
+    stop_servers,
 )
 
 STATE_FILE = "cluster.json"
@@ -125,8 +126,7 @@ class Cluster:
         self.write_state()
 
     def stop(self) -> None:
-        for node in reversed(self.nodes):
-            node.server.stop()
+        stop_servers([node.server for node in self.nodes])
         (self.run_dir / STATE_FILE).unlink(missing_ok=True)
 
     def write_state(self) -> None:
@@ -171,8 +171,10 @@ def up_main(argv: list[str]) -> int:
     _dir_argument(parser)
     args = parser.parse_args(argv)
     if (Path(args.dir) / STATE_FILE).exists():
-        print(f"a cluster is already up in {args.dir}: run `dejavu down` first", file=sys.stderr)
-        return 1
+        if any(is_ready(n["http"]) for n in read_state(args.dir)["nodes"]):
+            print(f"a cluster is up in {args.dir}: run `dejavu down` first", file=sys.stderr)
+            return 1
+        (Path(args.dir) / STATE_FILE).unlink()  # left by a cluster that died
     try:
         cluster = Cluster(
             args.model, args.prefill, args.decode, args.colocated, args.dir, args.max_seq_len
@@ -219,9 +221,8 @@ def down_main(argv: list[str]) -> int:
     except FileNotFoundError as exc:
         print(exc, file=sys.stderr)
         return 1
-    for node in reversed(state["nodes"]):
-        if node["pid"]:
-            stop_process(node["pid"])
+    stop_processes([node["pid"] for node in state["nodes"] if node["pid"]])
+    for node in state["nodes"]:
         clean_shm(node["shm_prefix"])
         print(f"stopped {node['name']}")
     (Path(args.dir) / STATE_FILE).unlink()

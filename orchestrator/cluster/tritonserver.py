@@ -9,6 +9,7 @@ per-node parameters, three free loopback ports and a log file.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -172,10 +173,17 @@ class TritonServer:
             return ""
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        if self.process is not None:
-            stop_process(self.process.pid, timeout_s)
-            self.process.wait(timeout=5)
-        clean_shm(self.shm_prefix)
+        stop_servers([self], timeout_s)
+
+
+def stop_servers(servers: list[TritonServer], timeout_s: float = 15.0) -> None:
+    """Stop several servers side by side (each takes seconds to unload its models)."""
+    started = [s.process for s in servers if s.process is not None]
+    stop_processes([p.pid for p in started], timeout_s)
+    for process in started:
+        process.wait(timeout=5)
+    for server in servers:
+        clean_shm(server.shm_prefix)
 
 
 def is_ready(http_url: str) -> bool:
@@ -186,21 +194,21 @@ def is_ready(http_url: str) -> bool:
         return False
 
 
-def stop_process(pid: int, timeout_s: float = 15.0) -> None:
-    """SIGTERM, then SIGKILL after ``timeout_s``; the stubs exit with the server."""
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
+def stop_processes(pids: list[int], timeout_s: float = 15.0) -> None:
+    """SIGTERM all at once, then SIGKILL what is left after ``timeout_s``.
+
+    The Python-backend stubs exit with their server.
+    """
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not _alive(pid):
-            return
+    while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
         time.sleep(0.1)
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        return
+    for pid in pids:
+        if _alive(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def _alive(pid: int) -> bool:

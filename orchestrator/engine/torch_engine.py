@@ -1,8 +1,9 @@
 """The torch engine: one pipeline stage of a GPT-2, OPT or Llama model, CPU or CUDA.
 
 Prefill packs the batch's prompts into one ``[sum T_i, hidden]`` tensor for the
-linear layers and runs causal attention per prompt. Decode runs all sequences
-in one step, attending over each sequence's own slot with a length mask.
+linear layers; decode runs one row per sequence. Attention runs per sequence,
+in place over that sequence's own KV slot.
+
 Both run under ``no_grad`` rather than ``inference_mode``, so callers may
 still write into the tensors they get back (transports, swapping).
 """
@@ -77,7 +78,8 @@ class TorchEngine:
 
         for i, w in enumerate(self.weights.layers):
             layer = self.stage.first_layer + i
-            x = self._block(x, w, positions, self._prefill_attend(layer, caches, lengths))
+            attend = self._attend(layer, caches, [0] * len(caches), lengths)
+            x = self._block(x, w, positions, attend)
             if on_layer is not None:
                 on_layer(layer, caches)
 
@@ -93,11 +95,12 @@ class TorchEngine:
         for i, cache in enumerate(caches):
             if cache.length >= self.max_seq_len:
                 raise ValueError(f"cache {i} is full ({self.max_seq_len} positions)")
-        positions = torch.tensor([c.length for c in caches], device=self.device)
+        starts = [c.length for c in caches]
+        positions = torch.tensor(starts, device=self.device)
         x = self._stage_input(inputs.to(self.device), positions)
         for i, w in enumerate(self.weights.layers):
-            layer = self.stage.first_layer + i
-            x = self._block(x, w, positions, self._decode_attend(layer, caches, positions))
+            attend = self._attend(self.stage.first_layer + i, caches, starts, [1] * len(caches))
+            x = self._block(x, w, positions, attend)
         for cache in caches:
             cache.length += 1
         return self._logits(x) if self.stage.is_last else x
@@ -142,41 +145,31 @@ class TorchEngine:
 
     # -- attention over the KV slots ---------------------------------------
 
-    def _prefill_attend(self, layer: int, caches: Sequence[KVCache], lengths: list[int]) -> Attend:
+    def _attend(
+        self, layer: int, caches: Sequence[KVCache], starts: list[int], counts: list[int]
+    ) -> Attend:
+        """Per sequence: write its ``count`` new K/V rows at ``start`` of its slot, then attend
+        over the slot so far. New rows are a whole prompt (start 0, causal) or one decode
+        token (sees every position). Attending in place, one sequence at a time, reads no
+        padding and copies no KV, and a sequence's result never depends on its batch."""
+
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             outs = []
-            for cache, q_i, k_i, v_i in zip(
-                caches, q.split(lengths), k.split(lengths), v.split(lengths), strict=True
+            for cache, start, q_i, k_i, v_i in zip(
+                caches, starts, q.split(counts), k.split(counts), v.split(counts), strict=True
             ):
-                slot, n = cache.layer(layer), len(q_i)
-                # [T, heads, dim] -> [heads, T, dim], the slot's order
-                q_i, k_i, v_i = q_i.transpose(0, 1), k_i.transpose(0, 1), v_i.transpose(0, 1)
-                slot[0, :, :n] = k_i
-                slot[1, :, :n] = v_i
+                slot, end = cache.layer(layer), start + len(q_i)
+                slot[0, :, start:end] = k_i.transpose(0, 1)  # [T, heads, dim] -> [heads, T, dim]
+                slot[1, :, start:end] = v_i.transpose(0, 1)
                 out = F.scaled_dot_product_attention(
-                    q_i[None], k_i[None], v_i[None], is_causal=True, enable_gqa=True
+                    q_i.transpose(0, 1)[None],
+                    slot[None, 0, :, :end],
+                    slot[None, 1, :, :end],
+                    is_causal=len(q_i) > 1,
+                    enable_gqa=True,
                 )
-                outs.append(out[0].transpose(0, 1).reshape(n, -1))
+                outs.append(out[0].transpose(0, 1).reshape(len(q_i), -1))
             return torch.cat(outs)
-
-        return attend
-
-    def _decode_attend(
-        self, layer: int, caches: Sequence[KVCache], positions: torch.Tensor
-    ) -> Attend:
-        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            for b, cache in enumerate(caches):
-                slot, pos = cache.layer(layer), cache.length
-                slot[0, :, pos] = k[b]
-                slot[1, :, pos] = v[b]
-            span = max(c.length for c in caches) + 1
-            kv = torch.stack([c.layer(layer)[:, :, :span] for c in caches])  # [B, 2, kvh, L, d]
-            # Each sequence sees its own positions only: [B, 1, 1, L]
-            mask = torch.arange(span, device=self.device)[None, :] <= positions[:, None]
-            out = F.scaled_dot_product_attention(
-                q[:, :, None], kv[:, 0], kv[:, 1], attn_mask=mask[:, None, None], enable_gqa=True
-            )
-            return out.reshape(len(caches), -1)
 
         return attend
 

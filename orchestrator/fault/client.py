@@ -41,12 +41,15 @@ class ControllerClient:
         heartbeat_s: float = 0.2,
         rpc_timeout_s: float = 1.0,
         node_id: str | None = None,
+        ack_interval_s: float = 0.01,
     ) -> None:
-        if heartbeat_s <= 0 or rpc_timeout_s <= 0:
-            raise ValueError("heartbeat_s and rpc_timeout_s must be > 0")
+        if min(heartbeat_s, rpc_timeout_s, ack_interval_s) <= 0:
+            raise ValueError("heartbeat_s, rpc_timeout_s and ack_interval_s must be > 0")
         self.spec = spec
         self.node_id = node_id or f"{spec.pipeline}/{spec.stage}/{uuid.uuid4().hex[:8]}"
         self.heartbeat_s, self.rpc_timeout_s = heartbeat_s, rpc_timeout_s
+        # Acks go out sooner than beats: the unsent ones die with the node.
+        self.ack_interval_s = min(ack_interval_s, heartbeat_s)
         self.epoch, self.state = 0, "unknown"  # of the pipeline, as of the last beat
         self.connected = False
         self.fenced = threading.Event()  # the controller declared this node dead
@@ -114,16 +117,23 @@ class ControllerClient:
         return self._stub.call(method, request, self.rpc_timeout_s)
 
     def _run(self) -> None:
+        next_beat = 0.0
         while not self._stop.is_set():
-            self._beat()
-            self._stop.wait(self.heartbeat_s)
+            now = time.monotonic()
+            beat = now >= next_beat
+            if beat:
+                next_beat = now + self.heartbeat_s
+            if beat or (self.connected and self._unsent):
+                self._beat(beat)
+            self._stop.wait(self.ack_interval_s)
 
-    def _beat(self) -> None:
+    def _beat(self, heartbeat: bool) -> None:
         try:
             if not self._registered:
                 self._register()
-            reply = self._call("Heartbeat", {"node_id": self.node_id})
-            self.epoch, self.state = reply["epoch"], reply["state"]
+            if heartbeat:
+                reply = self._call("Heartbeat", {"node_id": self.node_id})
+                self.epoch, self.state = reply["epoch"], reply["state"]
             self._flush_acks()
             if not self.connected:
                 log.info("%s: connected to the controller", self.node_id)

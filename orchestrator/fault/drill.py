@@ -93,17 +93,17 @@ class StageNode:
         self.transport = LocalTransport(drill.fabric, f"stage{stage}-{uuid.uuid4().hex[:6]}")
         self.caches: dict[str, KVCache] = {}
         self.alive = True
+        spec = NodeSpec(cfg.pipeline, stage, cfg.depth,
+                        transport=base64.b64encode(self.transport.metadata()).decode())
+        self.client = ControllerClient(cfg.controller, spec, cfg.heartbeat_s).start()
         self.inbox = ReplicaStore(self.transport, self.engine.kv_layout, cfg.num_slots, SECRET,
-                                  cfg.kv_timeout_s)
+                                  timeout_s=cfg.kv_timeout_s)
         self.store = None
         if cfg.replicate:
             source = drill.engines[(stage - 1) % cfg.depth].kv_layout
             self.store = ReplicaStore(self.transport, source, cfg.num_slots, SECRET,
-                                      cfg.kv_timeout_s)
+                                      self.client.ack, cfg.kv_timeout_s)
         self.replicator: Replicator | None = None
-        spec = NodeSpec(cfg.pipeline, stage, cfg.depth,
-                        transport=base64.b64encode(self.transport.metadata()).decode())
-        self.client = ControllerClient(cfg.controller, spec, cfg.heartbeat_s).start()
 
     def replicate_to(self, holder: StageNode, max_batch: int, timeout_s: float) -> None:
         if self.replicator is not None:
@@ -111,7 +111,7 @@ class StageNode:
         assert holder.store is not None
         self.transport.add_peer(holder.transport.name, holder.transport.metadata())
         self.replicator = Replicator(self.stage, self.transport, self.engine.kv_layout, SECRET,
-                                     holder.store, self.client.ack, max_batch, timeout_s)
+                                     holder.store, max_batch, timeout_s)
 
     def kill(self) -> None:
         self.alive = False
@@ -217,6 +217,8 @@ class Drill:
                 x = node.engine.decode(x, caches)
             if node.replicator is not None:
                 node.replicator.step(j, step, rids, caches)
+            if node.store is not None:
+                node.store.progress()
         logits = torch.stack(x) if step == 0 else x
         now = time.perf_counter() - self.start
         for req, token in zip(reqs, logits.argmax(-1).tolist(), strict=True):
@@ -256,31 +258,31 @@ class Drill:
             plan = self.nodes[dead[0]].client.wait_for_recovery_plan(plan["epoch"],
                                                                      cfg.plan_timeout_s)
         planned = time.perf_counter()
-        resume = resume_steps(plan, sorted(self.batches))
+        failed, recompute = set(plan["failed"]), plan["recompute"] or not cfg.replicate
+        resume = resume_steps(plan, sorted(self.batches), recompute)
         lengths = {
             rid: length_before(resume[j], len(self.requests[rid].prompt))
             for j, rids in self.batches.items() for rid in rids
         }
-        failed = set(plan["failed"])
-        for holder_stage, x in plan["restore"]:  # step 1
+        for holder_stage, x in [] if recompute else plan["restore"]:  # step 1
             holder, new = self.nodes[holder_stage], self.nodes[x]
             sender = KVSender(holder.transport, holder.store.layout, SECRET)
             holder.transport.add_peer(new.transport.name, new.transport.metadata())
             new.caches = restore_stage(holder.store, sender, new.inbox, new.engine, lengths,
                                        cfg.kv_timeout_s)
         for node in self.nodes:  # step 4's rollback (survivors; the new stages are restored)
-            if plan["recompute"] or node.stage not in failed:
+            if recompute or node.stage not in failed:
                 rollback(node.caches, lengths)
         for j in self.batches:
             self.steps[j] = resume[j]
             for rid in self.batches[j]:
                 del self.requests[rid].tokens[resume[j]:]
         if cfg.replicate:  # step 2 (and re-seeding the new stages' own replicas)
-            if plan["recompute"]:
+            if recompute:
                 for node in self.nodes:
                     for rid in node.store.held:
                         node.store.free(rid)
-            touched = set(range(cfg.depth)) if plan["recompute"] else (
+            touched = set(range(cfg.depth)) if recompute else (
                 failed | {(x - 1) % cfg.depth for x in failed}
             )
             self._connect(sorted(touched))
@@ -291,9 +293,9 @@ class Drill:
         for node in self.nodes:
             node.client.recovered(plan["epoch"])
         self.epoch = plan["epoch"]
-        if plan["recompute"]:
+        if recompute:
             log.warning("no replica survived for stages %s: recomputed from the prompts", dead)
         self.result.recoveries.append(Recovery(
             dead, planned - self.killed_at, time.perf_counter() - planned, resume,
-            plan["recompute"],
+            recompute,
         ))

@@ -29,10 +29,10 @@ def length_before(step: int, prompt_len: int) -> int:
     return 0 if step == 0 else prompt_len + step - 1
 
 
-def resume_steps(plan: dict, microbatches: list[int]) -> dict[int, int]:
+def resume_steps(plan: dict, microbatches: list[int], recompute: bool) -> dict[int, int]:
     """Step to redo per microbatch; one the controller has no ack for restarts at 0."""
     resume = {int(j): int(t) for j, t in plan["resume"].items()}
-    return {j: 0 if plan["recompute"] else resume.get(j, 0) for j in microbatches}
+    return {j: 0 if recompute else resume.get(j, 0) for j in microbatches}
 
 
 def restore_stage(

@@ -8,10 +8,11 @@ layer by layer, and each token step's delta over the buffered
 :class:`~orchestrator.kv.delta.DeltaStreamer`, in the background while the next
 step computes.
 
-Acks: the *source* acks ``(x, j, t)`` once the streamer reports every delta
-submitted up to step t landed. A one-sided WRITE that completes at the
-initiator has put the bytes in the holder's memory (NIXL/UCX semantics), so the
-holder need not watch each delta. An ack that is late or lost only makes
+Acks: once the streamer reports every delta up to step t of microbatch j
+landed (a one-sided WRITE complete at the initiator has put the bytes in the
+holder's memory: NIXL/UCX semantics), the source tells the holder, and the
+*holder* acks ``(x, j, t)`` to the controller, as in the paper: the acks of a
+dead stage live on with its holder. An ack that is late or lost only makes
 recovery redo more steps, never fewer.
 
 The holder's side crosses nodes through :class:`ReplicaPeer` (``open`` a slot
@@ -46,6 +47,10 @@ class ReplicaPeer(Protocol):
 
     def free(self, request_id: str) -> None: ...
 
+    def landed(self, source_stage: int, microbatch: int, step: int) -> None:
+        """Every delta of ``microbatch`` through ``step`` is in the holder's memory."""
+        ...
+
 
 class ReplicaStore:
     """Holder side: replicas of one source stage's KV in registered host memory."""
@@ -56,9 +61,10 @@ class ReplicaStore:
         source_layout: KVLayout,
         num_slots: int,
         secret: bytes,
+        ack: AckFn | None = None,
         timeout_s: float = 10.0,
     ) -> None:
-        self.layout = source_layout
+        self.layout, self._ack = source_layout, ack
         self.receiver = KVReceiver(transport, source_layout, num_slots, secret, timeout_s)
         self._held: set[str] = set()
         self._lock = threading.Lock()
@@ -76,11 +82,22 @@ class ReplicaStore:
             self._held.discard(request_id)
             self.receiver.release(request_id)
 
+    def landed(self, source_stage: int, microbatch: int, step: int) -> None:
+        if self._ack is not None:
+            self._ack(source_stage, microbatch, step)
+
+    def progress(self) -> None:
+        """Scatter the deltas that landed; the holding stage calls it once per step."""
+        self.receiver.progress()
+
     def replica(self, request_id: str, length: int) -> KVCache:
-        """The replica as a cache view, its first ``length`` positions valid."""
-        cache, _ = self.receiver.wait(request_id)
-        if length > self.layout.max_seq_len:
-            raise ValueError(f"replica length {length} > max_seq_len {self.layout.max_seq_len}")
+        """The replica as a cache view of its first ``length`` positions."""
+        self.receiver.wait(request_id)  # its first part (prompt, or a seed) is complete
+        cache = self.receiver.cache(request_id)
+        if cache.length < length:
+            raise RuntimeError(
+                f"replica of {request_id!r} holds {cache.length} positions, {length} needed"
+            )
         return KVCache(self.layout, cache.data, length)
 
     @property
@@ -120,11 +137,10 @@ class Replicator:
         layout: KVLayout,
         secret: bytes,
         holder: ReplicaPeer,
-        ack: AckFn,
         max_batch: int,
         timeout_s: float = 10.0,
     ) -> None:
-        self.stage, self.holder, self._ack, self.timeout_s = stage, holder, ack, timeout_s
+        self.stage, self.holder, self.timeout_s = stage, holder, timeout_s
         self.sender = KVSender(transport, layout, secret)
         self.streamer = DeltaStreamer(transport, layout, secret, max_batch, timeout_s=timeout_s)
         self.error: KVTransferError | None = None
@@ -209,4 +225,4 @@ class Replicator:
                 if isinstance(entry, threading.Event):
                     entry.set()
                 elif self.error is None:
-                    self._ack(self.stage, *entry)
+                    self.holder.landed(self.stage, *entry)

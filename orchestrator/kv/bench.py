@@ -7,8 +7,10 @@ mode at a time, each optimisation added to the previous one:
 - ``none``: no streaming (the baseline).
 - ``per-slice``: after prefill, one transfer per (layer, K/V, head) run; after
   every decode step, one transfer per (layer, K/V, head) slice; blocking.
-- ``buffered``: the prompt packed and sent as one transfer after prefill; each
-  step's slices gathered into one staging block and sent as one transfer.
+- ``buffered``: the prompt sent after prefill, one transfer per layer
+  (KVSender); each step's slices gathered into one staging block and sent as
+  one contiguous transfer to the receiver's landing ring, scattered there
+  (DeltaStreamer, waiting for each step to land).
 - ``layer-wise``: + the prompt streams layer by layer during prefill (KVSender).
 - ``overlap``: + each step's delta streams in the background while the next
   step computes (DeltaStreamer).
@@ -24,6 +26,7 @@ import argparse
 import csv
 import hashlib
 import multiprocessing as mp
+import queue
 import statistics
 import time
 from collections.abc import Callable
@@ -62,8 +65,15 @@ def receiver_main(inbox: mp.Queue, outbox: mp.Queue, layout_dict: dict) -> None:
     receiver = KVReceiver(transport, layout, num_slots=3, secret=SECRET, timeout_s=0.2)
     outbox.put((transport.name, transport.metadata(), landing_addr))
     slots: dict[str, int] = {}
-    while (message := inbox.get(timeout=3600))[0] != "stop":
+    while True:
+        try:
+            message = inbox.get(timeout=0.001)
+        except queue.Empty:
+            receiver.progress()  # scatter landed deltas, as a decode node does every step
+            continue
         kind, rid, *args = message
+        if kind == "stop":
+            break
         if kind == "reserve":
             deadline = time.monotonic() + 10
             while True:  # quarantined slots come back after the short timeout
@@ -109,7 +119,7 @@ class ModeResult:
 
 
 class Bench:
-    """One model: the engine, its registered cache and staging, the receiver process."""
+    """One model: the engine, its registered cache, the receiver process."""
 
     def __init__(self, model_dir: Path, prompt_len: int, new_tokens: int, repeats: int):
         from orchestrator.engine.torch_engine import load_engine
@@ -122,8 +132,6 @@ class Bench:
         self.transport = NixlTransport(name="bench-engine")
         self.cache = self.engine.new_cache()  # reused, so it is registered once
         self.transport.register(self.cache.data)
-        self.staging = torch.empty(self.layout.slot_bytes(), dtype=torch.uint8)
-        self.staging_addr = self.transport.register(self.staging).addr
         generator = torch.Generator().manual_seed(0)
         self.prompt = torch.randint(0, self.engine.vocab_size, (prompt_len,), generator=generator)
         ctx = mp.get_context("spawn")
@@ -179,24 +187,12 @@ class Bench:
             if state == KVPoll.FAILED:
                 raise RuntimeError(handle.error)
 
-    def _spans(self, addr: int, ticket, positions: range):
+    def _send_slices(self, ticket, positions: range) -> None:
+        """The naive way: one transfer per contiguous (layer, K/V, head) run, no staging."""
         from orchestrator.kv.primitives import kv_spans
 
-        local = kv_spans(self.layout, addr, self.layers, positions)
-        return local, kv_spans(ticket.layout, ticket.slot_addr, self.layers, positions)
-
-    def _send_packed(self, ticket, positions: range, pack: Callable[[torch.Tensor], None]):
-        """Pack into staging, then one transfer scattered over the remote runs."""
-        from orchestrator.kv.primitives import pair_spans
-        from orchestrator.kv.transport.base import Region
-
-        pack(self.staging)
-        _, remote = self._spans(self.cache.data.data_ptr(), ticket, positions)
-        nbytes = sum(r.nbytes for r in remote)
-        self._write_all(pair_spans([Region(self.staging_addr, nbytes)], remote))
-
-    def _send_slices(self, ticket, positions: range) -> None:
-        local, remote = self._spans(self.cache.data.data_ptr(), ticket, positions)
+        local = kv_spans(self.layout, self.cache.data.data_ptr(), self.layers, positions)
+        remote = kv_spans(ticket.layout, ticket.slot_addr, self.layers, positions)
         self._write_all(list(zip(local, remote, strict=True)), separately=True)
 
     # -- one mode --
@@ -213,7 +209,7 @@ class Bench:
                 self.inbox.put(("release", rid))
         tokens, decode_s, send_s = self._decode(mode, rid, ticket, logits)
         positions = self.prompt_len + self.new_tokens - 1
-        received = self.ask("check", rid, positions, mode in ("layer-wise", "overlap"))
+        received = self.ask("check", rid, positions, mode not in ("none", "per-slice"))
         self.inbox.put(("release", rid))
         steps = max(1, self.new_tokens - 1)
         result = ModeResult(
@@ -232,42 +228,43 @@ class Bench:
     def _prefill(self, mode: str, rid: str, ticket_bytes: bytes) -> tuple[float, torch.Tensor]:
         """Seconds until the prompt's KV has landed (computed, for ``none``), and the logits."""
         from orchestrator.kv.connector import KVSender
-        from orchestrator.kv.primitives import pack
         from orchestrator.kv.wire import Ticket
 
         ticket, prompt_kv = Ticket.decode(ticket_bytes, SECRET), range(self.prompt_len)
         sender = KVSender(self.transport, self.layout, SECRET, max_inflight=1)
         self.cache.length = 0
         start = time.perf_counter()
-        if mode in ("layer-wise", "overlap"):
+        if mode in ("none", "per-slice"):
+            (logits,) = self.engine.prefill([self.prompt], [self.cache])
+            if mode == "per-slice":
+                self._send_slices(ticket, prompt_kv)
+        else:
             handle = sender.start(rid, [ticket_bytes])
 
             def stream_layer(layer: int, caches) -> None:
                 sender.save_layer(handle, layer, caches[0])
 
-            (logits,) = self.engine.prefill([self.prompt], [self.cache], on_layer=stream_layer)
+            layer_wise = mode != "buffered"
+            (logits,) = self.engine.prefill(
+                [self.prompt], [self.cache], on_layer=stream_layer if layer_wise else None
+            )
+            if not layer_wise:
+                for layer in self.layers:
+                    stream_layer(layer, [self.cache])
             sender.finish(handle)
             sender.wait_for_save(handle, timeout_s=60)
-        else:
-            (logits,) = self.engine.prefill([self.prompt], [self.cache])
-            if mode == "per-slice":
-                self._send_slices(ticket, prompt_kv)
-            elif mode == "buffered":
-                self._send_packed(
-                    ticket, prompt_kv, lambda out: pack(self.cache, self.layers, prompt_kv, out)
-                )
         seconds = time.perf_counter() - start
         sender.close()
         return seconds, logits
 
     def _decode(self, mode: str, rid: str, ticket_bytes: bytes, logits: torch.Tensor):
         """Greedy tokens, decode seconds (deltas landed), and blocking send seconds."""
-        from orchestrator.kv.delta import DeltaStreamer, gather_step
+        from orchestrator.kv.delta import DeltaStreamer
         from orchestrator.kv.wire import Ticket
 
         ticket = Ticket.decode(ticket_bytes, SECRET)
         streamer = None
-        if mode in ("layer-wise", "overlap"):
+        if mode not in ("none", "per-slice"):
             streamer = DeltaStreamer(self.transport, self.layout, SECRET, max_batch=1, depth=4)
             streamer.add_target(rid, ticket_bytes)
         tokens, send_s = [int(logits.argmax())], 0.0
@@ -280,15 +277,11 @@ class Bench:
                 continue
             step = range(position, position + 1)
             sent = time.perf_counter()
-            if mode == "per-slice":
+            if streamer is None:
                 self._send_slices(ticket, step)
-            elif mode == "buffered":
-                self._send_packed(
-                    ticket, step, lambda out, at=position: gather_step([self.cache], [at], out)
-                )
-            elif streamer is not None:
+            else:
                 streamer.submit([rid], [self.cache], [position])
-                if mode == "layer-wise":  # buffered but not overlapped
+                if mode != "overlap":
                     streamer.flush()
             send_s += time.perf_counter() - sent
         if streamer is not None:

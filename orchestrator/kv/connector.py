@@ -86,6 +86,9 @@ class _Incoming:
     extra: bytes | None = None
     error: KVTransferError | None = None
     heard_from: dict[str, float] = field(default_factory=dict)  # peer -> last message time
+    early_deltas: list[tuple[str, int, int | None]] = field(
+        default_factory=list
+    )  # (peer, pos, crc)
 
 
 class KVReceiver:
@@ -99,13 +102,20 @@ class KVReceiver:
         secret: bytes,
         timeout_s: float = 30.0,
         checksum: bool = False,
+        delta_depth: int = 8,
     ) -> None:
-        if num_slots < 1 or not secret:
-            raise ValueError("need at least one slot and a non-empty secret")
+        if num_slots < 1 or delta_depth < 1 or not secret:
+            raise ValueError("need at least one slot, a delta depth >= 1 and a non-empty secret")
         self.transport, self.layout, self.secret = transport, layout, secret
         self.timeout_s, self.checksum = timeout_s, checksum
         self.pool = torch.zeros((num_slots, *layout.shape), dtype=layout.torch_dtype)
         self._base = transport.register(self.pool).addr
+        # Token-step deltas land here contiguously, then are scattered into the slot.
+        self.landing = torch.zeros((num_slots, delta_depth, layout.step_bytes()), dtype=torch.uint8)
+        self._landing_base = transport.register(self.landing).addr
+        # Positions each slot holds, read (one-sided) by delta senders for flow control.
+        self.consumed = torch.zeros(num_slots, dtype=torch.int64)
+        self._consumed_base = transport.register(self.consumed).addr
         self._metadata = transport.metadata()
         self._free: deque[int] = deque(range(num_slots))
         # Slots of failed requests wait out a late writer before reuse.
@@ -132,10 +142,9 @@ class KVReceiver:
             slot = self._take_slot()
             if slot is None:
                 raise RuntimeError(f"no free KV slot ({len(self.pool)} in use)")
-            first = self.layout.first_layer
-            self._requests[request_id] = _Incoming(
-                slot, prompt_len, set(range(first, first + self.layout.num_layers))
-            )
+            self._requests[request_id] = _Incoming(slot, prompt_len, set(self.layout.layer_range))
+            self.consumed[slot] = 0
+        depth, step = self.landing.shape[1], self.layout.step_bytes()
         ticket = Ticket(
             request_id,
             self.transport.name,
@@ -144,8 +153,20 @@ class KVReceiver:
             self.layout,
             prompt_len,
             self.checksum,
+            landing_addr=self._landing_base + slot * depth * step,
+            landing_depth=depth,
+            consumed_addr=self._consumed_base + slot * self.consumed.element_size(),
         )
         return ticket.encode(self.secret)
+
+    def progress(self) -> None:
+        """Handle what arrived: validate blocks, scatter token-step deltas into slots.
+
+        ``poll``, ``wait`` and ``cache`` call it; a node that holds replicas
+        calls it once per step so delta senders never wait on a full landing ring.
+        """
+        with self._lock:
+            self._progress()
 
     def poll(self, request_id: str) -> KVPoll:
         with self._lock:
@@ -197,7 +218,8 @@ class KVReceiver:
 
     def close(self) -> None:
         """Unregister the pool; outstanding requests are dropped."""
-        self.transport.deregister(self.pool)
+        for tensor in (self.pool, self.landing, self.consumed):
+            self.transport.deregister(tensor)
         self._requests.clear()
 
     def _get(self, request_id: str) -> _Incoming:
@@ -280,11 +302,14 @@ class KVReceiver:
             raise KVTransferError(peer, f"unexpected {header.kind.name} block", rid)
         if not incoming.missing and incoming.extra is not None:
             incoming.state, incoming.length = KVPoll.SUCCESS, incoming.prompt_len
+            self.consumed[incoming.slot] = incoming.length
+            early, incoming.early_deltas = incoming.early_deltas, []
+            for early_peer, position, crc in early:
+                self._scatter_delta(early_peer, rid, incoming, position, crc)
 
     def _accept_delta(self, peer: str, header: BlockHeader) -> None:
-        """One token step of a batch, already written at each request's next position."""
-        entries = [(str(rid), int(pos)) for rid, pos in json.loads(header.extra)]
-        rids = [rid for rid, _ in entries]
+        """One token step of a batch: entries ``[request id, position, crc32 | None]``."""
+        entries = [(str(rid), int(pos), crc) for rid, pos, crc in json.loads(header.extra)]
         try:
             check_shape(header, self.layout, peer)
             if header.num_layers != self.layout.num_layers:
@@ -292,42 +317,50 @@ class KVReceiver:
                     peer,
                     f"delta covers {header.num_layers} layers, "
                     f"receiver holds {self.layout.num_layers}",
-                    ",".join(rids),
                 )
             check_payload(header, len(entries) * self.layout.step_bytes(), peer)
-            for rid, position in entries:
-                incoming = self._get(rid)
-                if incoming.state != KVPoll.SUCCESS or position != incoming.length:
-                    raise KVTransferError(
-                        peer,
-                        f"delta for position {position} of a "
-                        f"{incoming.state.name} request holding "
-                        f"{incoming.length} positions",
-                        rid,
-                    )
-            if header.crc32 is not None:
-                every = self.layout.layer_range
-                got = crc32_of(
-                    piece
-                    for rid, position in entries
-                    for piece in _pieces(
-                        self._cache(self._requests[rid]), every, range(position, position + 1)
-                    )
-                )
-                if got != header.crc32:
-                    raise KVTransferError(
-                        peer, f"bad delta checksum: {got:08x} vs {header.crc32:08x}", ",".join(rids)
-                    )
-        except (KVTransferError, KeyError) as error:
-            if not isinstance(error, KVTransferError):
-                error = KVTransferError(peer, str(error), ",".join(rids))
-            for rid in rids:
+        except KVTransferError as error:
+            for rid, _, _ in entries:
                 self._fail(rid, error, force=True)
             return
-        for rid, position in entries:
-            incoming = self._requests[rid]
-            incoming.length = position + 1
-            incoming.heard_from[peer] = time.monotonic()
+        for rid, position, crc in entries:
+            incoming = self._requests.get(rid)
+            if incoming is None or incoming.state == KVPoll.FAILED:
+                continue  # released or failed: nothing to fill
+            if incoming.state != KVPoll.SUCCESS:
+                # The prompt is still arriving (maybe from another node); the sender's
+                # flow control keeps the landing block intact until it completes.
+                incoming.early_deltas.append((peer, position, crc))
+                continue
+            try:
+                self._scatter_delta(peer, rid, incoming, position, crc)
+            except KVTransferError as error:
+                self._fail(rid, error, force=True)
+
+    def _scatter_delta(
+        self, peer: str, rid: str, incoming: _Incoming, position: int, crc: int | None
+    ) -> None:
+        if position != incoming.length:
+            raise KVTransferError(
+                peer,
+                f"delta for position {position}, but the slot holds {incoming.length} positions",
+                rid,
+            )
+        block = self.landing[incoming.slot, position % self.landing.shape[1]]
+        if crc is None and self.checksum:
+            raise KVTransferError(peer, "delta carries no checksum; receiver requires one", rid)
+        if crc is not None and crc32_of([block]) != crc:
+            raise KVTransferError(
+                peer,
+                f"bad delta checksum at position {position}: {crc32_of([block]):08x} vs {crc:08x}",
+                rid,
+            )
+        step_shape = (self.layout.num_layers, 2, self.layout.num_kv_heads, self.layout.head_dim)
+        slot = self.pool[incoming.slot]
+        slot[:, :, :, position].copy_(block.view(self.layout.torch_dtype).view(step_shape))
+        incoming.length = position + 1
+        incoming.heard_from[peer] = time.monotonic()
+        self.consumed[incoming.slot] = incoming.length
 
     def _check_crc(self, peer: str, header: BlockHeader, incoming: _Incoming, layers) -> None:
         if header.crc32 is None:

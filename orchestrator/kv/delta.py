@@ -5,12 +5,18 @@ sequence: ``layers * 2 * heads`` small slices per sequence. ``gather_step``
 packs them for a whole batch into one contiguous staging block (one copy
 instead of thousands), and ``scatter_step`` unpacks on the other side.
 
-:class:`DeltaStreamer` ships each step's packed delta into the slots a
-:class:`~orchestrator.kv.connector.KVReceiver` reserved for the same requests
-(for replicas or a hand-off), as one transfer per step, from a background
-thread: step i's delta moves while step i+1 computes. The ring of staging
-blocks bounds how far the sender may run ahead; ``submit`` blocks (with a
-timeout) when the ring is full.
+:class:`DeltaStreamer` ships each step's packed delta to the requests' slots
+on a :class:`~orchestrator.kv.connector.KVReceiver` (for replicas or a
+hand-off), as one transfer per step from a background thread: step i's delta
+moves while step i+1 computes. Each sequence's step lands *contiguously* in its
+slot's landing ring (one put of ``step_bytes``, not ``layers*2*heads`` small
+ones; scattering a step over the slot's strided runs costs ~50x more to post
+over NIXL); the receiver scatters it into the slot when it processes the
+header. Step p uses landing block ``p % depth``; before reusing a block the
+streamer reads (one-sided) how many positions the receiver holds, so it never
+overwrites a step the receiver has not scattered, and waits, bounded, if the
+receiver falls behind. The local staging ring bounds how far ``submit`` may run
+ahead of the wire.
 """
 
 from __future__ import annotations
@@ -20,13 +26,13 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from orchestrator.kv.errors import KVTransferError
 from orchestrator.kv.layout import KVCache, KVLayout
-from orchestrator.kv.primitives import kv_spans, pair_spans
-from orchestrator.kv.transport.base import KVPoll, Region, Transport
+from orchestrator.kv.transport.base import KVPoll, Pair, Region, TransferHandle, Transport
 from orchestrator.kv.wire import (
     BlockHeader,
     BlockKind,
@@ -69,7 +75,7 @@ class DeltaBuffer:
 
 
 class DeltaStreamer:
-    """Streams token-step deltas to reserved receiver slots from a background thread."""
+    """Streams token-step deltas into receivers' landing rings from a background thread."""
 
     def __init__(
         self,
@@ -84,11 +90,15 @@ class DeltaStreamer:
         self.transport, self.layout, self.secret = transport, layout, secret
         self.checksum, self.timeout_s = checksum, timeout_s
         self.buffer = DeltaBuffer(transport, layout, max_batch, depth)
+        # Landing of a receiver's consumed-positions counter (flow control).
+        self._counter = torch.zeros(1, dtype=torch.int64)
+        self._counter_region = transport.register(self._counter)
         self._targets: dict[str, Ticket] = {}
+        self._consumed: dict[str, int] = {}  # last known positions each receiver holds
         self._free: queue.Queue[int] = queue.Queue()
         for index in range(depth):
             self._free.put(index)
-        self._posts: queue.Queue[tuple[int, str, list, bytes] | None] = queue.Queue()
+        self._posts: queue.Queue[_Post | None] = queue.Queue()
         self._pending = 0
         self._done = threading.Condition()
         self.error: KVTransferError | None = None
@@ -97,22 +107,29 @@ class DeltaStreamer:
         self._thread.start()
 
     def add_target(self, request_id: str, ticket: bytes) -> None:
-        """Send ``request_id``'s deltas into the slot its receiver reserved."""
+        """Send ``request_id``'s deltas to the receiver slot the ticket names."""
         decoded = Ticket.decode(ticket, self.secret)
         fields = ("first_layer", "num_layers", "num_kv_heads", "head_dim", "dtype")
         if mismatch := layout_mismatch(decoded.layout, self.layout, fields):
             raise KVTransferError(decoded.node, f"target vs streamer {mismatch}", request_id)
+        if decoded.landing_depth < 1:
+            raise KVTransferError(decoded.node, "ticket has no delta landing ring", request_id)
         self.transport.add_peer(decoded.node, decoded.metadata)
         self._targets[request_id] = decoded
+        # The first landing_depth steps after the prompt need no check.
+        self._consumed[request_id] = decoded.prompt_len
 
     def remove_target(self, request_id: str) -> None:
         self._targets.pop(request_id, None)
+        self._consumed.pop(request_id, None)
 
     def submit(
         self, request_ids: Sequence[str], caches: Sequence[KVCache], positions: Sequence[int]
     ) -> None:
-        """Pack this step's delta now; it is sent in the background."""
+        """Pack this step's delta now (one copy); it is sent in the background."""
         self._raise_if_failed()
+        if len(caches) > self.buffer.max_batch:
+            raise ValueError(f"batch of {len(caches)} exceeds max_batch {self.buffer.max_batch}")
         tickets = [self._targets[rid] for rid in request_ids]
         peer = tickets[0].node
         if any(t.node != peer for t in tickets):
@@ -120,33 +137,40 @@ class DeltaStreamer:
         try:
             index = self._free.get(timeout=self.timeout_s)
         except queue.Empty:
-            raise KVTransferError(peer, f"delta ring full for {self.timeout_s}s") from None
+            raise KVTransferError(peer, f"staging ring full for {self.timeout_s}s") from None
         packed = gather_step(caches, positions, self.buffer.ring[index])
-        nbytes = packed.numel() * packed.element_size()
-        remote = [
-            span
-            for ticket, position in zip(tickets, positions, strict=True)
-            for span in kv_spans(
-                ticket.layout,
-                ticket.slot_addr,
-                ticket.layout.layer_range,
-                range(position, position + 1),
+        step = self.layout.step_bytes()
+        pairs = [
+            (
+                self.buffer.region(index, len(caches) * step).sub(i * step, step),
+                Region(t.landing_addr + (pos % t.landing_depth) * step, step),
             )
+            for i, (t, pos) in enumerate(zip(tickets, positions, strict=True))
+        ]
+        crcs = [
+            crc32_of([row]) if self.checksum or t.checksum else None
+            for row, t in zip(packed, tickets, strict=True)
         ]
         header = BlockHeader.for_layout(
             BlockKind.DELTA,
             "",
             self.layout,
             seq_len=max(positions),
-            payload_bytes=nbytes,
-            crc32=crc32_of([packed]) if self.checksum else None,
+            payload_bytes=len(caches) * step,
             batch=len(caches),
-            extra=json.dumps(list(zip(request_ids, positions, strict=True))).encode(),
+            extra=json.dumps(list(zip(request_ids, positions, crcs, strict=True))).encode(),
         )
-        pairs = pair_spans([self.buffer.region(index, nbytes)], remote)
         with self._done:
             self._pending += 1
-        self._posts.put((index, peer, pairs, encode_header(header, self.secret)))
+        post = _Post(
+            index,
+            peer,
+            pairs,
+            encode_header(header, self.secret),
+            list(request_ids),
+            list(positions),
+        )
+        self._posts.put(post)
 
     def flush(self, timeout_s: float | None = None) -> None:
         """Block until every submitted delta has landed."""
@@ -160,37 +184,68 @@ class DeltaStreamer:
         self._raise_if_failed()
 
     def close(self) -> None:
-        """Stop the thread (after ``flush``) and unregister the ring."""
+        """Stop the thread (after ``flush``) and unregister the staging memory."""
         self._posts.put(None)
         self._thread.join(timeout=self.timeout_s)
         self.transport.deregister(self.buffer.ring)
+        self.transport.deregister(self._counter)
 
     def _raise_if_failed(self) -> None:
         if self.error is not None:
             raise self.error
 
     def _run(self) -> None:
-        while (item := self._posts.get()) is not None:
-            index, peer, pairs, notify = item
+        while (post := self._posts.get()) is not None:
             try:
-                self._send(peer, pairs, notify)
+                if self.error is None:
+                    for rid, position in zip(post.request_ids, post.positions, strict=True):
+                        self._wait_for_room(post.peer, rid, position)
+                    self._transfer(self.transport.write(post.peer, post.pairs, post.notify))
             except KVTransferError as error:
                 self.error = self.error or error
             finally:
-                self._free.put(index)
+                self._free.put(post.index)
                 with self._done:
                     self._pending -= 1
                     self._done.notify_all()
 
-    def _send(self, peer: str, pairs: list, notify: bytes) -> None:
-        if self.error is not None:
-            return
-        handle = self.transport.write(peer, pairs, notify)
+    def _wait_for_room(self, peer: str, rid: str, position: int) -> None:
+        """Block until the receiver scattered the step that used ``position``'s landing block."""
+        ticket = self._targets[rid]
+        deadline = time.monotonic() + self.timeout_s
+        while position - self._consumed[rid] >= ticket.landing_depth:
+            remote = Region(ticket.consumed_addr, self._counter.element_size())
+            self._transfer(self.transport.read(peer, [(self._counter_region, remote)]))
+            self._consumed[rid] = int(self._counter[0])
+            if position - self._consumed[rid] < ticket.landing_depth:
+                return
+            if time.monotonic() > deadline:
+                raise KVTransferError(
+                    peer,
+                    f"receiver holds {self._consumed[rid]} positions of "
+                    f"{rid!r} after {self.timeout_s}s; it must call progress() "
+                    f"for step {position} to land",
+                    rid,
+                )
+            time.sleep(0.0002)
+
+    def _transfer(self, handle: TransferHandle) -> None:
+        """Wait for one transfer (bounded); raises naming the peer."""
         start = time.monotonic()
         while (state := self.transport.poll(handle)) == KVPoll.TRANSFERRING:
             if time.monotonic() - start > self.timeout_s:
-                raise KVTransferError(peer, f"delta transfer unfinished after {self.timeout_s}s")
-            time.sleep(0.0001)
+                raise KVTransferError(handle.peer, f"transfer unfinished after {self.timeout_s}s")
+            time.sleep(0.00005)
         if state == KVPoll.FAILED:
-            raise KVTransferError(peer, handle.error or "delta transfer failed")
+            raise KVTransferError(handle.peer, handle.error or "transfer failed")
         self.bytes_sent += handle.nbytes
+
+
+@dataclass
+class _Post:
+    index: int  # staging block
+    peer: str
+    pairs: list[Pair]
+    notify: bytes
+    request_ids: list[str]
+    positions: list[int]

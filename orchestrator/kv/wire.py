@@ -63,6 +63,10 @@ class BlockHeader:
     total_layers: int = 0  # FINISH: the model's layer count
     extra: bytes = b""
 
+    @property
+    def layer_range(self) -> range:
+        return range(self.first_layer, self.first_layer + self.num_layers)
+
     @classmethod
     def for_layout(cls, kind: BlockKind, request_id: str, layout: KVLayout, **fields):
         return cls(
@@ -163,12 +167,12 @@ def check_shape(header: BlockHeader, layout: KVLayout, peer: str) -> None:
     ):
         if got != want:
             raise KVTransferError(peer, f"{field} mismatch: sender has {got}, receiver {want}", rid)
-    ours = (layout.first_layer, layout.first_layer + layout.num_layers)
-    theirs = (header.first_layer, header.first_layer + header.num_layers)
-    if header.num_layers == 0 or theirs[0] < ours[0] or theirs[1] > ours[1]:
+    ours, theirs = layout.layer_range, header.layer_range
+    if not theirs or theirs.start < ours.start or theirs.stop > ours.stop:
         raise KVTransferError(
             peer,
-            f"layers mismatch: block has layers {list(theirs)}, receiver holds {list(ours)}",
+            f"layers mismatch: block has layers [{theirs.start}, {theirs.stop}), "
+            f"receiver holds [{ours.start}, {ours.stop})",
             rid,
         )
 
@@ -215,6 +219,12 @@ class Ticket:
     layout: KVLayout  # the receiver's stage layout
     prompt_len: int
     checksum: bool  # the receiver requires a payload CRC
+    # Token-step deltas land contiguously in ``landing_depth`` blocks at
+    # ``landing_addr`` (step p in block p % depth); the receiver scatters them
+    # into the slot and publishes how many positions it holds at ``consumed_addr``.
+    landing_addr: int = 0
+    landing_depth: int = 0
+    consumed_addr: int = 0
 
     def encode(self, secret: bytes) -> bytes:
         body = json.dumps(
@@ -226,6 +236,7 @@ class Ticket:
                 "layout": self.layout.to_dict(),
                 "prompt_len": self.prompt_len,
                 "checksum": self.checksum,
+                "landing": [self.landing_addr, self.landing_depth, self.consumed_addr],
             }
         ).encode()
         return body + _mac(secret, body)
@@ -249,4 +260,5 @@ class Ticket:
             KVLayout(**fields["layout"]),
             int(fields["prompt_len"]),
             bool(fields["checksum"]),
+            *(int(v) for v in fields["landing"]),
         )

@@ -19,8 +19,7 @@ from pathlib import Path
 
 import torch
 
-from orchestrator.engine.reference import load_stages
-from orchestrator.pipeline.pipeline import TokenPipeline, measure_step_time
+from orchestrator.pipeline.pipeline import TokenPipeline, load_pipeline_engines, measure_step_time
 from orchestrator.pipeline.sequence import FinishReason, Sequence
 from orchestrator.pipeline.stage import Interval
 from orchestrator.pipeline.swapper import measure_copy_bandwidth, should_swap
@@ -123,8 +122,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--arch", default="gpt2", choices=["gpt2", "opt", "llama"])
     parser.add_argument("--preset", default="small", help="dummy model size: tiny or small")
     parser.add_argument("--stages", type=int, default=2, help="token pipeline depth")
+    parser.add_argument("--layers", help="layers per token stage, e.g. 8,4 (default: even); "
+                        "the last stage also holds the LM head")
     parser.add_argument("--batch", type=int, default=4, help="sequences per microbatch")
-    parser.add_argument("--requests", type=int, default=48)
+    parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--output-scale", type=float, default=8.0,
                         help="divide the trace's output lengths by this (CPU)")
@@ -140,17 +141,28 @@ def main(argv: list[str]) -> int:
         args.preset, args.requests, args.prompt_len, args.max_output = "tiny", 32, 32, 16
     if args.stages < 1 or args.batch < 1 or args.requests < 1:
         parser.error("--stages, --batch and --requests must be >= 1")
+    try:
+        layers = [int(n) for n in args.layers.split(",")] if args.layers else None
+    except ValueError:
+        parser.error(f"--layers takes comma-separated layer counts, got {args.layers!r}")
     torch.set_num_threads(1)  # one core per stage thread, or they fight over both
     args.out.mkdir(parents=True, exist_ok=True)
     model = args.model or _dummy_model(args)
     max_seq = args.prompt_len + args.max_output + 1
 
-    def stages(depth: int) -> list:
-        return load_stages(str(model), depth, max_seq_len=max_seq)
+    def token_engines() -> list:
+        return load_pipeline_engines(model, args.stages, layers, max_seq_len=max_seq)
 
-    engines = stages(args.stages)
+    def prompt_engines() -> list:
+        return load_pipeline_engines(model, 1, max_seq_len=max_seq)
+
+    try:
+        engines = token_engines()
+    except ValueError as e:
+        parser.error(str(e))
     prompts, limits, source = workload(args, engines[0].vocab_size)
-    print(f"model {model} ({args.arch}/{args.preset}), {args.stages} token stages, "
+    split = [e.stage.count for e in engines]
+    print(f"model {model} ({args.arch}/{args.preset}), token stages of {split} layers, "
           f"batch {args.batch}, {args.requests} requests, prompt {args.prompt_len} tokens")
     print(f"output lengths: {source}: median {statistics.median(limits)}, max {max(limits)}")
     y, t = _prompt_and_step_time(engines, args.batch, args.prompt_len)
@@ -159,9 +171,10 @@ def main(argv: list[str]) -> int:
 
     results, timelines = [], {}
     for name, make in [
-        ("colocated", lambda: TokenPipeline(stages(args.stages), args.batch, mode="colocated")),
-        ("disaggregated", lambda: TokenPipeline(
-            stages(args.stages), args.batch, prompt_engines=stages(1), prompt_batch=args.batch)),
+        ("colocated", lambda: TokenPipeline(token_engines(), args.batch, mode="colocated")),
+        ("disaggregated", lambda: TokenPipeline(token_engines(), args.batch,
+                                                prompt_engines=prompt_engines(),
+                                                prompt_batch=args.batch)),
     ]:
         result, timelines[name] = run(name, make(), prompts, limits, args.timeout)
         results.append(result)
@@ -172,8 +185,8 @@ def main(argv: list[str]) -> int:
     budget = mbs * args.batch * slot
     swap_batch = budget // (2 * slot)
     for name, batch, swap in [("resident", args.batch, "off"), ("swapped", swap_batch, "on")]:
-        pipeline = TokenPipeline(stages(args.stages), batch, num_microbatches=mbs, swap=swap,
-                                 device_kv_budget=budget, prompt_engines=stages(1),
+        pipeline = TokenPipeline(token_engines(), batch, num_microbatches=mbs, swap=swap,
+                                 device_kv_budget=budget, prompt_engines=prompt_engines(),
                                  prompt_batch=batch)
         results.append(run(name, pipeline, prompts, limits, args.timeout)[0])
     bandwidth = measure_copy_bandwidth(engines[0].device)

@@ -16,10 +16,13 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
 from orchestrator.engine.base import Engine, StageSpec
+from orchestrator.engine.config import ModelConfig
+from orchestrator.engine.torch_engine import TorchEngine, load_engine
 from orchestrator.pipeline.link import QueueLink, Shutdown, StepMessage, TokenMessage
 from orchestrator.pipeline.prompt_worker import PromptKVStore, PromptWorker
 from orchestrator.pipeline.scheduler import Batch, MicrobatchScheduler
@@ -53,6 +56,18 @@ def stage_specs(
         raise ValueError(f"layer counts {list(layers)} do not split {num_layers} layers")
     bounds = [0, *torch.tensor(list(layers)).cumsum(0).tolist()]
     return [StageSpec(a, b, num_layers) for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+def load_pipeline_engines(
+    model_dir: str | Path,
+    depth: int | None = None,
+    layers: Sequence[int] | None = None,
+    **engine_kwargs,
+) -> list[TorchEngine]:
+    """One engine per stage of :func:`stage_specs` (``engine_kwargs`` go to ``load_engine``)."""
+    num_layers = ModelConfig.from_dir(model_dir).num_layers
+    return [load_engine(model_dir, spec, **engine_kwargs)
+            for spec in stage_specs(num_layers, depth, layers)]
 
 
 class TokenPipeline:

@@ -116,18 +116,7 @@ class StageWorker:
         following = self._next_microbatch(mb)
         self.kv.prefetch(following, self.members.get(following, []))
 
-        start = time.monotonic()
-        n_prompts = len(message.prompts)
-        prompt_out = self.engine.prefill(message.prompts, caches[:n_prompts]) if n_prompts else []
-        step_out = (
-            self.engine.decode(message.inputs, caches[n_prompts:]) if message.seq_ids else None
-        )
-        if self.engine.device.type == "cuda":
-            torch.cuda.synchronize(self.engine.device)  # so the interval is the compute
-        kind = "+".join(k for k, on in (("prefill", n_prompts), ("decode", step_out is not None))
-                        if on)
-        self.timeline.append(Interval(start, time.monotonic(), mb, kind))
-
+        prompt_out, step_out = self._compute(message, caches) if seq_ids else ([], None)
         self.kv.close(mb, seq_ids)
         self.members[mb] = seq_ids
         if not self.is_last:
@@ -138,6 +127,20 @@ class StageWorker:
             tokens |= {s: self._sample(s, row[None]) for s, row in
                        zip(message.seq_ids, step_out, strict=True)}
         return TokenMessage(mb, message.step, tokens)
+
+    def _compute(
+        self, message: StepMessage, caches: list[KVCache]
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """Colocated prompts, then the token step; the busy interval goes on the timeline."""
+        start = time.monotonic()
+        n = len(message.prompts)
+        prompt_out = self.engine.prefill(message.prompts, caches[:n]) if n else []
+        step_out = self.engine.decode(message.inputs, caches[n:]) if message.seq_ids else None
+        if self.engine.device.type == "cuda":
+            torch.cuda.synchronize(self.engine.device)  # so the interval is the compute
+        kind = "+".join(k for k, ran in (("prefill", n), ("decode", message.seq_ids)) if ran)
+        self.timeline.append(Interval(start, time.monotonic(), message.microbatch, kind))
+        return prompt_out, step_out
 
     def _next_microbatch(self, mb: int) -> int:
         """Microbatches circulate in the order the head first issued them: predict from the

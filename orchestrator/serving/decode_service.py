@@ -7,11 +7,13 @@ Colocated: the loop prefills the prompt itself.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from orchestrator.engine.base import Engine
 from orchestrator.serving.decode_worker import DecodeRequest, DecodeWorker
+from orchestrator.serving.metrics import Metrics
 from orchestrator.serving.params import GenerationParams, check_prompt
 from orchestrator.serving.prefill_worker import decode_token
 
@@ -23,11 +25,13 @@ class DecodeService:
         receiver=None,  # orchestrator.kv.connector.KVReceiver; None: colocated
         max_batch: int = 16,
         kv_timeout_s: float = 30.0,
+        metrics: Metrics | None = None,
     ) -> None:
         self.engine = engine
         self.receiver = receiver
         self.kv_timeout_s = kv_timeout_s
-        self.worker = DecodeWorker(engine, max_batch)
+        self.metrics = metrics or Metrics()
+        self.worker = DecodeWorker(engine, max_batch, self.metrics)
         # KVReceiver.wait blocks; the loop must not, so waits run here.
         self.waits = ThreadPoolExecutor(max_workers=max_batch, thread_name_prefix="kv-wait")
 
@@ -58,10 +62,14 @@ class DecodeService:
         except Exception:
             request.release()
             raise
-        self.worker.submit_streamed(request, self.waits.submit(self._wait_kv, request_id))
+        kv = self.waits.submit(self._wait_kv, request_id, time.perf_counter())
+        self.worker.submit_streamed(request, kv)
 
-    def _wait_kv(self, request_id: str):
+    def _wait_kv(self, request_id: str, reserved_at: float):
         cache, extra = self.receiver.wait(request_id, self.kv_timeout_s)
+        layout = cache.layout
+        nbytes = cache.length * layout.token_bytes_per_layer() * layout.num_layers
+        self.metrics.kv_streamed(nbytes, time.perf_counter() - reserved_at)
         return cache, decode_token(extra)
 
     def stop(self) -> None:

@@ -20,9 +20,11 @@ import torch
 from orchestrator.engine.base import Engine
 from orchestrator.engine.sampling import Sampler
 from orchestrator.kv.layout import KVCache
+from orchestrator.serving.metrics import Metrics
 from orchestrator.serving.params import GenerationParams
 
 log = logging.getLogger(__name__)
+CANCELLED = "request cancelled"
 
 
 @dataclass(eq=False)
@@ -48,8 +50,16 @@ class DecodeRequest:
 class DecodeWorker:
     """Owns the engine on a T-node; all engine calls happen on its thread."""
 
-    def __init__(self, engine: Engine, max_batch: int = 16, idle_wait_s: float = 0.01) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        max_batch: int = 16,
+        metrics: Metrics | None = None,
+        idle_wait_s: float = 0.01,
+    ) -> None:
         self.engine = engine
+        self.metrics = metrics or Metrics()
+        self.reported_queue = 0
         self.max_batch = max_batch
         self.idle_wait_s = idle_wait_s
         self.active: list[DecodeRequest] = []
@@ -58,7 +68,6 @@ class DecodeWorker:
         self.lock = threading.Lock()
         self.wakeup = threading.Event()
         self.stopped = threading.Event()
-        self.steps = 0
         self.thread = threading.Thread(target=self._loop, name="decode-loop", daemon=True)
         self.thread.start()
 
@@ -96,6 +105,7 @@ class DecodeWorker:
             try:
                 self._admit()
                 self._drop_cancelled()
+                self._report_queue()
                 if self.active:
                     self._step()
                 else:
@@ -114,7 +124,7 @@ class DecodeWorker:
             waiting = []
             for request, kv in self.arrivals:
                 if request.is_cancelled():
-                    self._end(request, error="request cancelled")
+                    self._end(request, error=CANCELLED)
                     continue
                 if room <= 0 or (kv is not None and not kv.done()):
                     waiting.append((request, kv))
@@ -160,7 +170,7 @@ class DecodeWorker:
         keep = []
         for request in self.active:
             if request.is_cancelled():
-                self._end(request, error="request cancelled")
+                self._end(request, error=CANCELLED)
             else:
                 keep.append(request)
         self.active = keep
@@ -168,7 +178,6 @@ class DecodeWorker:
     def _step(self) -> None:
         inputs = torch.tensor([r.tokens[-1] for r in self.active], dtype=torch.long)
         logits = self.engine.decode(inputs, [r.cache for r in self.active])
-        self.steps += 1
         keep = []
         for request, row in zip(self.active, logits, strict=True):
             self._append(request, int(request.sampler(row[None])[0]))
@@ -184,8 +193,16 @@ class DecodeWorker:
             request.emit([token], False)
             request.sent = len(request.tokens)
 
+    def _report_queue(self) -> None:
+        held = self.queue_length
+        if held != self.reported_queue:
+            self.metrics.queue_length(held)
+            self.reported_queue = held
+
     def _end(self, request: DecodeRequest, error: str | None = None) -> None:
         """Send the last response exactly once and free the slot."""
+        outcome = "finished" if error is None else "cancelled" if error == CANCELLED else "failed"
+        self.metrics.request_done(outcome)
         try:
             if error is not None:
                 request.fail(error)

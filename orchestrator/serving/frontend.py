@@ -72,12 +72,20 @@ class DecodeStream:
         self.client.start_stream(callback=lambda result, error: self.responses.put((result, error)))
 
     def send(self, request_id: str, prompt_ids: list[int], params: GenerationParams) -> None:
-        self.client.async_stream_infer(
-            "decode",
-            request_tensors(prompt_ids, params),
-            request_id=request_id,
-            enable_empty_final_response=True,
-        )
+        try:
+            self.client.async_stream_infer(
+                "decode",
+                request_tensors(prompt_ids, params),
+                request_id=request_id,
+                enable_empty_final_response=True,
+            )
+        except InferenceServerException as exc:
+            # A broken stream says why through the callback, not in this exception.
+            try:
+                _, error = self.responses.get(timeout=1.0)
+            except queue.Empty:
+                raise exc from None
+            raise (error or exc) from None
 
     def next(self, is_cancelled: Callable[[], bool]) -> tuple[grpcclient.InferResult, bool]:
         """The next response and whether it is the last; raises on error or timeout."""

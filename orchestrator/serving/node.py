@@ -12,6 +12,7 @@ import torch
 
 from orchestrator.engine.torch_engine import TorchEngine, load_engine
 from orchestrator.serving.decode_service import DecodeService
+from orchestrator.serving.metrics import Metrics
 from orchestrator.serving.prefill_worker import PrefillWorker
 
 
@@ -27,20 +28,20 @@ def _transport(params: dict[str, str]):
     return NixlTransport(name=params.get("name") or None)
 
 
-def load_prefill_worker(params: dict[str, str]) -> PrefillWorker:
+def load_prefill_worker(params: dict[str, str], metrics: Metrics | None = None) -> PrefillWorker:
     from orchestrator.kv.connector import KVSender
 
     engine = _engine(params)
     sender = KVSender(_transport(params), engine.kv_layout, bytes.fromhex(params["secret"]))
-    return PrefillWorker(engine, sender)
+    return PrefillWorker(engine, sender, metrics=metrics)
 
 
-def load_decode_service(params: dict[str, str]) -> DecodeService:
+def load_decode_service(params: dict[str, str], metrics: Metrics | None = None) -> DecodeService:
     engine = _engine(params)
     max_batch = int(params.get("max_batch", "16"))
     mode = params.get("mode", "disaggregated")
     if mode == "colocated":
-        return DecodeService(engine, None, max_batch)
+        return DecodeService(engine, None, max_batch, metrics=metrics)
     if mode != "disaggregated":
         raise ValueError(f"mode must be 'disaggregated' or 'colocated', got {mode!r}")
     from orchestrator.kv.connector import KVReceiver
@@ -51,4 +52,4 @@ def load_decode_service(params: dict[str, str]) -> DecodeService:
         int(params.get("num_slots", str(max_batch))),
         bytes.fromhex(params["secret"]),
     )
-    return DecodeService(engine, receiver, max_batch)
+    return DecodeService(engine, receiver, max_batch, metrics=metrics)

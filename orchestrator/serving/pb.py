@@ -11,6 +11,8 @@ import json
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from orchestrator.serving.metrics import Metrics
+
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
@@ -51,3 +53,34 @@ def ids(tokens: list[int]) -> np.ndarray:
 
 def strings(*values: str | bytes) -> np.ndarray:
     return np.array([v.encode() if isinstance(v, str) else v for v in values], dtype=np.object_)
+
+
+class TritonMetrics(Metrics):
+    """The project's counters as Triton custom metrics, labelled by node."""
+
+    def __init__(self, node: str) -> None:
+        counter, gauge = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE
+        self.node = node
+        self.requests = pb_utils.MetricFamily("dejavu_requests", "requests by outcome", counter)
+        self.queue = pb_utils.MetricFamily("dejavu_queue_length", "requests held", gauge)
+        self.kv_bytes = pb_utils.MetricFamily("dejavu_kv_bytes", "KV bytes streamed", counter)
+        self.kv_seconds = pb_utils.MetricFamily(
+            "dejavu_kv_transfer_seconds", "time KV transfers were open", counter
+        )
+        self.queue_metric = self.queue.Metric(labels={"node": node})
+        self.kv_bytes_metric = self.kv_bytes.Metric(labels={"node": node})
+        self.kv_seconds_metric = self.kv_seconds.Metric(labels={"node": node})
+        self.by_outcome: dict[str, object] = {}
+
+    def request_done(self, outcome: str) -> None:
+        if outcome not in self.by_outcome:
+            labels = {"node": self.node, "outcome": outcome}
+            self.by_outcome[outcome] = self.requests.Metric(labels=labels)
+        self.by_outcome[outcome].increment(1)
+
+    def queue_length(self, requests: int) -> None:
+        self.queue_metric.set(requests)
+
+    def kv_streamed(self, nbytes: int, seconds: float) -> None:
+        self.kv_bytes_metric.increment(nbytes)
+        self.kv_seconds_metric.increment(seconds)

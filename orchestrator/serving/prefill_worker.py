@@ -9,6 +9,7 @@ and as the transfer's extra bytes, so the T-node knows what to feed next.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ import torch
 
 from orchestrator.engine.base import Engine
 from orchestrator.kv.layout import KVCache
+from orchestrator.serving.metrics import Metrics
 from orchestrator.serving.params import GenerationParams
 
 
@@ -40,8 +42,15 @@ class PrefillJob:
 class PrefillWorker:
     """Owns the engine and the KV sender on a P-node; one batch at a time."""
 
-    def __init__(self, engine: Engine, sender, save_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        sender,
+        save_timeout_s: float = 30.0,
+        metrics: Metrics | None = None,
+    ) -> None:
         self.engine = engine
+        self.metrics = metrics or Metrics()
         self.sender = sender  # orchestrator.kv.connector.KVSender
         self.save_timeout_s = save_timeout_s
         self.lock = threading.Lock()  # Triton may run execute() from several threads
@@ -49,7 +58,10 @@ class PrefillWorker:
     def run(self, jobs: Sequence[PrefillJob]) -> list[int | Exception]:
         """First token per job, or the exception that job failed with."""
         with self.lock:
-            return self._run(jobs)
+            results = self._run(jobs)
+        for result in results:
+            self.metrics.request_done("failed" if isinstance(result, Exception) else "finished")
+        return results
 
     def _run(self, jobs: Sequence[PrefillJob]) -> list[int | Exception]:
         results: list[int | Exception] = [RuntimeError("not run")] * len(jobs)
@@ -63,6 +75,7 @@ class PrefillWorker:
                 results[i] = exc
         if not started:
             return results
+        opened = time.perf_counter()
         caches = [self.engine.new_cache() for _ in started]
         handles = [handle for _, _, handle in started]
 
@@ -83,6 +96,9 @@ class PrefillWorker:
                 self.sender.finish(handle, extra=encode_token(token))
                 self.sender.wait_for_save(handle, self.save_timeout_s)
                 results[i] = token
+                layout = self.engine.kv_layout
+                nbytes = len(job.prompt_ids) * layout.token_bytes_per_layer() * layout.num_layers
+                self.metrics.kv_streamed(nbytes, time.perf_counter() - opened)
             except Exception as exc:
                 results[i] = exc
         return results

@@ -248,3 +248,12 @@ def test_sender_bounds_requests_in_flight() -> None:
     sender.start("a", cluster.reserve("a", 4))
     with pytest.raises(KVTransferError, match="all 1 staging blocks are in flight"):
         sender.start("b", cluster.reserve("b", 4))
+
+
+def test_sender_rejects_overlapping_token_stages() -> None:
+    cluster = Cluster(1, 1)
+    twin = KVReceiver(cluster.node("twin"), MODEL, 1, SECRET)
+    tickets = cluster.reserve("r1", 5) + [twin.reserve("r1", 5)]
+    with pytest.raises(KVTransferError, match="overlap") as info:
+        cluster.senders[0].start("r1", tickets)
+    assert info.value.peer == "t0,twin"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -9,6 +11,7 @@ from orchestrator.kv.connector import KVReceiver, KVSender
 from orchestrator.kv.delta import DeltaStreamer, gather_step, scatter_step
 from orchestrator.kv.errors import KVTransferError
 from orchestrator.kv.layout import KVCache, KVLayout
+from orchestrator.kv.transport.base import KVPoll
 from orchestrator.kv.transport.local import LocalFabric, LocalTransport
 
 SECRET = b"s3cret"
@@ -29,13 +32,34 @@ def test_gather_then_scatter_moves_exactly_one_position() -> None:
         assert dst.data.abs().sum() == 0
 
 
-def stream_setup(checksum: bool):
+def stream_setup(checksum: bool, landing_depth: int = 8, timeout_s: float = 1.0):
     fabric = LocalFabric()
-    receiver = KVReceiver(LocalTransport(fabric, "replica"), LAYOUT, 2, SECRET, 0.5, checksum)
+    receiver = KVReceiver(
+        LocalTransport(fabric, "replica"),
+        LAYOUT,
+        2,
+        SECRET,
+        0.5,
+        checksum,
+        delta_depth=landing_depth,
+    )
     source = LocalTransport(fabric, "stage")
     sender = KVSender(source, LAYOUT, SECRET)
-    streamer = DeltaStreamer(source, LAYOUT, SECRET, max_batch=2, depth=2, checksum=checksum)
+    streamer = DeltaStreamer(
+        source, LAYOUT, SECRET, max_batch=2, depth=2, checksum=checksum, timeout_s=timeout_s
+    )
     return receiver, sender, streamer
+
+
+def send_prompt(receiver, sender, rid: str, cache: KVCache, finish: bool = True) -> bytes:
+    ticket = receiver.reserve(rid, cache.length)
+    handle = sender.start(rid, [ticket])
+    for layer in LAYOUT.layer_range:
+        sender.save_layer(handle, layer, cache)
+    if finish:
+        sender.finish(handle)
+        sender.wait_for_save(handle, 1)
+    return ticket, handle
 
 
 @pytest.mark.parametrize("checksum", [False, True])
@@ -44,12 +68,7 @@ def test_deltas_stream_into_reserved_slots_in_the_background(checksum: bool) -> 
     caches = [KVCache(LAYOUT, torch.randn(LAYOUT.shape), n) for n in (4, 6)]
     rids = ["a", "b"]
     for rid, cache in zip(rids, caches, strict=True):  # the prompt part first
-        ticket = receiver.reserve(rid, cache.length)
-        handle = sender.start(rid, [ticket])
-        for layer in range(3, 6):
-            sender.save_layer(handle, layer, cache)
-        sender.finish(handle)
-        sender.wait_for_save(handle, 1)
+        ticket, _ = send_prompt(receiver, sender, rid, cache)
         receiver.wait(rid)
         streamer.add_target(rid, ticket)
     for _ in range(5):  # five decode steps of the batch
@@ -71,18 +90,12 @@ def test_deltas_stream_into_reserved_slots_in_the_background(checksum: bool) -> 
 def test_a_skipped_step_fails_the_replica() -> None:
     receiver, sender, streamer = stream_setup(False)
     cache = KVCache(LAYOUT, torch.randn(LAYOUT.shape), 4)
-    ticket = receiver.reserve("a", 4)
-    handle = sender.start("a", [ticket])
-    for layer in range(3, 6):
-        sender.save_layer(handle, layer, cache)
-    sender.finish(handle)
+    ticket, _ = send_prompt(receiver, sender, "a", cache)
     receiver.wait("a")
     streamer.add_target("a", ticket)
     streamer.submit(["a"], [cache], [5])  # position 4 never sent
     streamer.flush(timeout_s=1)
-    with pytest.raises(
-        KVTransferError, match="delta for position 5 of a SUCCESS request holding 4"
-    ):
+    with pytest.raises(KVTransferError, match="delta for position 5, but the slot holds 4"):
         receiver.wait("a")
     streamer.close()
 
@@ -99,4 +112,59 @@ def test_streamer_rejects_a_mismatched_target_and_reports_a_dead_peer() -> None:
     streamer.submit(["a"], [KVCache(LAYOUT, torch.randn(LAYOUT.shape))], [2])
     with pytest.raises(KVTransferError, match="peer 'replica'"):
         streamer.flush(timeout_s=1)
+    streamer.close()
+
+
+def test_flow_control_waits_for_the_receiver_to_scatter() -> None:
+    receiver, sender, streamer = stream_setup(False, landing_depth=2, timeout_s=0.3)
+    cache = KVCache(LAYOUT, torch.randn(LAYOUT.shape), 4)
+    ticket, _ = send_prompt(receiver, sender, "a", cache)
+    streamer.add_target("a", ticket)
+    for position in range(4, 9):  # 5 steps into a 2-block landing ring, receiver idle
+        streamer.submit(["a"], [cache], [position])
+    with pytest.raises(KVTransferError, match="it must call progress"):
+        streamer.flush()
+    assert receiver.cache("a").length == 6  # only what fit; nothing overwritten
+    streamer.close()
+
+    receiver, sender, streamer = stream_setup(False, landing_depth=2, timeout_s=5)
+    ticket, _ = send_prompt(receiver, sender, "a", cache)
+    streamer.add_target("a", ticket)
+    for position in range(4, 12):
+        streamer.submit(["a"], [cache], [position])
+        receiver.progress()  # a replica holder progresses once per step
+    deadline = time.monotonic() + 5
+    while receiver.cache("a").length < 12 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    streamer.flush()
+    assert torch.equal(receiver.cache("a").data[:, :, :, :12], cache.data[:, :, :, :12])
+    streamer.close()
+
+
+def test_deltas_that_overtake_the_prompt_are_applied_after_it() -> None:
+    receiver, sender, streamer = stream_setup(True)
+    cache = KVCache(LAYOUT, torch.randn(LAYOUT.shape), 4)
+    ticket, handle = send_prompt(receiver, sender, "a", cache, finish=False)
+    streamer.add_target("a", ticket)
+    streamer.submit(["a"], [cache], [4])
+    streamer.flush()
+    assert receiver.poll("a") == KVPoll.TRANSFERRING  # delta parked, prompt unfinished
+    sender.finish(handle)
+    replica, _ = receiver.wait("a")
+    assert receiver.cache("a").length == 5
+    assert torch.equal(receiver.cache("a").data[:, :, :, :5], cache.data[:, :, :, :5])
+    streamer.close()
+
+
+def test_a_corrupted_delta_is_caught_by_its_checksum() -> None:
+    receiver, sender, streamer = stream_setup(True)
+    cache = KVCache(LAYOUT, torch.randn(LAYOUT.shape), 4)
+    ticket, _ = send_prompt(receiver, sender, "a", cache)
+    receiver.wait("a")
+    streamer.add_target("a", ticket)
+    streamer.submit(["a"], [cache], [4])
+    streamer.flush()
+    receiver.landing[0, 4 % receiver.landing.shape[1], 7] ^= 0x20  # a bit flips in flight
+    with pytest.raises(KVTransferError, match="bad delta checksum at position 4"):
+        receiver.wait("a")
     streamer.close()

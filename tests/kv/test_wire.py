@@ -66,8 +66,8 @@ def test_garbage_and_truncated_headers() -> None:
         ("num_heads", 3, "KV heads mismatch: sender has 3, receiver 2"),
         ("head_dim", 16, "head size mismatch: sender has 16, receiver 8"),
         ("dtype", "float16", "dtype mismatch: sender has float16, receiver float32"),
-        ("first_layer", 2, r"layers mismatch: block has layers \[2, 4\]"),
-        ("num_layers", 5, r"layers mismatch: block has layers \[5, 10\]"),
+        ("first_layer", 2, r"layers mismatch: block has layers \[2, 4\), receiver holds \[4, 8\)"),
+        ("num_layers", 5, r"layers mismatch: block has layers \[5, 10\)"),
     ],
 )
 def test_shape_mismatch_names_the_field(field: str, value, message: str) -> None:

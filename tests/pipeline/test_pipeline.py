@@ -93,6 +93,12 @@ def test_resident_batch_that_does_not_fit_the_budget_is_refused(model):
     assert not TokenPipeline(engines, 1, swap="auto", device_kv_budget=3 * slot).swap
     with pytest.raises(ValueError, match="swap_workload"):
         TokenPipeline(engines, 2, swap="auto", device_kv_budget=3 * slot)
+    # auto swaps when not even one sequence per microbatch fits resident (4 > 3 slots)
+    assert TokenPipeline(engines, 1, num_microbatches=4, swap="auto", device_kv_budget=3 * slot,
+                         swap_workload=(16, 8)).swap
+    # otherwise it measures step time and copy bandwidth and applies the Appendix E rule
+    TokenPipeline(engines, 2, num_microbatches=3, swap="auto", device_kv_budget=5 * slot,
+                  swap_workload=(16, 8))
 
 
 def test_explicit_layer_map(model, prompts, reference):

@@ -10,7 +10,7 @@ from orchestrator.engine.reference import generate
 from orchestrator.engine.tokenizer import load_tokenizer
 from orchestrator.engine.torch_engine import load_engine
 
-MAX_SEQ_LEN = 64
+MAX_SEQ_LEN = 256  # the tiny models' positions: room for a long stream to cancel
 PROMPTS = [
     "The quick brown fox",
     "Where is the server?",
@@ -42,3 +42,19 @@ def ids_of(chunks) -> list[int]:
 
 def text_of(chunks) -> str:
     return "".join(chunk.text for chunk in chunks)
+
+
+def metric(server, name: str, **labels: str) -> float:
+    """Sum of a counter or gauge on a node's Prometheus port over series matching ``labels``."""
+    import re
+    import urllib.request
+
+    url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    total = 0.0
+    for match in re.finditer(rf"^{name}\{{([^}}]*)\}} (\S+)$", text, re.MULTILINE):
+        found = dict(re.findall(r'(\w+)="([^"]*)"', match.group(1)))
+        if all(found.get(k) == v for k, v in labels.items()):
+            total += float(match.group(2))
+    return total

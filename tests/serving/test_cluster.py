@@ -8,22 +8,25 @@ and the cluster serves the next one.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from cluster_helpers import (
+    MAX_SEQ_LEN,
+    PROMPTS,
+    ids_of,
+    metric,
+    reference,
+    run_concurrently,
+    text_of,
+)
 from tritonclient.utils import InferenceServerException
 
 from clients.generate import GenerateError, stream_grpc, stream_http
 from orchestrator.cluster.launcher import Cluster
 from orchestrator.engine.tokenizer import load_tokenizer
-from cluster_helpers import (
-    MAX_SEQ_LEN,
-    PROMPTS,
-    ids_of,
-    reference,
-    run_concurrently,
-    text_of,
-)
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 12
@@ -91,10 +94,10 @@ def test_sampling_parameters_are_used_and_seeded(cluster, expected):
     ("prompt", "params", "message"),
     [
         ("", {"max_tokens": 4}, "empty prompt"),
-        ("token " * 200, {"max_tokens": 4}, "does not fit the context of 64"),
+        ("token " * 300, {"max_tokens": 4}, "does not fit the context of 256"),
         ("hello", {"max_tokens": 0}, "max_tokens must be at least 1"),
         ("hello", {"max_tokens": -3}, "max_tokens must be at least 1"),
-        ("hello", {"max_tokens": 100}, "exceeds the context of 64"),
+        ("hello", {"max_tokens": 300}, "exceeds the context of 256"),
         ("hello", {"max_tokens": 4, "top_p": 0.0}, "top_p must be in"),
     ],
 )
@@ -142,12 +145,29 @@ def test_wrong_dtype_shape_or_model(cluster, expected, model_name, max_tokens, m
 
 
 def test_client_that_leaves_mid_stream_cancels_downstream(cluster, expected):
-    long = dict(max_tokens=MAX_SEQ_LEN - 8)
-    stream = stream_grpc(cluster.frontend.grpc_url, PROMPTS[0], **long)
+    started = time.perf_counter()
+    list(stream_grpc(cluster.frontend.grpc_url, PROMPTS[0], max_tokens=MAX_SEQ_LEN - 8))
+    whole = time.perf_counter() - started
+    assert whole > 0.3, f"a whole stream takes {whole:.2f} s: too short to cancel in"
+    stream = stream_grpc(cluster.frontend.grpc_url, PROMPTS[0], max_tokens=MAX_SEQ_LEN - 8)
     assert len([next(stream) for _ in range(3)]) == 3
+    decode = cluster.role("decode")[0].server
+    before = metric(decode, "dejavu_requests", outcome="cancelled")
     stream.close()  # the client goes away: stop_stream(cancel_requests=True)
     for _ in range(3):
         good_request_works(cluster, expected)
+    # The T-node dropped the request (and freed its KV slot) before making every token.
+    assert metric(decode, "dejavu_requests", outcome="cancelled") == before + 1
+    assert metric(cluster.frontend, "dejavu_requests", outcome="cancelled") >= 1
+    assert metric(decode, "dejavu_queue_length") == 0
+
+
+def test_kv_bytes_streamed_agree_on_both_sides(cluster, expected):
+    prefill, decode = cluster.role("prefill")[0].server, cluster.role("decode")[0].server
+    good_request_works(cluster, expected)
+    sent, received = metric(prefill, "dejavu_kv_bytes"), metric(decode, "dejavu_kv_bytes")
+    assert sent == received > 0
+    assert metric(decode, "dejavu_kv_transfer_seconds") > 0
 
 
 def test_http_infer_on_the_decoupled_ensemble_says_so(cluster):

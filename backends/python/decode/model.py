@@ -7,7 +7,8 @@ from orchestrator.serving.params import PARAM_TENSORS, GenerationParams
 
 class TritonPythonModel:
     def initialize(self, args):
-        self.service = load_decode_service(pb.parameters(args))
+        params = pb.parameters(args)
+        self.service = load_decode_service(params, pb.TritonMetrics(params["name"]))
 
     def execute(self, requests):
         for request in requests:
@@ -34,6 +35,7 @@ class TritonPythonModel:
                     send_ticket,
                 )
             except Exception as exc:  # a refused request must not hurt the others
+                self.service.metrics.request_done("failed")
                 fail(str(exc))
         return None
 

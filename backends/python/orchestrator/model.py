@@ -1,5 +1,6 @@
 """Frontend, decoupled: route each request to a P-node and a T-node, relay tokens."""
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from orchestrator.serving import pb
@@ -12,6 +13,8 @@ class TritonPythonModel:
         params = pb.parameters(args)
         split = lambda key: [url for url in params.get(key, "").split(",") if url]  # noqa: E731
         self.frontend = Frontend(split("prefill_urls"), split("decode_urls"))
+        self.metrics = pb.TritonMetrics(params.get("name", "frontend"))
+        self.held, self.lock = 0, threading.Lock()
         self.pool = ThreadPoolExecutor(max_workers=int(params.get("max_requests", "64")))
 
     def execute(self, requests):
@@ -26,15 +29,27 @@ class TritonPythonModel:
             response = pb.response(output_ids=pb.ids(tokens), context_ids=pb.ids(context))
             sender.send(response, flags=pb.FINAL if final else 0)
 
+        self.count(+1)
+        outcome = "failed"
         try:
             tensors = pb.inputs(request, ["input_ids", *PARAM_TENSORS])
             params = GenerationParams.from_tensors(tensors)
             prompt = tensors["input_ids"].reshape(-1).tolist()
             self.frontend.generate(prompt, params, emit, request.is_cancelled)
+            outcome = "finished"
         except Cancelled:
+            outcome = "cancelled"
             sender.send(pb.error("request cancelled"), flags=pb.FINAL)
         except Exception as exc:
             sender.send(pb.error(str(exc)), flags=pb.FINAL)
+        finally:
+            self.count(-1)
+            self.metrics.request_done(outcome)
+
+    def count(self, change):
+        with self.lock:
+            self.held += change
+            self.metrics.queue_length(self.held)
 
     def finalize(self):
         self.pool.shutdown(wait=False, cancel_futures=True)

@@ -8,7 +8,8 @@ from orchestrator.serving.prefill_worker import PrefillJob
 
 class TritonPythonModel:
     def initialize(self, args):
-        self.worker = load_prefill_worker(pb.parameters(args))
+        params = pb.parameters(args)
+        self.worker = load_prefill_worker(params, pb.TritonMetrics(params["name"]))
 
     def execute(self, requests):
         jobs, responses = [], [None] * len(requests)

@@ -1,0 +1,19 @@
+"""What a node counts: requests by outcome, queue length, KV streamed.
+
+The serving library reports through this interface; inside Triton,
+:class:`orchestrator.serving.pb.TritonMetrics` publishes it on the server's
+Prometheus port. The base class drops everything (unit tests, no Triton).
+"""
+
+from __future__ import annotations
+
+
+class Metrics:
+    def request_done(self, outcome: str) -> None:
+        """``outcome``: finished, cancelled or failed."""
+
+    def queue_length(self, requests: int) -> None:
+        """Requests the node holds right now (running or waiting)."""
+
+    def kv_streamed(self, nbytes: int, seconds: float) -> None:
+        """One prompt's KV: bytes moved and how long its transfer was open."""

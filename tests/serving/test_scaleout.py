@@ -1,0 +1,37 @@
+"""Two P-nodes and two T-nodes: JSQ spreads the load, tokens stay exact, a dead node is skipped."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+from cluster_helpers import MAX_SEQ_LEN, PROMPTS, ids_of, reference, run_concurrently
+
+from clients.generate import GenerateError, stream_grpc
+from orchestrator.cluster.launcher import Cluster
+
+pytestmark = pytest.mark.slow
+MAX_TOKENS = 10
+
+
+def test_two_by_two_then_a_decode_node_dies(tiny_model, tmp_path):
+    model = tiny_model("gpt2")
+    prompts = PROMPTS * 2
+    expected = reference(model, prompts, MAX_TOKENS)
+    with Cluster.up(
+        model, prefill=2, decode=2, run_dir=tmp_path, max_seq_len=MAX_SEQ_LEN
+    ) as cluster:
+        url = cluster.frontend.grpc_url
+        results = run_concurrently("grpc", url, prompts, max_tokens=MAX_TOKENS)
+        assert [ids_of(chunks) for chunks in results] == expected
+
+        # Both T-nodes idle: JSQ picks decode0 first. Kill it without warning.
+        dead = cluster.role("decode")[0].server
+        os.kill(dead.process.pid, signal.SIGKILL)
+        dead.process.wait(timeout=10)
+        with pytest.raises(GenerateError, match=f"decode node {dead.grpc_url} is down"):
+            list(stream_grpc(url, prompts[0], max_tokens=MAX_TOKENS))
+        # The router leaves the dead node out; the survivors serve every request.
+        results = run_concurrently("grpc", url, prompts[:4], max_tokens=MAX_TOKENS)
+        assert [ids_of(chunks) for chunks in results] == expected[:4]
