@@ -16,10 +16,12 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("up",): ("orchestrator.cluster.launcher:up_main", "start a local cluster of tritonservers"),
     ("status",): ("orchestrator.cluster.launcher:status_main", "show the local cluster"),
     ("down",): ("orchestrator.cluster.launcher:down_main", "stop the local cluster"),
+    ("repo",): ("orchestrator.cluster.launcher:repo_main", "write one node's model repository"),
     ("generate",): ("clients.generate:main", "generate through Triton HTTP/gRPC"),
     ("plan",): ("orchestrator.planner.cli:plan_main", "size prompt and token pools"),
     ("simulate",): ("orchestrator.planner.cli:simulate_main", "simulate serving policies"),
     ("bench", "kv"): ("orchestrator.kv.bench:main", "KV streaming ablation (Fig. 11)"),
+    ("bench", "recovery"): ("orchestrator.fault.bench:main", "failure recovery (Fig. 14, 15)"),
     ("bench", "pipeline"): ("orchestrator.pipeline.bench:main", "pipeline bubbles and swapping"),
     ("bench", "serving"): ("clients.perf:main", "perf_analyzer against the ensemble"),
 }

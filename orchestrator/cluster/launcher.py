@@ -33,7 +33,19 @@ from orchestrator.cluster.tritonserver import (
 )
 
 STATE_FILE = "cluster.json"
-FRONTEND_MODELS = ("preprocessing", "postprocessing", "orchestrator", "ensemble")
+ROLE_MODELS = {
+    "frontend": ("preprocessing", "postprocessing", "orchestrator", "ensemble"),
+    "prefill": ("prefill",),
+    "decode": ("decode",),
+}
+
+
+def write_node_repo(repo: Path, role: str, params: dict[str, str]) -> None:
+    """The model repository of one node; every model sees every parameter it may need."""
+    if role not in ROLE_MODELS:
+        raise ValueError(f"role must be one of {', '.join(ROLE_MODELS)}, got {role!r}")
+    for model in ROLE_MODELS[role]:
+        add_model(repo, model, params if model != "ensemble" else None)
 
 
 @dataclass
@@ -90,21 +102,16 @@ class Cluster:
         repo = self.run_dir / "repos" / name
         shutil.rmtree(repo, ignore_errors=True)
         server = TritonServer(name, repo, self.backend_dir, self.run_dir / "logs" / f"{name}.log")
-        node_params = {**self.common, "secret": self.secret, "name": f"{name}-{server.grpc_port}"}
-        if role == "prefill":
-            add_model(repo, "prefill", node_params)
-        elif role == "decode":
-            mode = "colocated" if self.colocated else "disaggregated"
-            add_model(
-                repo, "decode", {**node_params, "mode": mode, "max_batch": str(self.max_batch)}
-            )
-        else:
-            urls = {
-                "prefill_urls": ",".join(n.server.grpc_url for n in self.role("prefill")),
-                "decode_urls": ",".join(n.server.grpc_url for n in self.role("decode")),
-            }
-            for model in FRONTEND_MODELS:
-                add_model(repo, model, {**self.common, **urls} if model != "ensemble" else None)
+        params = {
+            **self.common,
+            "secret": self.secret,
+            "name": f"{name}-{server.grpc_port}",
+            "mode": "colocated" if self.colocated else "disaggregated",
+            "max_batch": str(self.max_batch),
+            "prefill_urls": ",".join(n.server.grpc_url for n in self.role("prefill")),
+            "decode_urls": ",".join(n.server.grpc_url for n in self.role("decode")),
+        }
+        write_node_repo(repo, role, params)
         self.nodes.append(Node(role, server))
 
     def role(self, role: str) -> list[Node]:
@@ -226,4 +233,31 @@ def down_main(argv: list[str]) -> int:
         clean_shm(node["shm_prefix"])
         print(f"stopped {node['name']}")
     (Path(args.dir) / STATE_FILE).unlink()
+    return 0
+
+
+def repo_main(argv: list[str]) -> int:
+    """Write one node's model repository (containers: see docker-compose.yml)."""
+    parser = argparse.ArgumentParser(prog="dejavu repo", description=repo_main.__doc__)
+    parser.add_argument("role", choices=list(ROLE_MODELS))
+    parser.add_argument("out", type=Path, help="model repository folder to write")
+    parser.add_argument("--model", required=True, help="model folder as the node sees it")
+    parser.add_argument("--secret", required=True, help="hex secret shared by the cluster")
+    parser.add_argument("--name", default="", help="the node's KV transport name")
+    parser.add_argument("--mode", choices=["disaggregated", "colocated"], default="disaggregated")
+    parser.add_argument("--prefill-urls", default="", help="comma-separated P-node gRPC urls")
+    parser.add_argument("--decode-urls", default="", help="comma-separated T-node gRPC urls")
+    parser.add_argument("--max-seq-len", default="")
+    args = parser.parse_args(argv)
+    params = {
+        "model_dir": args.model,
+        "secret": args.secret,
+        "name": args.name,
+        "mode": args.mode,
+        "prefill_urls": args.prefill_urls,
+        "decode_urls": args.decode_urls,
+        "max_seq_len": args.max_seq_len,
+    }
+    write_node_repo(args.out, args.role, params)
+    print(f"wrote {args.role} repository to {args.out}")
     return 0

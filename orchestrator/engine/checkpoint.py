@@ -18,12 +18,17 @@ from orchestrator.engine.tokenizer import (
     train_tokenizer,
 )
 
-# HF config kwargs per (arch, preset). ``tiny`` is for tests; ``small`` is GPT-2-small scale.
+# HF config kwargs per (arch, preset). ``tiny`` is for tests; ``small`` and ``medium`` are
+# GPT-2-small / -medium scale (OPT-125m / -350m without its 512-wide embedding projection,
+# which the engine does not implement; Llama-shaped at the same widths, with GQA).
 PRESETS: dict[str, dict[str, dict]] = {
     "gpt2": {
         "tiny": dict(n_layer=4, n_embd=64, n_head=4, n_inner=256, n_positions=256, vocab_size=512),
         "small": dict(
             n_layer=12, n_embd=768, n_head=12, n_inner=3072, n_positions=1024, vocab_size=50257
+        ),
+        "medium": dict(
+            n_layer=24, n_embd=1024, n_head=16, n_inner=4096, n_positions=1024, vocab_size=50257
         ),
     },
     "opt": {
@@ -43,6 +48,15 @@ PRESETS: dict[str, dict[str, dict]] = {
             ffn_dim=3072,
             max_position_embeddings=2048,
             word_embed_proj_dim=768,
+            vocab_size=50272,
+        ),
+        "medium": dict(
+            num_hidden_layers=24,
+            hidden_size=1024,
+            num_attention_heads=16,
+            ffn_dim=4096,
+            max_position_embeddings=2048,
+            word_embed_proj_dim=1024,
             vocab_size=50272,
         ),
     },
@@ -65,13 +79,22 @@ PRESETS: dict[str, dict[str, dict]] = {
             max_position_embeddings=2048,
             vocab_size=32000,
         ),
+        "medium": dict(
+            num_hidden_layers=24,
+            hidden_size=1024,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+            intermediate_size=2816,
+            max_position_embeddings=2048,
+            vocab_size=32000,
+        ),
     },
 }
 
 # Weight init std. HF's 0.02 makes a tiny random model repeat one token whatever the
 # context; a wider init keeps its greedy output context-dependent, so token-exact tests
 # actually exercise attention, positions and the KV cache.
-INIT_STD = {"tiny": 0.2, "small": 0.02}
+INIT_STD = {"tiny": 0.2, "small": 0.02, "medium": 0.02}
 
 # The tokenizer's own size: the corpus is small, and extra model rows stay unused.
 TOKENIZER_VOCAB = 512
@@ -120,7 +143,8 @@ def main(argv: list[str]) -> int:
         prog="dejavu model make", description="write a dummy (random-weight) checkpoint folder"
     )
     parser.add_argument("--arch", required=True, choices=sorted(PRESETS))
-    parser.add_argument("--preset", required=True, help="tiny or small")
+    presets = sorted({p for by_arch in PRESETS.values() for p in by_arch})
+    parser.add_argument("--preset", required=True, help=" / ".join(presets))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("dir", type=Path)
     args = parser.parse_args(argv)

@@ -23,6 +23,15 @@ from orchestrator.fault.rpc import Stub
 log = logging.getLogger("dejavu.fault.client")
 
 
+def query_status(controller: str, timeout_s: float = 2.0) -> dict:
+    """The controller's view of the cluster (nodes, pipelines, acks), for ``dejavu status``."""
+    stub = Stub(controller)
+    try:
+        return stub.call("Status", {}, timeout_s)
+    finally:
+        stub.close()
+
+
 @dataclass(frozen=True)
 class NodeSpec:
     pipeline: str
@@ -84,6 +93,11 @@ class ControllerClient:
                 self._acks[key] = step
                 self._unsent.add(key)
 
+    @property
+    def unsent_acks(self) -> int:
+        with self._lock:
+            return len(self._unsent)
+
     def wait_for_recovery_plan(self, after_epoch: int, timeout_s: float,
                                poll_s: float = 0.02) -> dict:
         """Block until the controller has a plan newer than ``after_epoch``."""
@@ -104,12 +118,15 @@ class ControllerClient:
             time.sleep(poll_s)
 
     def recovered(self, epoch: int) -> None:
-        self._flush_acks()  # the restored replicas' acks first: the next plan relies on them
+        """This node carried out plan ``epoch``; its replicas restart from the resume point."""
+        with self._lock:  # the controller rolled the acks back; redone steps ack again
+            self._acks.clear()
+            self._unsent.clear()
         reply = self._call("Recovered", {"node_id": self.node_id, "epoch": epoch})
         self.epoch, self.state = reply["epoch"], reply["state"]
 
     def status(self) -> dict:
-        return self._call("Status", {})
+        return query_status(self._stub.address, self.rpc_timeout_s)
 
     # -- the heartbeat thread -------------------------------------------------
 

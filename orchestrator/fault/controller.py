@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -313,6 +314,21 @@ class ControllerServer:
         self._stop.set()
         self._server.stop(grace_s).wait(grace_s + 1)
         self._sweeper.join(timeout=grace_s + 1)
+
+
+def spawn(timeout_s: float, port: int = 0) -> tuple[subprocess.Popen, str]:
+    """Start the controller as its own process; returns it and the address it bound."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.fault.controller",
+         "--port", str(port), "--timeout-s", str(timeout_s)],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    line = proc.stdout.readline()  # printed once bound; empty if it exits first
+    if not line.startswith("controller listening on "):
+        proc.kill()
+        proc.wait(timeout=10)
+        raise RuntimeError(f"the controller did not start (port {port}): {line!r}")
+    return proc, line.split()[-1]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -46,11 +46,17 @@ class StageDown(RuntimeError):
 
 @dataclass(frozen=True)
 class Kill:
-    """Kill ``stage`` just before ``microbatch`` runs ``step`` on it (once)."""
+    """Kill ``stage`` just before ``microbatch`` runs ``step`` on it (once).
+
+    ``settled``: first let every replica and ack of the steps so far reach the
+    controller, so the step to redo is known exactly (tests). Unsettled, the
+    acks still in flight die with the node and recovery redoes a few more steps.
+    """
 
     step: int
     stage: int
     microbatch: int = 0
+    settled: bool = True
 
 
 @dataclass
@@ -67,10 +73,18 @@ class DrillConfig:
     kv_timeout_s: float = 10.0
     num_slots: int = 64
 
+    def __post_init__(self) -> None:
+        for name in ("depth", "microbatch_size", "num_microbatches", "max_tokens", "num_slots"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.replicate and self.depth < 2:
+            raise ValueError("replication needs depth >= 2 (the replica lives on the next stage)")
+
 
 @dataclass
 class Recovery:
     stages: list[int]
+    at_s: float  # when the stage was killed, from the run's start
     wait_s: float  # kill -> plan (detection, replacement registration)
     repair_s: float  # plan -> resumed (steps 1, 2 and rollback)
     resume: dict[int, int]
@@ -139,8 +153,6 @@ class Drill:
     def __init__(self, config: DrillConfig, engines: list[TorchEngine]) -> None:
         if len(engines) != config.depth:
             raise ValueError(f"{len(engines)} engines for a depth-{config.depth} pipeline")
-        if config.replicate and config.depth < 2:
-            raise ValueError("replication needs depth >= 2 (the replica lives on the next stage)")
         self.config, self.engines = config, engines
         self.fabric = LocalFabric()
         self.nodes = [StageNode(self, s) for s in range(config.depth)]
@@ -186,6 +198,8 @@ class Drill:
             for j in sorted(self.batches):
                 for kill in [k for k in pending if (k.microbatch, k.step) == (j, self.steps[j])]:
                     pending.remove(kill)
+                    if kill.settled:
+                        self._settle()
                     self._kill(kill.stage)
                 try:
                     self._step(j)
@@ -207,6 +221,8 @@ class Drill:
         else:
             x = torch.tensor([r.tokens[-1] for r in reqs])
         for node in self.nodes:
+            if node.alive and node.client.fenced.is_set():
+                self._kill(node.stage)  # declared dead (it was too slow): it must stop serving
             if not node.alive:
                 raise StageDown(node.stage)
             if step == 0:
@@ -238,8 +254,16 @@ class Drill:
 
     def _drain_replication(self) -> None:
         for node in self.nodes:
-            if node.replicator is not None and node.replicator.error is None:
+            if node.alive and node.replicator is not None and node.replicator.error is None:
                 node.replicator.flush()
+
+    def _settle(self, timeout_s: float = 10.0) -> None:
+        self._drain_replication()
+        deadline = time.monotonic() + timeout_s
+        while any(n.client.unsent_acks for n in self.nodes if n.alive):
+            if time.monotonic() > deadline:
+                raise TimeoutError("acks did not reach the controller")
+            time.sleep(0.005)
 
     # -- failure and recovery ----------------------------------------------------
 
@@ -277,18 +301,15 @@ class Drill:
             self.steps[j] = resume[j]
             for rid in self.batches[j]:
                 del self.requests[rid].tokens[resume[j]:]
-        if cfg.replicate:  # step 2 (and re-seeding the new stages' own replicas)
-            if recompute:
-                for node in self.nodes:
-                    for rid in node.store.held:
-                        node.store.free(rid)
-            touched = set(range(cfg.depth)) if recompute else (
-                failed | {(x - 1) % cfg.depth for x in failed}
-            )
-            self._connect(sorted(touched))
-            for s in sorted(touched):
-                node = self.nodes[s]
-                rids = [r for r in node.caches]
+        if cfg.replicate:
+            # Step 2, and more: every holder's replicas must match the rolled-back caches
+            # (KVReceiver cannot cut a slot back), so every stage re-seeds its replicas.
+            for node in self.nodes:
+                for rid in node.store.held:
+                    node.store.free(rid)
+            self._connect(range(cfg.depth))
+            for node in self.nodes:
+                rids = list(node.caches)
                 node.replicator.seed(rids, [node.caches[r] for r in rids])
         for node in self.nodes:
             node.client.recovered(plan["epoch"])
@@ -296,6 +317,6 @@ class Drill:
         if recompute:
             log.warning("no replica survived for stages %s: recomputed from the prompts", dead)
         self.result.recoveries.append(Recovery(
-            dead, planned - self.killed_at, time.perf_counter() - planned, resume,
-            recompute,
+            dead, self.killed_at - self.start, planned - self.killed_at,
+            time.perf_counter() - planned, resume, recompute,
         ))

@@ -145,7 +145,8 @@ class Replicator:
         self.streamer = DeltaStreamer(transport, layout, secret, max_batch, timeout_s=timeout_s)
         self.error: KVTransferError | None = None
         self._attached: set[str] = set()
-        self._steps: queue.Queue[tuple[int, int] | threading.Event | None] = queue.Queue()
+        # Landed steps to ack, ended requests to free, flush markers, in submission order.
+        self._steps: queue.Queue[tuple[int, int] | str | threading.Event | None] = queue.Queue()
         self._acker = threading.Thread(target=self._ack_landed, name=f"acks-{stage}", daemon=True)
         self._acker.start()
 
@@ -177,20 +178,25 @@ class Replicator:
             self._attached.add(rid)
 
     def remove(self, request_id: str) -> None:
-        """The request ended: stop streaming it and free its replica."""
-        if request_id not in self._attached:
-            return
-        self._attached.discard(request_id)
+        """The request ended: stop streaming it and free its replica, after its last delta."""
+        if request_id in self._attached:
+            self._attached.discard(request_id)
+            self._steps.put(request_id)
+
+    def _free(self, request_id: str) -> None:
         self.streamer.remove_target(request_id)
-        if self.error is None:
-            try:
-                self.holder.free(request_id)
-            except Exception as error:  # a dead holder frees everything anyway
-                log.warning("stage %d: freeing replica of %s failed: %s", self.stage,
-                            request_id, error)
+        if self.error is not None:
+            return  # a dead holder's memory is gone with it
+        try:
+            self.holder.free(request_id)
+        except Exception as error:
+            log.warning("stage %d: freeing the replica of %s failed: %s", self.stage,
+                        request_id, error)
 
     def flush(self) -> None:
         """Wait until every step so far has landed and been acked (tests, shutdown)."""
+        if not self._acker.is_alive():
+            raise RuntimeError(f"stage {self.stage}: the replicator is closed")
         done = threading.Event()
         self._steps.put(done)
         if not done.wait(self.timeout_s):
@@ -210,7 +216,7 @@ class Replicator:
         self.error = error
 
     def _ack_landed(self) -> None:
-        """Flush the streamer, then ack every step queued before the flush began."""
+        """Flush the streamer, then handle every item queued before the flush began."""
         while (item := self._steps.get()) is not None:
             batch = [item]
             while not self._steps.empty():
@@ -224,5 +230,7 @@ class Replicator:
                     return
                 if isinstance(entry, threading.Event):
                     entry.set()
+                elif isinstance(entry, str):
+                    self._free(entry)
                 elif self.error is None:
                     self.holder.landed(self.stage, *entry)

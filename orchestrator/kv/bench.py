@@ -30,12 +30,20 @@ import queue
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
+from orchestrator.engine.checkpoint import PRESETS, make_checkpoint
+from orchestrator.engine.torch_engine import load_engine
+from orchestrator.kv.connector import KVReceiver, KVSender
+from orchestrator.kv.delta import DeltaStreamer
 from orchestrator.kv.layout import KVCache, KVLayout
+from orchestrator.kv.primitives import kv_spans
+from orchestrator.kv.transport.base import KVPoll, Region
+from orchestrator.kv.transport.nixl import NixlTransport
+from orchestrator.kv.wire import Ticket
 
 SECRET = b"dejavu-bench"
 MODES = ["none", "per-slice", "buffered", "layer-wise", "overlap"]
@@ -51,10 +59,6 @@ def kv_hash(cache: KVCache, positions: int) -> str:
 
 def receiver_main(inbox: mp.Queue, outbox: mp.Queue, layout_dict: dict) -> None:
     """Serve reserve / check / release requests until told to stop."""
-    from orchestrator.kv.connector import KVReceiver
-    from orchestrator.kv.transport.nixl import NixlTransport
-    from orchestrator.kv.wire import Ticket
-
     torch.set_num_threads(1)
     layout = KVLayout(**layout_dict)
     transport = NixlTransport(name="bench-receiver")
@@ -62,7 +66,7 @@ def receiver_main(inbox: mp.Queue, outbox: mp.Queue, layout_dict: dict) -> None:
     landing_addr = transport.register(landing).addr
     # A short timeout only shortens the quarantine of slots the raw modes never
     # complete through headers; every wait below passes its own timeout.
-    receiver = KVReceiver(transport, layout, num_slots=3, secret=SECRET, timeout_s=0.2)
+    receiver = KVReceiver(transport, layout, num_slots=2 * len(MODES), secret=SECRET, timeout_s=0.2)
     outbox.put((transport.name, transport.metadata(), landing_addr))
     slots: dict[str, int] = {}
     while True:
@@ -109,29 +113,55 @@ class ModeResult:
     mode: str
     prompt_len: int
     new_tokens: int
-    prefill_ms: float  # median over repeats, until the prompt's KV has landed
-    decode_ms_per_token: float
-    delta_send_us: float  # blocking send time per decode step (0 when overlapped / none)
-    delta_gbps: float  # delta bytes / blocking send time
+    # Load from other processes only ever adds time: the fastest prefill and the
+    # median step are the robust estimates of each mode's own cost.
+    prefill_ms: float  # fastest of the repeats, until the prompt's KV has landed
+    decode_ms_per_token: float  # median step (delta included) + final flush / steps
+    delta_send_us: float  # median blocking streaming time per step (0 for none)
+    delta_gbps: float  # one step's delta bytes / that time
     prefill_slowdown: float = 1.0
     decode_slowdown: float = 1.0
     verified: bool = True
 
 
+@dataclass
+class ModeRun:
+    """One mode's state across the interleaved rounds (its own registered cache)."""
+
+    mode: str
+    cache: KVCache
+    prefill_s: list[float] = field(default_factory=list)
+    rid: str = ""
+    ticket: bytes = b""
+    tokens: list[int] = field(default_factory=list)
+    step_s: list[float] = field(default_factory=list)  # each decode step, delta included
+    send_s: list[float] = field(default_factory=list)  # blocking streaming time of each step
+    flush_s: float = 0.0  # waiting for background deltas after the last step
+    streamer: DeltaStreamer | None = None
+
+    @property
+    def uses_headers(self) -> bool:
+        """Streams through KVSender / DeltaStreamer (else raw transfers, or nothing)."""
+        return self.mode not in ("none", "per-slice")
+
+
 class Bench:
-    """One model: the engine, its registered cache, the receiver process."""
+    """One model: the engine, a registered cache per mode, the receiver process.
+
+    Modes are interleaved (prefill round-robin, then decode one step of each
+    mode in turn) so that load from other processes hits every mode alike and
+    the slowdowns are ratios measured under the same conditions.
+    """
 
     def __init__(self, model_dir: Path, prompt_len: int, new_tokens: int, repeats: int):
-        from orchestrator.engine.torch_engine import load_engine
-        from orchestrator.kv.transport.nixl import NixlTransport
-
         self.prompt_len, self.new_tokens, self.repeats = prompt_len, new_tokens, repeats
         self.engine = load_engine(model_dir, max_seq_len=prompt_len + new_tokens)
         self.layout = self.engine.kv_layout
         self.layers = range(self.layout.num_layers)
         self.transport = NixlTransport(name="bench-engine")
-        self.cache = self.engine.new_cache()  # reused, so it is registered once
-        self.transport.register(self.cache.data)
+        self.runs = [ModeRun(mode, self.engine.new_cache()) for mode in MODES]
+        for run in self.runs:
+            self.transport.register(run.cache.data)
         generator = torch.Generator().manual_seed(0)
         self.prompt = torch.randint(0, self.engine.vocab_size, (prompt_len,), generator=generator)
         ctx = mp.get_context("spawn")
@@ -142,7 +172,6 @@ class Bench:
         self.process.start()
         self.peer, metadata, self.landing_addr = self.outbox.get(timeout=120)
         self.transport.add_peer(self.peer, metadata)
-        self._ids = 0
 
     def close(self) -> None:
         self.inbox.put(("stop", ""))
@@ -153,11 +182,7 @@ class Bench:
         self.inbox.put(message)
         return self.outbox.get(timeout=120)
 
-    # -- ceilings --
-
     def ceilings(self) -> dict[str, float]:
-        from orchestrator.kv.transport.base import Region
-
         src = torch.randn(CEILING_BYTES // 4)
         dst = torch.empty_like(src)
         memcpy = min(_timed(lambda: dst.copy_(src)) for _ in range(5))
@@ -171,12 +196,106 @@ class Bench:
             "nixl_gbps": CEILING_BYTES / nixl / 1e9,
         }
 
-    # -- transfers --
+    def run(self) -> list[ModeResult]:
+        self._warm_up()
+        for repeat in range(self.repeats):
+            for run in self.runs:
+                previous = run.rid
+                run.rid = f"{run.mode}-{repeat}"
+                run.ticket = self.ask("reserve", run.rid, self.prompt_len)
+                if previous:
+                    self.inbox.put(("release", previous))
+                seconds, logits = self._prefill(run)
+                run.prefill_s.append(seconds)
+                run.tokens = [int(logits.argmax())]
+        for run in self.runs:
+            if run.uses_headers:
+                run.streamer = DeltaStreamer(self.transport, self.layout, SECRET, max_batch=1)
+                run.streamer.add_target(run.rid, run.ticket)
+        for _ in range(self.new_tokens - 1):
+            for run in self.runs:
+                self._step(run)
+        for run in self.runs:
+            if run.streamer is not None:
+                run.flush_s = _timed(run.streamer.flush)
+                run.streamer.close()
+        return [self._result(run) for run in self.runs]
+
+    def _warm_up(self) -> None:
+        """First-touch allocations and lazy initialisation, outside every timing."""
+        scratch = self.engine.new_cache()
+        (logits,) = self.engine.prefill([self.prompt], [scratch])
+        self.engine.decode(logits.argmax().view(1), [scratch])
+
+    def _result(self, run: ModeRun) -> ModeResult:
+        positions = self.prompt_len + self.new_tokens - 1
+        received = self.ask("check", run.rid, positions, run.uses_headers)
+        self.inbox.put(("release", run.rid))
+        steps = self.new_tokens - 1
+        send_s = statistics.median(run.send_s)
+        reference = self.runs[0]
+        return ModeResult(
+            model="",
+            mode=run.mode,
+            prompt_len=self.prompt_len,
+            new_tokens=self.new_tokens,
+            prefill_ms=min(run.prefill_s) * 1e3,
+            decode_ms_per_token=(statistics.median(run.step_s) + run.flush_s / steps) * 1e3,
+            delta_send_us=send_s * 1e6,
+            delta_gbps=self.layout.step_bytes() / send_s / 1e9 if send_s else 0.0,
+            verified=run.tokens == reference.tokens
+            and (run.mode == "none" or received == kv_hash(run.cache, positions)),
+        )
+
+    def _prefill(self, run: ModeRun) -> tuple[float, torch.Tensor]:
+        """Seconds until the prompt's KV has landed (computed, for ``none``), and the logits."""
+        sender = KVSender(self.transport, self.layout, SECRET, max_inflight=1)
+        run.cache.length = 0
+        start = time.perf_counter()
+        if not run.uses_headers:
+            (logits,) = self.engine.prefill([self.prompt], [run.cache])
+            if run.mode == "per-slice":
+                ticket = Ticket.decode(run.ticket, SECRET)
+                self._send_slices(run.cache, ticket, range(self.prompt_len))
+        else:
+            handle = sender.start(run.rid, [run.ticket])
+
+            def stream_layer(layer: int, caches) -> None:
+                sender.save_layer(handle, layer, caches[0])
+
+            layer_wise = run.mode != "buffered"
+            (logits,) = self.engine.prefill(
+                [self.prompt], [run.cache], on_layer=stream_layer if layer_wise else None
+            )
+            if not layer_wise:
+                for layer in self.layers:
+                    stream_layer(layer, [run.cache])
+            sender.finish(handle)
+            sender.wait_for_save(handle, timeout_s=60)
+        seconds = time.perf_counter() - start
+        sender.close()
+        return seconds, logits
+
+    def _step(self, run: ModeRun) -> None:
+        """One greedy decode step of ``run``, then its delta, per the mode."""
+        position = run.cache.length
+        start = time.perf_counter()
+        logits = self.engine.decode(torch.tensor([run.tokens[-1]]), [run.cache])[0]
+        run.tokens.append(int(logits.argmax()))
+        computed = time.perf_counter()
+        if run.mode == "per-slice":
+            ticket = Ticket.decode(run.ticket, SECRET)
+            self._send_slices(run.cache, ticket, range(position, position + 1))
+        elif run.streamer is not None:
+            run.streamer.submit([run.rid], [run.cache], [position])
+            if run.mode != "overlap":
+                run.streamer.flush()
+        done = time.perf_counter()
+        run.step_s.append(done - start)
+        run.send_s.append(done - computed if run.mode != "none" else 0.0)
 
     def _write_all(self, pairs, separately: bool = False) -> None:
         """Post ``pairs`` as one transfer (or one per pair) and wait until all landed."""
-        from orchestrator.kv.transport.base import KVPoll
-
         batches = [[p] for p in pairs] if separately else [pairs]
         handles = [self.transport.write(self.peer, batch) for batch in batches]
         deadline = time.monotonic() + 60
@@ -187,107 +306,11 @@ class Bench:
             if state == KVPoll.FAILED:
                 raise RuntimeError(handle.error)
 
-    def _send_slices(self, ticket, positions: range) -> None:
+    def _send_slices(self, cache: KVCache, ticket, positions: range) -> None:
         """The naive way: one transfer per contiguous (layer, K/V, head) run, no staging."""
-        from orchestrator.kv.primitives import kv_spans
-
-        local = kv_spans(self.layout, self.cache.data.data_ptr(), self.layers, positions)
+        local = kv_spans(self.layout, cache.data.data_ptr(), self.layers, positions)
         remote = kv_spans(ticket.layout, ticket.slot_addr, self.layers, positions)
         self._write_all(list(zip(local, remote, strict=True)), separately=True)
-
-    # -- one mode --
-
-    def run_mode(self, mode: str) -> tuple[ModeResult, list[int]]:
-        prefill_times = []
-        for _ in range(self.repeats):
-            self._ids += 1
-            rid = f"{mode}-{self._ids}"
-            ticket = self.ask("reserve", rid, self.prompt_len)
-            seconds, logits = self._prefill(mode, rid, ticket)
-            prefill_times.append(seconds)
-            if len(prefill_times) < self.repeats:
-                self.inbox.put(("release", rid))
-        tokens, decode_s, send_s = self._decode(mode, rid, ticket, logits)
-        positions = self.prompt_len + self.new_tokens - 1
-        received = self.ask("check", rid, positions, mode not in ("none", "per-slice"))
-        self.inbox.put(("release", rid))
-        steps = max(1, self.new_tokens - 1)
-        result = ModeResult(
-            model="",
-            mode=mode,
-            prompt_len=self.prompt_len,
-            new_tokens=self.new_tokens,
-            prefill_ms=statistics.median(prefill_times) * 1e3,
-            decode_ms_per_token=decode_s * 1e3 / steps,
-            delta_send_us=send_s * 1e6 / steps,
-            delta_gbps=steps * self.layout.step_bytes() / send_s / 1e9 if send_s else 0.0,
-            verified=mode == "none" or received == kv_hash(self.cache, positions),
-        )
-        return result, tokens
-
-    def _prefill(self, mode: str, rid: str, ticket_bytes: bytes) -> tuple[float, torch.Tensor]:
-        """Seconds until the prompt's KV has landed (computed, for ``none``), and the logits."""
-        from orchestrator.kv.connector import KVSender
-        from orchestrator.kv.wire import Ticket
-
-        ticket, prompt_kv = Ticket.decode(ticket_bytes, SECRET), range(self.prompt_len)
-        sender = KVSender(self.transport, self.layout, SECRET, max_inflight=1)
-        self.cache.length = 0
-        start = time.perf_counter()
-        if mode in ("none", "per-slice"):
-            (logits,) = self.engine.prefill([self.prompt], [self.cache])
-            if mode == "per-slice":
-                self._send_slices(ticket, prompt_kv)
-        else:
-            handle = sender.start(rid, [ticket_bytes])
-
-            def stream_layer(layer: int, caches) -> None:
-                sender.save_layer(handle, layer, caches[0])
-
-            layer_wise = mode != "buffered"
-            (logits,) = self.engine.prefill(
-                [self.prompt], [self.cache], on_layer=stream_layer if layer_wise else None
-            )
-            if not layer_wise:
-                for layer in self.layers:
-                    stream_layer(layer, [self.cache])
-            sender.finish(handle)
-            sender.wait_for_save(handle, timeout_s=60)
-        seconds = time.perf_counter() - start
-        sender.close()
-        return seconds, logits
-
-    def _decode(self, mode: str, rid: str, ticket_bytes: bytes, logits: torch.Tensor):
-        """Greedy tokens, decode seconds (deltas landed), and blocking send seconds."""
-        from orchestrator.kv.delta import DeltaStreamer
-        from orchestrator.kv.wire import Ticket
-
-        ticket = Ticket.decode(ticket_bytes, SECRET)
-        streamer = None
-        if mode not in ("none", "per-slice"):
-            streamer = DeltaStreamer(self.transport, self.layout, SECRET, max_batch=1, depth=4)
-            streamer.add_target(rid, ticket_bytes)
-        tokens, send_s = [int(logits.argmax())], 0.0
-        start = time.perf_counter()
-        for _ in range(self.new_tokens - 1):
-            position = self.cache.length
-            logits = self.engine.decode(torch.tensor([tokens[-1]]), [self.cache])[0]
-            tokens.append(int(logits.argmax()))
-            if mode == "none":
-                continue
-            step = range(position, position + 1)
-            sent = time.perf_counter()
-            if streamer is None:
-                self._send_slices(ticket, step)
-            else:
-                streamer.submit([rid], [self.cache], [position])
-                if mode != "overlap":
-                    streamer.flush()
-            send_s += time.perf_counter() - sent
-        if streamer is not None:
-            streamer.flush()
-            streamer.close()
-        return tokens, time.perf_counter() - start, send_s
 
 
 def _timed(fn: Callable[[], object]) -> float:
@@ -300,8 +323,6 @@ def _timed(fn: Callable[[], object]) -> float:
 
 
 def _model_dir(spec: str, models_dir: Path) -> Path | None:
-    from orchestrator.engine.checkpoint import PRESETS, make_checkpoint
-
     arch, _, preset = spec.partition(":")
     if preset not in PRESETS.get(arch, {}):
         print(f"skipping {spec}: the engine has no {arch}/{preset} preset")
@@ -316,19 +337,13 @@ def run(spec: str, model_dir: Path, args: argparse.Namespace) -> list[dict]:
     bench = Bench(model_dir, args.prompt, args.new_tokens, args.repeats)
     try:
         ceilings = bench.ceilings()
-        bench.run_mode("none")  # warm-up: first-touch allocations, lazy inits
-        results, reference_tokens = [], None
-        for mode in MODES:
-            result, tokens = bench.run_mode(mode)
-            reference_tokens = reference_tokens or tokens
-            result.model = spec
-            result.verified = result.verified and tokens == reference_tokens
-            results.append(result)
+        results = bench.run()
     finally:
         bench.close()
     base = results[0]
     rows = []
     for result in results:
+        result.model = spec
         result.prefill_slowdown = result.prefill_ms / base.prefill_ms
         result.decode_slowdown = result.decode_ms_per_token / base.decode_ms_per_token
         rows.append({**asdict(result), **ceilings})
@@ -414,7 +429,7 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--prompt", type=int, default=500, help="prompt tokens (paper: 500)")
     parser.add_argument("--new-tokens", type=int, default=500, help="new tokens (paper: 500)")
-    parser.add_argument("--repeats", type=int, default=3, help="prefills per mode (median)")
+    parser.add_argument("--repeats", type=int, default=5, help="prefills per mode (fastest kept)")
     parser.add_argument("--out", type=Path, default=Path("bench_out/kv"))
     parser.add_argument("--models-dir", type=Path, help="checkpoint cache (default OUT/models)")
     parser.add_argument("--quick", action="store_true", help="tiny model, short run (smoke)")

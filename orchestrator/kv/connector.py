@@ -26,6 +26,13 @@ all of its layers arrived and the last prompt stage (the one holding the
 model's last layer, which produced ``extra``) has finished. Nothing is trusted
 until its header verifies: a failed or timed-out request never returns a cache.
 
+Token-step deltas (replicas, hand-offs): a :class:`~orchestrator.kv.delta.DeltaStreamer`
+given the same ticket writes each step into the slot's landing ring; the
+receiver scatters it into the slot in ``progress()`` (``poll``, ``wait`` and
+``cache`` call it; a node holding replicas calls it once per step), and
+``cache(request_id)`` returns the slot with its current length. Deltas that
+overtake the prompt wait until the prompt is complete.
+
 States (:class:`KVPoll`): receiver WAITING -> TRANSFERRING -> SUCCESS | FAILED;
 sender BOOTSTRAPPING -> TRANSFERRING -> SUCCESS | FAILED.
 """

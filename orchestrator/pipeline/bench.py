@@ -32,6 +32,9 @@ CAVEAT = (
 )
 
 
+QUICK = {"preset": "tiny", "requests": 32, "prompt_len": 32, "max_output": 16}
+
+
 @dataclass
 class RunResult:
     name: str
@@ -137,8 +140,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench_out/pipeline"))
     parser.add_argument("--quick", action="store_true", help="tiny model, few requests")
     args = parser.parse_args(argv)
-    if args.quick:
-        args.preset, args.requests, args.prompt_len, args.max_output = "tiny", 32, 32, 16
+    if args.quick:  # smaller defaults; options given explicitly still win
+        for name, value in QUICK.items():
+            if getattr(args, name) == parser.get_default(name):
+                setattr(args, name, value)
     if args.stages < 1 or args.batch < 1 or args.requests < 1:
         parser.error("--stages, --batch and --requests must be >= 1")
     try:
@@ -150,16 +155,12 @@ def main(argv: list[str]) -> int:
     model = args.model or _dummy_model(args)
     max_seq = args.prompt_len + args.max_output + 1
 
-    def token_engines() -> list:
-        return load_pipeline_engines(model, args.stages, layers, max_seq_len=max_seq)
-
-    def prompt_engines() -> list:
-        return load_pipeline_engines(model, 1, max_seq_len=max_seq)
-
+    # Engines keep no per-request state (the pipelines own the KV): every run shares them.
     try:
-        engines = token_engines()
+        engines = load_pipeline_engines(model, args.stages, layers, max_seq_len=max_seq)
     except ValueError as e:
         parser.error(str(e))
+    prompt_engines = load_pipeline_engines(model, 1, max_seq_len=max_seq)
     prompts, limits, source = workload(args, engines[0].vocab_size)
     split = [e.stage.count for e in engines]
     print(f"model {model} ({args.arch}/{args.preset}), token stages of {split} layers, "
@@ -170,13 +171,12 @@ def main(argv: list[str]) -> int:
           f"token step t = {t * 1e3:.1f} ms, Y/t = {y / t:.1f}")
 
     results, timelines = [], {}
-    for name, make in [
-        ("colocated", lambda: TokenPipeline(token_engines(), args.batch, mode="colocated")),
-        ("disaggregated", lambda: TokenPipeline(token_engines(), args.batch,
-                                                prompt_engines=prompt_engines(),
-                                                prompt_batch=args.batch)),
+    for name, pipeline in [
+        ("colocated", TokenPipeline(engines, args.batch, mode="colocated")),
+        ("disaggregated", TokenPipeline(engines, args.batch, prompt_engines=prompt_engines,
+                                        prompt_batch=args.batch)),
     ]:
-        result, timelines[name] = run(name, make(), prompts, limits, args.timeout)
+        result, timelines[name] = run(name, pipeline, prompts, limits, args.timeout)
         results.append(result)
 
     # Swapping: one fixed device KV budget per stage, the largest batch each way.
@@ -185,8 +185,8 @@ def main(argv: list[str]) -> int:
     budget = mbs * args.batch * slot
     swap_batch = budget // (2 * slot)
     for name, batch, swap in [("resident", args.batch, "off"), ("swapped", swap_batch, "on")]:
-        pipeline = TokenPipeline(token_engines(), batch, num_microbatches=mbs, swap=swap,
-                                 device_kv_budget=budget, prompt_engines=prompt_engines(),
+        pipeline = TokenPipeline(engines, batch, num_microbatches=mbs, swap=swap,
+                                 device_kv_budget=budget, prompt_engines=prompt_engines,
                                  prompt_batch=batch)
         results.append(run(name, pipeline, prompts, limits, args.timeout)[0])
     bandwidth = measure_copy_bandwidth(engines[0].device)
@@ -261,10 +261,11 @@ def _plot(results: list[RunResult], timelines: dict[str, list[list[Interval]]], 
     colors = {"prefill": "tab:red", "decode": "tab:blue", "prefill+decode": "tab:purple"}
     fig, axes = plt.subplots(len(timelines) + 1, 1, figsize=(11, 3 + 2.2 * len(timelines)))
     for ax, (name, rows) in zip(axes, timelines.items(), strict=False):
+        span = max((i.end for row in rows for i in row), default=1.0)
         for y, row in enumerate(rows):
             for kind, color in colors.items():
-                spans = [(i.start, i.end - i.start) for i in row if i.kind == kind]
-                ax.broken_barh(spans, (y - 0.4, 0.8), color=color, label=kind if y == 0 else None)
+                spans = _merged([i for i in row if i.kind == kind], gap=span / 2000)
+                ax.broken_barh(spans, (y - 0.4, 0.8), color=color)
         labels = [f"T{i}" for i in range(len(rows))]
         if name == "disaggregated":
             labels[-1] = "P"
@@ -283,3 +284,14 @@ def _plot(results: list[RunResult], timelines: dict[str, list[list[Interval]]], 
     fig.tight_layout()
     fig.savefig(out / "pipeline.png", dpi=110)
     plt.close(fig)
+
+
+def _merged(intervals: list[Interval], gap: float) -> list[tuple[float, float]]:
+    """(start, width) bars, joining intervals closer than ``gap`` (invisible at plot scale)."""
+    bars: list[list[float]] = []
+    for i in intervals:
+        if bars and i.start - bars[-1][1] < gap:
+            bars[-1][1] = i.end
+        else:
+            bars.append([i.start, i.end])
+    return [(start, end - start) for start, end in bars]

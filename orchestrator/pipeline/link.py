@@ -67,7 +67,7 @@ class Link(Protocol):
 class QueueLink:
     """In-process link: a bounded FIFO between two threads."""
 
-    def __init__(self, capacity: int, name: str = "link") -> None:
+    def __init__(self, name: str, capacity: int) -> None:
         self.name = name
         self._queue: queue.Queue[Message] = queue.Queue(maxsize=capacity)
 

@@ -15,7 +15,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -23,7 +23,14 @@ import torch
 from orchestrator.engine.base import Engine, StageSpec
 from orchestrator.engine.config import ModelConfig
 from orchestrator.engine.torch_engine import TorchEngine, load_engine
-from orchestrator.pipeline.link import QueueLink, Shutdown, StepMessage, TokenMessage
+from orchestrator.pipeline.link import (
+    Link,
+    LinkTimeout,
+    QueueLink,
+    Shutdown,
+    StepMessage,
+    TokenMessage,
+)
 from orchestrator.pipeline.prompt_worker import PromptKVStore, PromptWorker
 from orchestrator.pipeline.scheduler import Batch, MicrobatchScheduler
 from orchestrator.pipeline.sequence import FinishReason, Status
@@ -86,11 +93,13 @@ class TokenPipeline:
         prompt_batch: int = 4,
         step_timeout_s: float = 60.0,
         poll_s: float = 0.005,
+        make_link: Callable[[str, int], Link] = QueueLink,
     ) -> None:
         """``device_kv_budget``: device KV bytes per stage (default: just what the mode needs).
         ``swap_workload``: (prompt_len, new_tokens) the ``auto`` swap rule is evaluated for.
         ``prompt_engines``: an in-process P-worker's stages (disaggregated); without them,
-        prompt KV arrives from elsewhere through ``prompt_kv`` and ``submit_prefilled``."""
+        prompt KV arrives from elsewhere through ``prompt_kv`` and ``submit_prefilled``.
+        ``make_link(name, capacity)``: the stage-to-stage links (default in-process queues)."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if swap not in SWAP_MODES:
@@ -105,25 +114,14 @@ class TokenPipeline:
         self.step_timeout_s, self.poll_s = step_timeout_s, poll_s
 
         self.swap = self._resolve_swap(swap, device_kv_budget, swap_workload)
-        self.kv: list[KVPlacement] = []
-        for engine in engines:
-            layout = engine.kv_layout
-            slots = 2 * batch_size if self.swap else self.num_microbatches * batch_size
-            budget = device_kv_budget or slots * layout.slot_bytes()
-            arena = DeviceArena(layout, budget, engine.device)
-            if arena.capacity < slots:
-                raise ValueError(
-                    f"stage {engine.stage}: {'swapping' if self.swap else 'resident'} KV for "
-                    f"batch {batch_size} x {self.num_microbatches} microbatches needs {slots} "
-                    f"slots of {layout.slot_bytes()} B; the budget {budget} B holds "
-                    f"{arena.capacity}" + ("" if self.swap else "; lower batch_size or swap")
-                )
-            self.kv.append(SwappedKV(arena) if self.swap else ResidentKV(arena))
+        self.kv = [self._placement(engine, device_kv_budget) for engine in engines]
 
         self.prompt_store = PromptKVStore()
         self.prompt_kv: PromptKVSource = prompt_kv or self.prompt_store
         self.prompt_worker: PromptWorker | None = None
         if prompt_engines is not None:
+            if prompt_kv is not None:
+                raise ValueError("give prompt_engines (in-process P-worker) or prompt_kv, not both")
             if mode == "colocated":
                 raise ValueError("colocated pipelines run their own prompts; drop prompt_engines")
             _check_chain(prompt_engines)
@@ -133,7 +131,7 @@ class TokenPipeline:
             )
 
         capacity = self.num_microbatches + 1  # never more messages than microbatches in flight
-        self.links = [QueueLink(capacity, f"link-{i}") for i in range(self.depth + 1)]
+        self.links = [make_link(f"link-{i}", capacity) for i in range(self.depth + 1)]
         self.results = self.links[-1]
         self.stages = [
             StageWorker(i, engine, kv, self.links[i], self.links[i + 1], self.num_microbatches,
@@ -148,7 +146,6 @@ class TokenPipeline:
         self._sent_step = [-1] * self.num_microbatches
         self._sent_at = [0.0] * self.num_microbatches
         self.errors: list[str] = []
-        self.tokens_generated = 0
         self._stopping = threading.Event()
         self._head = threading.Thread(target=self._loop, name="pipeline-head", daemon=True)
         self._started = False
@@ -184,6 +181,7 @@ class TokenPipeline:
         with self._lock:
             for seq in list(self._live.values()):
                 seq.finish(FinishReason.ERROR, "pipeline stopped")
+                self._discard_prompt_kv(seq)
             self._prune()
 
     def __enter__(self) -> TokenPipeline:
@@ -221,11 +219,14 @@ class TokenPipeline:
             seq = self._live.get(request_id)
             if seq is None:
                 return False
+            # READY: its prompt KV waits in the store. RUNNING: the stages hold it (and may
+            # not have taken it yet), so only its microbatch's next step frees it.
+            ready = seq.status is Status.READY
             if self.scheduler.cancel(request_id) is None:
                 if self.prompt_worker is not None:
                     self.prompt_worker.cancel(request_id)
                 seq.finish(FinishReason.CANCELLED)  # mid-prefill: dropped when it comes back
-            if seq.status is not Status.RUNNING:
+            if ready:
                 self._discard_prompt_kv(seq)
             self._prune()
             return True
@@ -318,7 +319,12 @@ class TokenPipeline:
         batch = self.scheduler.schedule(mb)
         if batch.is_empty:
             return
-        self.links[0].send(_to_message(batch), self.step_timeout_s)
+        try:
+            self.links[0].send(_to_message(batch), self.step_timeout_s)
+        except LinkTimeout as exc:
+            self.errors.append(str(exc))
+            self.scheduler.fail(mb, f"first stage not taking work: {exc}")
+            return
         self._in_flight[mb], self._sent_step[mb] = True, batch.step
         self._sent_at[mb] = time.monotonic()
 
@@ -332,7 +338,6 @@ class TokenPipeline:
             self.errors.append(message.error)
             self.scheduler.fail(mb, message.error)
         else:
-            self.tokens_generated += len(message.tokens)
             self.scheduler.postprocess(mb, message.tokens)
         self._issue(mb)
 
@@ -352,6 +357,23 @@ class TokenPipeline:
             del self._live[request_id]
         if not self._live:
             self._done.notify_all()
+
+    # -- device KV ----------------------------------------------------------------------
+
+    def _placement(self, engine: Engine, budget: int | None) -> KVPlacement:
+        """Swapping needs 2 microbatches on the device, resident KV all of them."""
+        layout = engine.kv_layout
+        slots = self.batch_size * (2 if self.swap else self.num_microbatches)
+        budget = budget or slots * layout.slot_bytes()
+        arena = DeviceArena(layout, budget, engine.device)
+        if arena.capacity < slots:
+            raise ValueError(
+                f"stage {engine.stage}: {'swapping' if self.swap else 'resident'} KV for "
+                f"batch {self.batch_size} x {self.num_microbatches} microbatches needs {slots} "
+                f"slots of {layout.slot_bytes()} B; the budget {budget} B holds "
+                f"{arena.capacity}" + ("" if self.swap else "; lower batch_size or swap")
+            )
+        return SwappedKV(arena) if self.swap else ResidentKV(arena)
 
     # -- swap decision ----------------------------------------------------------------
 

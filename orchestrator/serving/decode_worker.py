@@ -204,7 +204,9 @@ class DecodeWorker:
         outcome = "finished" if error is None else "cancelled" if error == CANCELLED else "failed"
         self.metrics.request_done(outcome)
         try:
-            if error is not None:
+            if outcome == "cancelled":
+                pass  # Triton closed the response stream when is_cancelled() said so
+            elif error is not None:
                 request.fail(error)
             else:
                 request.emit(request.tokens[request.sent :], True)

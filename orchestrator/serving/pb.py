@@ -7,6 +7,7 @@ call the library, answer with :func:`response` or :func:`error`.
 from __future__ import annotations
 
 import json
+import threading
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -14,6 +15,14 @@ import triton_python_backend_utils as pb_utils
 from orchestrator.serving.metrics import Metrics
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+# Responses leave from many threads (one per request, the token loop); seen crashing
+# tritonserver 2.51 (SIGSEGV, boost lock_exception) under load, so one at a time.
+_send_lock = threading.Lock()
+
+
+def send(sender, response: pb_utils.InferenceResponse, final: bool = False) -> None:
+    with _send_lock:
+        sender.send(response, flags=FINAL if final else 0)
 
 
 def parameters(args: dict) -> dict[str, str]:

@@ -8,6 +8,7 @@ and the cluster serves the next one.
 
 from __future__ import annotations
 
+import queue
 import time
 
 import numpy as np
@@ -27,6 +28,8 @@ from tritonclient.utils import InferenceServerException
 from clients.generate import GenerateError, stream_grpc, stream_http
 from orchestrator.cluster.launcher import Cluster
 from orchestrator.engine.tokenizer import load_tokenizer
+from orchestrator.serving.frontend import request_tensors
+from orchestrator.serving.params import GenerationParams
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 12
@@ -144,22 +147,55 @@ def test_wrong_dtype_shape_or_model(cluster, expected, model_name, max_tokens, m
     good_request_works(cluster, expected)
 
 
-def test_client_that_leaves_mid_stream_cancels_downstream(cluster, expected):
+def _stream_orchestrator(url: str, prompt_ids: list[int], max_tokens: int):
+    """Tokens straight from the frontend's orchestrator model, one response at a time."""
+    client = grpcclient.InferenceServerClient(url)
+    responses: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    tensors = request_tensors(prompt_ids, GenerationParams(max_tokens, stream=True))
+    client.async_stream_infer("orchestrator", tensors)
+    try:
+        while True:
+            result, error = responses.get(timeout=30)
+            assert error is None, error
+            yield result.as_numpy("output_ids").tolist()
+    finally:
+        client.stop_stream(cancel_requests=True)
+        client.close()
+
+
+def test_client_that_leaves_mid_stream_cancels_downstream(cluster, model, expected):
+    prompt_ids = load_tokenizer(model).encode(PROMPTS[0]).ids
+    long = MAX_SEQ_LEN - len(prompt_ids)
     started = time.perf_counter()
-    list(stream_grpc(cluster.frontend.grpc_url, PROMPTS[0], max_tokens=MAX_SEQ_LEN - 8))
+    list(stream_grpc(cluster.frontend.grpc_url, PROMPTS[0], max_tokens=long))
     whole = time.perf_counter() - started
     assert whole > 0.3, f"a whole stream takes {whole:.2f} s: too short to cancel in"
-    stream = stream_grpc(cluster.frontend.grpc_url, PROMPTS[0], max_tokens=MAX_SEQ_LEN - 8)
-    assert len([next(stream) for _ in range(3)]) == 3
+
     decode = cluster.role("decode")[0].server
     before = metric(decode, "dejavu_requests", outcome="cancelled")
+    stream = _stream_orchestrator(cluster.frontend.grpc_url, prompt_ids, long)
+    assert [next(stream) for _ in range(3)] == [[t] for t in expected[0][:3]]
     stream.close()  # the client goes away: stop_stream(cancel_requests=True)
+    # The frontend cancels its stream to the T-node, which drops the request and
+    # frees its KV slot before making every token.
+    deadline = time.monotonic() + 10
+    while metric(decode, "dejavu_requests", outcome="cancelled") == before:
+        assert time.monotonic() < deadline, "the T-node never saw the cancellation"
+        time.sleep(0.05)
+    assert metric(cluster.frontend, "dejavu_requests", outcome="cancelled") >= 1
+    good_request_works(cluster, expected)
+    assert metric(decode, "dejavu_queue_length") == 0
+
+
+def test_client_that_leaves_an_ensemble_stream_does_not_hurt_the_cluster(cluster, expected):
+    # Triton's ensemble scheduler passes a cancellation on only between steps, so a
+    # running decoupled step (the orchestrator) finishes its request: bounded by max_tokens.
+    stream = stream_grpc(cluster.frontend.grpc_url, PROMPTS[0], max_tokens=MAX_SEQ_LEN - 8)
+    assert len([next(stream) for _ in range(3)]) == 3
+    stream.close()
     for _ in range(3):
         good_request_works(cluster, expected)
-    # The T-node dropped the request (and freed its KV slot) before making every token.
-    assert metric(decode, "dejavu_requests", outcome="cancelled") == before + 1
-    assert metric(cluster.frontend, "dejavu_requests", outcome="cancelled") >= 1
-    assert metric(decode, "dejavu_queue_length") == 0
 
 
 def test_kv_bytes_streamed_agree_on_both_sides(cluster, expected):

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
-
 import pytest
 from cluster_helpers import MAX_SEQ_LEN, PROMPTS, ids_of, reference, run_concurrently
 
@@ -26,10 +23,9 @@ def test_two_by_two_then_a_decode_node_dies(tiny_model, tmp_path):
         results = run_concurrently("grpc", url, prompts, max_tokens=MAX_TOKENS)
         assert [ids_of(chunks) for chunks in results] == expected
 
-        # Both T-nodes idle: JSQ picks decode0 first. Kill it without warning.
+        # Both T-nodes idle: JSQ picks decode0 first. Stop it.
         dead = cluster.role("decode")[0].server
-        os.kill(dead.process.pid, signal.SIGKILL)
-        dead.process.wait(timeout=10)
+        dead.stop()
         with pytest.raises(GenerateError, match=f"decode node {dead.grpc_url} is down"):
             list(stream_grpc(url, prompts[0], max_tokens=MAX_TOKENS))
         # The router leaves the dead node out; the survivors serve every request.

@@ -7,6 +7,7 @@ between real tritonservers is tested in test_cluster.py.
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -108,7 +109,12 @@ def test_end_id_cancel_and_refusal(engine):
         cancelled = Client(cancel_after=2)
         admit(service, "cancel", PROMPTS[0], GenerationParams(max_tokens=20), cancelled)
         assert stop_at.wait().tokens == reference[: reference.index(reference[2]) + 1]
-        assert cancelled.wait().error == "request cancelled"
+        # Triton closes a cancelled stream itself: the loop just drops the request.
+        deadline = time.monotonic() + 10
+        while service.worker.queue_length:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert cancelled.tokens == reference[:2] and cancelled.error is None
         with pytest.raises(RequestError, match="exceeds the context"):
             admit(service, "long", [1] * 30, GenerationParams(max_tokens=8), Client())
         after = Client()

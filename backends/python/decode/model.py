@@ -16,13 +16,13 @@ class TritonPythonModel:
             tensors = pb.inputs(request, ["input_ids", *PARAM_TENSORS])
 
             def emit(tokens, final, sender=sender):
-                sender.send(pb.response(output_ids=pb.ids(tokens)), flags=pb.FINAL if final else 0)
+                pb.send(sender, pb.response(output_ids=pb.ids(tokens)), final)
 
             def fail(message, sender=sender):
-                sender.send(pb.error(f"decode: {message}"), flags=pb.FINAL)
+                pb.send(sender, pb.error(f"decode: {message}"), final=True)
 
             def send_ticket(ticket, sender=sender):
-                sender.send(pb.response(kv_ticket=pb.strings(ticket)))
+                pb.send(sender, pb.response(kv_ticket=pb.strings(ticket)))
 
             try:
                 self.service.admit(

@@ -27,7 +27,7 @@ class TritonPythonModel:
 
         def emit(tokens, context, final):
             response = pb.response(output_ids=pb.ids(tokens), context_ids=pb.ids(context))
-            sender.send(response, flags=pb.FINAL if final else 0)
+            pb.send(sender, response, final)
 
         self.count(+1)
         outcome = "failed"
@@ -37,11 +37,10 @@ class TritonPythonModel:
             prompt = tensors["input_ids"].reshape(-1).tolist()
             self.frontend.generate(prompt, params, emit, request.is_cancelled)
             outcome = "finished"
-        except Cancelled:
+        except Cancelled:  # Triton already closed the stream when is_cancelled() said so
             outcome = "cancelled"
-            sender.send(pb.error("request cancelled"), flags=pb.FINAL)
         except Exception as exc:
-            sender.send(pb.error(str(exc)), flags=pb.FINAL)
+            pb.send(sender, pb.error(str(exc)), final=True)
         finally:
             self.count(-1)
             self.metrics.request_done(outcome)

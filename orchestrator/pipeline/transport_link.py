@@ -1,0 +1,179 @@
+"""A stage-to-stage link over the KV library's transport (NIXL across nodes).
+
+The receiving stage registers a ring of ``slots`` buffers and hands its sender
+a :class:`LinkTicket`. Each message is one one-sided WRITE into the next ring
+slot: a JSON header (ids, shapes, dtypes) followed by the tensors' bytes. The
+notification riding on the write names the slot, and arrives after the data,
+so the receiver never sees a half-written message. The ring cannot be
+overrun: at most ``num_microbatches`` messages exist in a pipeline at once,
+and a ring of ``num_microbatches + 1`` slots is consumed in order.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+
+import torch
+
+from orchestrator.engine.sampling import SamplingParams
+from orchestrator.kv.layout import DTYPES
+from orchestrator.kv.transport.base import KVPoll, Region, Transport
+from orchestrator.pipeline.link import LinkTimeout, Message, Shutdown, StepMessage, TokenMessage
+
+_LENGTH = struct.Struct("!I")  # header bytes, at the front of a slot
+_ALIGN = 16
+_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()} | {torch.int64: "int64"}
+_DTYPES = DTYPES | {"int64": torch.int64}
+
+
+class LinkError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class LinkTicket:
+    """Where a sender writes: the receiving node and its registered ring."""
+
+    node: str
+    metadata: bytes
+    addr: int
+    slots: int
+    slot_bytes: int
+
+
+class TransportReceiver:
+    """The receiving half: ``recv`` only. Owns its transport's notifications."""
+
+    def __init__(self, transport: Transport, slots: int, slot_bytes: int,
+                 poll_s: float = 0.0005) -> None:
+        if slots < 2 or slot_bytes < 64:
+            raise ValueError(f"a link ring needs >= 2 slots of >= 64 B, got {slots} x {slot_bytes}")
+        self.transport, self.slots, self.slot_bytes, self.poll_s = (
+            transport, slots, slot_bytes, poll_s)
+        self.ring = torch.zeros(slots * slot_bytes, dtype=torch.uint8)
+        self.region = transport.register(self.ring)
+        self._arrived: deque[int] = deque()
+
+    def ticket(self) -> LinkTicket:
+        return LinkTicket(self.transport.name, self.transport.metadata(), self.region.addr,
+                          self.slots, self.slot_bytes)
+
+    def recv(self, timeout_s: float) -> Message | None:
+        deadline = time.monotonic() + timeout_s
+        while not self._arrived:
+            self._arrived.extend(int(note) for _, note in self.transport.drain_notifications())
+            if self._arrived:
+                break
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(self.poll_s)
+        slot = self._arrived.popleft()
+        return decode(self.ring[slot * self.slot_bytes : (slot + 1) * self.slot_bytes])
+
+
+class TransportSender:
+    """The sending half: ``send`` only."""
+
+    def __init__(self, transport: Transport, ticket: LinkTicket, poll_s: float = 0.0002) -> None:
+        self.transport, self.ticket, self.poll_s = transport, ticket, poll_s
+        transport.add_peer(ticket.node, ticket.metadata)
+        self.staging = torch.zeros(ticket.slot_bytes, dtype=torch.uint8)
+        self.local = transport.register(self.staging)
+        self._next_slot = 0
+
+    def send(self, message: Message, timeout_s: float) -> None:
+        nbytes = encode(message, self.staging)
+        slot, self._next_slot = self._next_slot, (self._next_slot + 1) % self.ticket.slots
+        remote = Region(self.ticket.addr + slot * self.ticket.slot_bytes, nbytes)
+        handle = self.transport.write(self.ticket.node, [(self.local.sub(0, nbytes), remote)],
+                                      str(slot).encode())
+        deadline = time.monotonic() + timeout_s
+        while (state := self.transport.poll(handle)) is not KVPoll.SUCCESS:
+            if state is KVPoll.FAILED:
+                raise LinkError(f"link to {self.ticket.node}: {handle.error}")
+            if time.monotonic() >= deadline:
+                raise LinkTimeout(f"link to {self.ticket.node}: write not done in {timeout_s} s")
+            time.sleep(self.poll_s)  # the staging buffer is reused: wait until it has left
+
+
+class TransportLink:
+    """Both halves in one object, for a link whose two ends live in one process."""
+
+    def __init__(self, sender_transport: Transport, receiver_transport: Transport, slots: int,
+                 slot_bytes: int) -> None:
+        self.receiver = TransportReceiver(receiver_transport, slots, slot_bytes)
+        self.sender = TransportSender(sender_transport, self.receiver.ticket())
+
+    def send(self, message: Message, timeout_s: float) -> None:
+        self.sender.send(message, timeout_s)
+
+    def recv(self, timeout_s: float) -> Message | None:
+        return self.receiver.recv(timeout_s)
+
+
+# -- the wire format ---------------------------------------------------------------------
+
+
+def encode(message: Message, out: torch.Tensor) -> int:
+    """Write ``message`` into the flat uint8 buffer ``out``; returns the bytes used."""
+    tensors: list[torch.Tensor] = []
+    if isinstance(message, Shutdown):
+        header: dict = {"type": "shutdown"}
+    elif isinstance(message, TokenMessage):
+        header = {"type": "tokens", "microbatch": message.microbatch, "step": message.step,
+                  "tokens": [[s, t] for s, t in message.tokens.items()], "error": message.error}
+    else:
+        tensors = ([] if message.inputs is None else [message.inputs]) + list(message.prompts)
+        header = {
+            "type": "step", "microbatch": message.microbatch, "step": message.step,
+            "seq_ids": message.seq_ids, "has_inputs": message.inputs is not None,
+            "prompt_seq_ids": message.prompt_seq_ids, "admit": message.admit,
+            "release": message.release, "error": message.error,
+            "sampling": [[s, asdict(p)] for s, p in message.sampling.items()],
+        }
+    specs, offset = [], 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        specs.append({"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "offset": offset,
+                      "nbytes": nbytes})
+        offset += -(-nbytes // _ALIGN) * _ALIGN
+    header["tensors"] = specs
+    raw = json.dumps(header).encode()
+    start = -(-(_LENGTH.size + len(raw)) // _ALIGN) * _ALIGN
+    total = start + offset
+    if total > len(out):
+        raise ValueError(f"message of {total} B does not fit a link slot of {len(out)} B")
+    prefix = _LENGTH.pack(len(raw)) + raw
+    out[: len(prefix)] = torch.frombuffer(bytearray(prefix), dtype=torch.uint8)
+    for t, spec in zip(tensors, specs, strict=True):
+        at = start + spec["offset"]
+        out[at : at + spec["nbytes"]] = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    return total
+
+
+def decode(slot: torch.Tensor) -> Message:
+    """Inverse of :func:`encode`; tensors are copied out, so the slot can be reused."""
+    (length,) = _LENGTH.unpack(slot[: _LENGTH.size].numpy().tobytes())
+    header = json.loads(slot[_LENGTH.size : _LENGTH.size + length].numpy().tobytes())
+    if header["type"] == "shutdown":
+        return Shutdown()
+    if header["type"] == "tokens":
+        return TokenMessage(header["microbatch"], header["step"],
+                            {s: t for s, t in header["tokens"]}, header["error"])
+    start = -(-(_LENGTH.size + length) // _ALIGN) * _ALIGN
+    tensors = [
+        slot[start + s["offset"] : start + s["offset"] + s["nbytes"]].clone()
+        .view(_DTYPES[s["dtype"]]).reshape(s["shape"])
+        for s in header["tensors"]
+    ]
+    inputs = tensors.pop(0) if header["has_inputs"] else None
+    return StepMessage(
+        microbatch=header["microbatch"], step=header["step"], seq_ids=header["seq_ids"],
+        inputs=inputs, prompt_seq_ids=header["prompt_seq_ids"], prompts=tensors,
+        admit=header["admit"], release=header["release"], error=header["error"],
+        sampling={s: SamplingParams(**p) for s, p in header["sampling"]},
+    )

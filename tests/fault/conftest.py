@@ -1,0 +1,42 @@
+"""Fixtures for the fault-tolerance tests: the controller as a real process."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from orchestrator.fault.controller import spawn
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.kill()
+    proc.wait(timeout=10)
+
+
+@pytest.fixture
+def controller_factory() -> Iterator[Callable[..., tuple[subprocess.Popen, str]]]:
+    """``make(timeout_s, port)`` -> (process, address); every one is killed at the end."""
+    started: list[subprocess.Popen] = []
+
+    def make(timeout_s: float = 1.0, port: int = 0) -> tuple[subprocess.Popen, str]:
+        proc, address = spawn(timeout_s, port)
+        started.append(proc)
+        return proc, address
+
+    yield make
+    for proc in started:
+        if proc.poll() is None:
+            stop(proc)
+
+
+@pytest.fixture(scope="module")
+def controller() -> Iterator[str]:
+    """One controller shared by a module; tests use their own pipelines.
+
+    Its 1 s failure timeout is 20 beats of the tests' nodes: no false deaths on loaded CPUs.
+    """
+    proc, address = spawn(1.0)
+    yield address
+    stop(proc)

@@ -1,0 +1,30 @@
+"""A node process that only registers and heartbeats: what ``kill -9`` is done to in tests.
+
+Usage: ``python node_proc.py CONTROLLER PIPELINE STAGE DEPTH HEARTBEAT_S``; prints
+its node id once connected, then beats until killed.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from orchestrator.fault.client import ControllerClient, NodeSpec
+
+
+def main() -> None:
+    controller, pipeline, stage, depth, heartbeat_s = sys.argv[1:6]
+    client = ControllerClient(
+        controller, NodeSpec(pipeline, int(stage), int(depth)), float(heartbeat_s)
+    ).start()
+    deadline = time.monotonic() + 30
+    while not client.connected:
+        if time.monotonic() > deadline:
+            sys.exit("never connected to the controller")
+        time.sleep(0.01)
+    print(client.node_id, flush=True)
+    time.sleep(600)
+
+
+if __name__ == "__main__":
+    main()

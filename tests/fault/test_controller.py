@@ -1,0 +1,208 @@
+"""The controller as a real process: registration, heartbeats, detection, acks, loss and return."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import pytest
+
+from orchestrator.fault.client import ControllerClient, NodeSpec, query_status
+from orchestrator.fault.controller import ControllerState
+from orchestrator.fault.rpc import RequestError, Stub
+
+NODE_PROC = Path(__file__).with_name("node_proc.py")
+
+
+def wait_until(what: str, ok: Callable[[], bool], timeout_s: float = 10.0) -> float:
+    """Poll ``ok`` until true; returns the seconds it took."""
+    start = time.monotonic()
+    while not ok():
+        if time.monotonic() - start > timeout_s:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.01)
+    return time.monotonic() - start
+
+
+def clients(address: str, pipeline: str, depth: int, heartbeat_s: float = 0.05):
+    return [
+        ControllerClient(address, NodeSpec(pipeline, s, depth), heartbeat_s).start()
+        for s in range(depth)
+    ]
+
+
+def node(status: dict, node_id: str) -> dict:
+    return next(n for n in status["nodes"] if n["node_id"] == node_id)
+
+
+def test_registration_heartbeats_and_status(controller: str) -> None:
+    nodes = clients(controller, "reg", 2)
+    try:
+        wait_until("registration", lambda: all(c.connected for c in nodes))
+        time.sleep(0.3)  # several beats
+        status = nodes[0].status()
+        assert status["pipelines"]["reg"]["state"] == "serving"
+        for c in nodes:
+            seen = node(status, c.node_id)
+            assert seen["alive"] and seen["stage"] == c.spec.stage
+            assert seen["last_seen_s"] < 0.5  # beating, not just registered
+    finally:
+        for c in nodes:
+            c.stop()
+
+
+def test_bad_registrations_are_rejected_by_name(controller: str) -> None:
+    stub = Stub(controller)
+    base = {"node_id": "n1", "pipeline": "bad", "stage": 3, "depth": 2}
+    with pytest.raises(grpc.RpcError, match="stage 3 outside a pipeline of depth 2") as info:
+        stub.call("Register", base, 2.0)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError, match="unknown role 'gpu'"):
+        stub.call("Register", {**base, "stage": 0, "role": "gpu"}, 2.0)
+    stub.call("Register", {**base, "stage": 0}, 2.0)
+    with pytest.raises(grpc.RpcError, match="held by live node 'n1'") as info:
+        stub.call("Register", {**base, "node_id": "n2", "stage": 0}, 2.0)
+    assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    with pytest.raises(grpc.RpcError, match="unknown node 'ghost'") as info:
+        stub.call("Heartbeat", {"node_id": "ghost"}, 2.0)
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.RpcError, match="bad request"):
+        stub.call("Ack", {"node_id": "n1"}, 2.0)
+    stub.close()
+
+
+def test_kill_9_node_is_detected_within_the_timeout(controller_factory) -> None:
+    timeout_s = 1.0
+    _, address = controller_factory(timeout_s)
+    proc = subprocess.Popen(
+        [sys.executable, str(NODE_PROC), address, "k9", "0", "1", "0.05"],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        node_id = proc.stdout.readline().strip()
+        assert node_id.startswith("k9/0/")
+        assert node(query_status(address), node_id)["alive"]
+        os.kill(proc.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        proc.wait(timeout=10)
+        wait_until("detection", lambda: not node(query_status(address), node_id)["alive"])
+        detected_s = time.monotonic() - killed
+        # Declared dead after the timeout (less at most one beat), well before twice it.
+        assert timeout_s - 0.06 <= detected_s <= timeout_s + 1.0, detected_s
+        pipeline = query_status(address)["pipelines"]["k9"]
+        assert pipeline["state"] == "paused" and pipeline["failed"] == [0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_acks_pick_the_step_to_redo_and_a_replacement_gets_the_plan(controller: str) -> None:
+    nodes = clients(controller, "acks", 3)
+    try:
+        wait_until("registration", lambda: all(c.connected for c in nodes))
+        # Holder (x+1)%3 acks stage x. Microbatch 0: stages at 7, 6, 7 -> redo step 7.
+        # Microbatch 1: stage 2's replica has no ack yet -> redo from the prompt (0).
+        for holder, source, j, t in [(1, 0, 0, 7), (2, 1, 0, 5), (2, 1, 0, 6), (0, 2, 0, 7),
+                                     (1, 0, 1, 3), (2, 1, 1, 3)]:
+            nodes[holder].ack(source, j, t)
+        time.sleep(0.1)
+        nodes[1].stop()  # the crash of stage 1
+        spare = ControllerClient(controller, NodeSpec("acks", 1, 3), 0.05).start()
+        plan = spare.wait_for_recovery_plan(after_epoch=0, timeout_s=10)
+        assert plan["failed"] == [1] and not plan["recompute"]
+        assert plan["restore"] == [[2, 1]] and plan["rereplicate"] == [[0, 1]]
+        assert plan["resume"] == {"0": 7, "1": 0} and plan["first"] == [1, 0]
+        assert plan["nodes"]["1"]["node_id"] == spare.node_id
+        for c in (nodes[0], spare, nodes[2]):
+            assert c.wait_for_recovery_plan(0, timeout_s=5)["epoch"] == plan["epoch"]
+            c.recovered(plan["epoch"])
+        assert nodes[0].status()["pipelines"]["acks"]["state"] == "serving"
+        # Everyone rolled back to step 6 of microbatch 0; microbatch 1 starts over.
+        acks = nodes[0].status()["pipelines"]["acks"]["acks"]
+        assert sorted(acks) == [[0, 0, 6], [1, 0, 6], [2, 0, 6]]
+    finally:
+        for c in nodes:
+            c.stop()
+        spare.stop()
+
+
+def test_neighbour_dead_too_means_recompute(controller: str) -> None:
+    nodes = clients(controller, "both", 3)
+    try:
+        wait_until("registration", lambda: all(c.connected for c in nodes))
+        for holder, source in [(1, 0), (2, 1), (0, 2)]:
+            nodes[holder].ack(source, 0, 4)
+        time.sleep(0.1)
+        nodes[1].stop()
+        nodes[2].stop()  # the holder of stage 1's replica
+        spares = [ControllerClient(controller, NodeSpec("both", s, 3), 0.05).start()
+                  for s in (1, 2)]
+        plan = spares[0].wait_for_recovery_plan(0, timeout_s=10)
+        while plan["failed"] != [1, 2]:  # both deaths may land in different sweeps
+            plan = spares[0].wait_for_recovery_plan(plan["epoch"], timeout_s=10)
+        assert plan["recompute"] and plan["restore"] == [] and plan["resume"] == {"0": 0}
+    finally:
+        for c in nodes + spares:
+            c.stop()
+
+
+def test_controller_loss_and_return(controller_factory) -> None:
+    timeout_s = 1.0
+    proc, address = controller_factory(timeout_s)
+    port = int(address.rsplit(":", 1)[1])
+    nodes = clients(address, "gone", 3)
+    try:
+        wait_until("registration", lambda: all(c.connected for c in nodes))
+        nodes[1].ack(0, 0, 3)
+        time.sleep(0.1)
+        proc.kill()
+        proc.wait(timeout=10)
+        wait_until("nodes noticing", lambda: not any(c.connected for c in nodes))
+        # Serving goes on: acks are recorded without blocking while it is away.
+        start = time.monotonic()
+        for t in range(4, 40):
+            nodes[1].ack(0, 0, t)
+        assert time.monotonic() - start < 0.05
+        nodes[2].stop()  # dies while nobody watches: undetected until the controller returns
+        time.sleep(2 * timeout_s)
+        _, again = controller_factory(timeout_s, port)
+        assert again == address
+        wait_until("re-registration", lambda: nodes[0].connected and nodes[1].connected)
+        assert nodes[0].status()["pipelines"]["gone"]["state"] == "serving"  # not yet
+        detected = wait_until(
+            "detection of the stage that died meanwhile",
+            lambda: nodes[0].status()["pipelines"]["gone"]["failed"] == [2],
+        )
+        assert detected <= timeout_s + 1.0
+        # The acks sent while it was away reached the new controller.
+        assert [0, 0, 39] in nodes[0].status()["pipelines"]["gone"]["acks"]
+    finally:
+        for c in nodes:
+            c.stop()
+
+
+def test_plan_rule_with_a_fake_clock() -> None:
+    now = [0.0]
+    state = ControllerState(timeout_s=1.0, clock=lambda: now[0])
+    for s in range(2):
+        state.register({"node_id": f"n{s}", "pipeline": "p", "stage": s, "depth": 2})
+    state.ack({"node_id": "n1", "acks": [[0, 0, 9], [0, 1, 2]]})
+    state.ack({"node_id": "n0", "acks": [[1, 0, 8], [1, 1, 2]]})
+    now[0] = 0.9
+    state.heartbeat({"node_id": "n1"})
+    now[0] = 1.5
+    assert state.sweep() == ["n0"]
+    with pytest.raises(RequestError, match="declared dead"):
+        state.heartbeat({"node_id": "n0"})
+    assert state.plan({"pipeline": "p"})["plan"] is None  # no replacement yet
+    state.register({"node_id": "n0b", "pipeline": "p", "stage": 0, "depth": 2})
+    plan = state.plan({"pipeline": "p"})["plan"]
+    assert plan["resume"] == {"0": 9, "1": 3} and plan["restore"] == [[1, 0]]
+    with pytest.raises(ValueError, match="timeout_s must be > 0"):
+        ControllerState(0)
