@@ -125,7 +125,7 @@ class TritonServer:
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
         env["LD_LIBRARY_PATH"] = f"{WHEEL_LIBS}{os.pathsep}{env.get('LD_LIBRARY_PATH', '')}"
         env.setdefault("UCX_NET_DEVICES", "lo")
-        env.setdefault("UCX_TLS", "tcp")
+        env.setdefault("UCX_TLS", "tcp,sm")
         env.update(self.env)
         return env
 

@@ -100,7 +100,8 @@ INIT_STD = {"tiny": 0.2, "small": 0.02, "medium": 0.02}
 TOKENIZER_VOCAB = 512
 
 
-def _hf_config(arch: str, preset: str):
+def hf_config(arch: str, preset: str):
+    """The HF config object of a preset, with our special-token ids and init std."""
     from transformers import GPT2Config, LlamaConfig, OPTConfig
 
     if arch not in PRESETS:
@@ -121,7 +122,7 @@ def _hf_config(arch: str, preset: str):
 
 def make_checkpoint(arch: str, preset: str, out_dir: str | Path, seed: int = 0) -> Path:
     """Write ``config.json``, ``model.safetensors`` and a tokenizer into ``out_dir``."""
-    config = _hf_config(arch, preset)  # validates before anything is written
+    config = hf_config(arch, preset)  # validates before anything is written
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
@@ -143,8 +144,7 @@ def main(argv: list[str]) -> int:
         prog="dejavu model make", description="write a dummy (random-weight) checkpoint folder"
     )
     parser.add_argument("--arch", required=True, choices=sorted(PRESETS))
-    presets = sorted({p for by_arch in PRESETS.values() for p in by_arch})
-    parser.add_argument("--preset", required=True, help=" / ".join(presets))
+    parser.add_argument("--preset", required=True, help=" / ".join(INIT_STD))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("dir", type=Path)
     args = parser.parse_args(argv)

@@ -314,7 +314,9 @@ class Drill:
         for node in self.nodes:
             node.client.recovered(plan["epoch"])
         self.epoch = plan["epoch"]
-        if recompute:
+        if not cfg.replicate:
+            log.info("restart baseline: stages %s replaced, every microbatch restarted", dead)
+        elif recompute:
             log.warning("no replica survived for stages %s: recomputed from the prompts", dead)
         self.result.recoveries.append(Recovery(
             dead, self.killed_at - self.start, planned - self.killed_at,

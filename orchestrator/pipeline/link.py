@@ -1,9 +1,12 @@
 """What flows between pipeline stages, and the link it flows over.
 
 Stage ``i`` sends each microbatch step to stage ``i + 1``; the last stage sends
-the step's tokens back to the head. In one process a :class:`QueueLink`
-(bounded, so a slow stage back-pressures the one before it); across Triton
-nodes the same messages go over a transport behind the same two calls.
+the step's tokens back to the head. A :class:`KVProbe` takes the same path to
+ask every stage whether the prompt KV of requests prefilled elsewhere has
+landed. In one process a :class:`QueueLink` (bounded, so a slow stage
+back-pressures the one before it); across processes the same messages go over
+a transport behind the same two calls
+(:mod:`orchestrator.pipeline.transport_link`).
 """
 
 from __future__ import annotations
@@ -43,15 +46,35 @@ class TokenMessage:
     error: str | None = None
 
 
+@dataclass
+class KVProbe:
+    """Has the prompt KV of these requests landed on every stage? (prefilled elsewhere)
+
+    Each stage keeps in ``requests`` only those whose KV it holds complete and
+    moves the others to ``failed`` or ``waiting_at``; the last stage answers
+    with each complete request's first token (the prompt worker's ``extra``).
+    """
+
+    requests: dict[int, str]  # seq id -> request id (the KV receivers' key)
+    release: dict[int, str] = field(default_factory=dict)  # drop these (never admitted)
+    ready: dict[int, int] = field(default_factory=dict)  # seq id -> first token
+    failed: dict[int, str] = field(default_factory=dict)  # seq id -> error naming the stage
+    waiting_at: dict[int, int] = field(default_factory=dict)  # seq id -> first stage lacking it
+
+
 class Shutdown:
     """Sent through the pipeline to stop every stage in order."""
 
 
-Message = StepMessage | TokenMessage | Shutdown
+Message = StepMessage | TokenMessage | KVProbe | Shutdown
 
 
 class LinkTimeout(TimeoutError):
     pass
+
+
+class LinkError(ConnectionError):
+    """The link's other end is gone (its process died or its transport failed)."""
 
 
 class Link(Protocol):

@@ -22,6 +22,7 @@ from orchestrator.engine.base import Engine
 from orchestrator.engine.sampling import Sampler
 from orchestrator.kv.layout import KVCache, KVLayout
 from orchestrator.kv.primitives import region_view, routes
+from orchestrator.kv.transport.base import KVPoll
 from orchestrator.pipeline.sequence import FinishReason
 from orchestrator.pipeline.sequence import Sequence as Seq
 from orchestrator.pipeline.stage import Interval
@@ -49,7 +50,13 @@ class PromptKVStore:
                     f"no prompt KV for sequence {seq_id} at stage {stage_index}"
                 ) from None
 
-    def discard(self, seq_id: int) -> None:
+    def probe(self, seq_id: int, request_id: str, stage_index: int) -> tuple[KVPoll, str]:
+        """In one process the head admits with the first token in hand and never probes;
+        the store knows only whether the KV is there."""
+        with self._lock:
+            return (KVPoll.SUCCESS if (seq_id, stage_index) in self._kv else KVPoll.WAITING), ""
+
+    def discard(self, seq_id: int, request_id: str | None = None) -> None:
         with self._lock:
             for key in [k for k in self._kv if k[0] == seq_id]:
                 del self._kv[key]

@@ -97,6 +97,12 @@ class MicrobatchScheduler:
         self._retire(microbatch, ended)
         return ended
 
+    def clear(self) -> None:
+        """Forget every sequence (the pipeline is down or stopped; they were ended)."""
+        self.waiting.clear()
+        self.running = [[] for _ in self.running]
+        self.to_release = [[] for _ in self.to_release]
+
     def cancel(self, request_id: str) -> Sequence | None:
         """End a request; a running one keeps its slot until its microbatch comes back."""
         for seq in self.waiting:

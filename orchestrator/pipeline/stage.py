@@ -4,7 +4,12 @@ It takes microbatch steps from the previous stage's link, computes its layers
 and sends the result on; the last stage samples and sends the tokens back to
 the head. Torch ops release the GIL, so in one process the stages really do
 overlap, and each stage's timeline of busy intervals shows where the bubbles
-are.
+are. The worker does not care where its neighbours run: its links are
+in-process queues or transport links into other processes.
+
+A :class:`~orchestrator.pipeline.link.KVProbe` asks each stage whether prompt
+KV prefilled elsewhere has landed in its :class:`PromptKVSource`; the head
+admits a request only once every stage said yes.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -20,7 +26,16 @@ import torch
 from orchestrator.engine.base import Engine
 from orchestrator.engine.sampling import Sampler
 from orchestrator.kv.layout import KVCache
-from orchestrator.pipeline.link import Link, LinkTimeout, Shutdown, StepMessage, TokenMessage
+from orchestrator.kv.transport.base import KVPoll
+from orchestrator.pipeline.link import (
+    KVProbe,
+    Link,
+    LinkError,
+    LinkTimeout,
+    Shutdown,
+    StepMessage,
+    TokenMessage,
+)
 from orchestrator.pipeline.swapper import KVPlacement
 
 log = logging.getLogger(__name__)
@@ -29,7 +44,18 @@ log = logging.getLogger(__name__)
 class PromptKVSource(Protocol):
     """Where a token stage finds a prompt's KV that a prompt worker computed."""
 
-    def take(self, seq_id: int, stage_index: int) -> KVCache: ...
+    def probe(self, seq_id: int, request_id: str, stage_index: int) -> tuple[KVPoll, str]:
+        """The KV's state here; with SUCCESS the first token (as text, ``""`` if unknown),
+        with FAILED the reason."""
+        ...
+
+    def take(self, seq_id: int, stage_index: int) -> KVCache:
+        """The complete prompt KV of an admitted sequence (the source lets go of it)."""
+        ...
+
+    def discard(self, seq_id: int, request_id: str | None = None) -> None:
+        """Drop a prompt KV that will never be taken (cancelled, failed); no-op if unknown."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -54,12 +80,16 @@ class StageWorker:
         prompt_kv: PromptKVSource | None = None,
         send_timeout_s: float = 60.0,
         poll_s: float = 0.05,
+        report: Callable[[str], None] | None = None,
     ) -> None:
+        """``report(error)``: told when a message cannot be sent on (the next stage is gone);
+        a remote stage forwards it to the head, which fails the requests."""
         self.index, self.engine, self.kv = index, engine, kv
         self.inbox, self.outbox = inbox, outbox
         self.num_microbatches = num_microbatches
         self.prompt_kv = prompt_kv
         self.send_timeout_s, self.poll_s = send_timeout_s, poll_s
+        self.report = report
         self.is_last = engine.stage.is_last
         self.samplers: dict[int, Sampler] = {}  # last stage only
         self.members: dict[int, list[int]] = {}  # microbatch -> its sequences, as last seen
@@ -76,15 +106,56 @@ class StageWorker:
             message = self.inbox.recv(self.poll_s)
             if message is None:
                 continue
-            out = message if isinstance(message, Shutdown) else self._process_safely(message)
+            if isinstance(message, Shutdown):
+                out: Shutdown | StepMessage | TokenMessage | KVProbe = message
+            elif isinstance(message, KVProbe):
+                out = self._probe_safely(message)
+            else:
+                out = self._process_safely(message)
             try:
                 self.outbox.send(out, self.send_timeout_s)
-            except LinkTimeout:
-                log.error("stage %d: next stage is not taking messages; stopping", self.index)
-                return
+            except (LinkTimeout, LinkError) as exc:
+                # Keep serving: the head hears of it and stops sending; a repaired link
+                # (fault recovery) finds this stage still running.
+                error = f"stage {self.index} cannot send on: {exc}"
+                log.error("%s", error)
+                if self.report is not None and not isinstance(message, Shutdown):
+                    self.report(error)
             if isinstance(message, Shutdown):
                 self.kv.shutdown()
                 return
+
+    def _probe_safely(self, probe: KVProbe) -> KVProbe:
+        try:
+            return self.probe(probe)
+        except Exception as exc:
+            log.exception("stage %d failed a KV probe", self.index)
+            failed = {s: f"stage {self.index}: probing prompt KV: {exc}" for s in probe.requests}
+            return replace(probe, requests={}, failed=probe.failed | failed)
+
+    def probe(self, probe: KVProbe) -> KVProbe:
+        """Keep the requests whose prompt KV is complete here; the last stage adds their
+        first tokens."""
+        if self.prompt_kv is None:
+            raise RuntimeError("probed for prompt KV, but this stage has no prompt KV source")
+        for seq_id, request_id in probe.release.items():
+            self.prompt_kv.discard(seq_id, request_id)
+        out = KVProbe({}, probe.release, dict(probe.ready), dict(probe.failed),
+                      dict(probe.waiting_at))
+        for seq_id, request_id in probe.requests.items():
+            state, detail = self.prompt_kv.probe(seq_id, request_id, self.index)
+            if state is KVPoll.FAILED:
+                out.failed[seq_id] = f"stage {self.index}: prompt KV of {request_id!r}: {detail}"
+            elif state is not KVPoll.SUCCESS:
+                out.waiting_at[seq_id] = self.index
+            elif not self.is_last:
+                out.requests[seq_id] = request_id
+            elif detail.isdigit():
+                out.ready[seq_id] = int(detail)
+            else:
+                out.failed[seq_id] = (f"stage {self.index}: prompt KV of {request_id!r} came "
+                                      f"without a first token ({detail!r})")
+        return out
 
     def _process_safely(self, message: StepMessage) -> StepMessage | TokenMessage:
         if message.error is None:
@@ -165,4 +236,6 @@ class StageWorker:
         for seq_id in seq_ids:
             if seq_id in self.kv:
                 self.kv.drop(seq_id)
+            elif self.prompt_kv is not None:  # admitted in a step that failed before taking it
+                self.prompt_kv.discard(seq_id)
             self.samplers.pop(seq_id, None)

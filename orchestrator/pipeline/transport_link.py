@@ -5,12 +5,18 @@ a :class:`LinkTicket`. Each message is one one-sided WRITE into the next ring
 slot: a JSON header (ids, shapes, dtypes) followed by the tensors' bytes. The
 notification riding on the write names the slot, and arrives after the data,
 so the receiver never sees a half-written message. The ring cannot be
-overrun: at most ``num_microbatches`` messages exist in a pipeline at once,
-and a ring of ``num_microbatches + 1`` slots is consumed in order.
+overrun: at most ``num_microbatches`` steps and one :class:`KVProbe` exist in
+a pipeline at once, and a ring of ``num_microbatches + 2`` slots is consumed
+in order.
+
+Notifications that are not slot numbers are *control notes* (a stage's
+heartbeat, a stage reporting that its own outgoing link failed): the receiver
+keeps them in ``control`` and remembers when it last heard from each peer.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import struct
 import time
@@ -22,16 +28,21 @@ import torch
 from orchestrator.engine.sampling import SamplingParams
 from orchestrator.kv.layout import DTYPES
 from orchestrator.kv.transport.base import KVPoll, Region, Transport
-from orchestrator.pipeline.link import LinkTimeout, Message, Shutdown, StepMessage, TokenMessage
+from orchestrator.pipeline.link import (
+    KVProbe,
+    LinkError,
+    LinkTimeout,
+    Message,
+    Shutdown,
+    StepMessage,
+    TokenMessage,
+)
 
 _LENGTH = struct.Struct("!I")  # header bytes, at the front of a slot
 _ALIGN = 16
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()} | {torch.int64: "int64"}
 _DTYPES = DTYPES | {"int64": torch.int64}
-
-
-class LinkError(RuntimeError):
-    pass
+_PROBE_FIELDS = ("requests", "release", "ready", "failed", "waiting_at")  # dicts keyed by seq id
 
 
 @dataclass(frozen=True)
@@ -43,6 +54,13 @@ class LinkTicket:
     addr: int
     slots: int
     slot_bytes: int
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"metadata": base64.b64encode(self.metadata).decode()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> LinkTicket:
+        return cls(**(d | {"metadata": base64.b64decode(d["metadata"])}))
 
 
 class TransportReceiver:
@@ -57,6 +75,8 @@ class TransportReceiver:
         self.ring = torch.zeros(slots * slot_bytes, dtype=torch.uint8)
         self.region = transport.register(self.ring)
         self._arrived: deque[int] = deque()
+        self.control: deque[tuple[str, bytes]] = deque()  # (peer, note), oldest first
+        self.heard: dict[str, float] = {}  # peer -> monotonic time of its last notification
 
     def ticket(self) -> LinkTicket:
         return LinkTicket(self.transport.name, self.transport.metadata(), self.region.addr,
@@ -65,7 +85,7 @@ class TransportReceiver:
     def recv(self, timeout_s: float) -> Message | None:
         deadline = time.monotonic() + timeout_s
         while not self._arrived:
-            self._arrived.extend(int(note) for _, note in self.transport.drain_notifications())
+            self.drain()
             if self._arrived:
                 break
             if time.monotonic() >= deadline:
@@ -73,6 +93,16 @@ class TransportReceiver:
             time.sleep(self.poll_s)
         slot = self._arrived.popleft()
         return decode(self.ring[slot * self.slot_bytes : (slot + 1) * self.slot_bytes])
+
+    def drain(self) -> None:
+        """Sort what arrived into ring slots and control notes."""
+        now = time.monotonic()
+        for peer, note in self.transport.drain_notifications():
+            self.heard[peer] = now
+            if note.isdigit():
+                self._arrived.append(int(note))
+            else:
+                self.control.append((peer, note))
 
 
 class TransportSender:
@@ -98,6 +128,15 @@ class TransportSender:
             if time.monotonic() >= deadline:
                 raise LinkTimeout(f"link to {self.ticket.node}: write not done in {timeout_s} s")
             time.sleep(self.poll_s)  # the staging buffer is reused: wait until it has left
+
+    def notify(self, note: bytes) -> None:
+        """A control note (never all digits: those name ring slots); raises :class:`LinkError`."""
+        if note.isdigit():
+            raise ValueError(f"control note {note!r} would read as a ring slot")
+        try:
+            self.transport.notify(self.ticket.node, note)
+        except ConnectionError as exc:
+            raise LinkError(f"link to {self.ticket.node}: {exc}") from exc
 
 
 class TransportLink:
@@ -126,6 +165,9 @@ def encode(message: Message, out: torch.Tensor) -> int:
     elif isinstance(message, TokenMessage):
         header = {"type": "tokens", "microbatch": message.microbatch, "step": message.step,
                   "tokens": [[s, t] for s, t in message.tokens.items()], "error": message.error}
+    elif isinstance(message, KVProbe):
+        header = {"type": "probe", **{key: list(getattr(message, key).items())
+                                      for key in _PROBE_FIELDS}}
     else:
         tensors = ([] if message.inputs is None else [message.inputs]) + list(message.prompts)
         header = {
@@ -164,6 +206,8 @@ def decode(slot: torch.Tensor) -> Message:
     if header["type"] == "tokens":
         return TokenMessage(header["microbatch"], header["step"],
                             {s: t for s, t in header["tokens"]}, header["error"])
+    if header["type"] == "probe":
+        return KVProbe(**{key: dict(header[key]) for key in _PROBE_FIELDS})
     start = -(-(_LENGTH.size + length) // _ALIGN) * _ALIGN
     tensors = [
         slot[start + s["offset"] : start + s["offset"] + s["nbytes"]].clone()

@@ -14,6 +14,7 @@ from rich.table import Table
 
 from orchestrator.engine.config import ModelConfig
 from orchestrator.planner import workload as wl
+from orchestrator.planner.kv_sink import TRANSPORTS
 from orchestrator.planner.perf_model import Profile, Workload, profile_from_config, profile_live
 from orchestrator.planner.planner import Plan, plan
 from orchestrator.planner.search import exhaustive
@@ -36,6 +37,9 @@ def _plan_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default=None, help="serving dtype for the byte sizes (typed mode)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--reps", type=int, default=5, help="profiling repetitions")
+    ap.add_argument("--transport", choices=TRANSPORTS, default="nixl",
+                    help="what carries the KV when measuring m: nixl to a receiver process "
+                    "(as in serving), or local (one process, memmove)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads while profiling (more oversubscribe shared cores)")
     ap.add_argument("--Y", type=float, help="what-if: prompt time (s), skips profiling")
@@ -62,7 +66,9 @@ def plan_main(argv: list[str]) -> int:
             m_raw = None
         else:
             torch.set_num_threads(args.threads)
-            profile, timings = profile_live(args.model, workload, memory, args.device, args.reps)
+            profile, timings = profile_live(
+                args.model, workload, memory, args.device, args.reps, args.transport
+            )
             m_raw = timings.m_raw
         result = plan(profile, args.machines)
     except (ValueError, FileNotFoundError) as e:

@@ -5,24 +5,27 @@ workload. Times (Y, t, m) are measured by profiling a live engine
 (:func:`measure_timings`), or typed in for what-if planning; ``Profile.source``
 says which.
 
-m is measured as prefill time with a per-layer KV copy-out hook over prefill
-time without it. The hook copies each layer's fresh KV into a separate host
-buffer synchronously, as a layer-wise sender would hand it to a transport; it
-does not overlap the copy with compute, so it bounds m from above.
+m is measured as the time until a prompt's KV has landed on a receiver, streamed
+layer by layer during prefill by the KV library (``KVSender`` -> ``KVReceiver``
+over NIXL to another process, or the in-process local transport; see
+:mod:`orchestrator.planner.kv_sink`), over the plain prefill time. The source
+of m names the transport that measured it.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from orchestrator.engine.config import ModelConfig
+from orchestrator.kv.connector import KVSender
 from orchestrator.kv.layout import DTYPES, KVCache
+from orchestrator.planner.kv_sink import SECRET, KVSink
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,7 @@ class Timings:
     t: float
     m: float
     m_raw: float  # before clamping timer noise below 1
+    transport: str  # what carried the streamed KV, e.g. "nixl, 2 processes"
     prefill_s: list[float]
     streamed_prefill_s: list[float]
     step_s: list[float]
@@ -129,25 +133,56 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def host_copy_hook(caches: Sequence[KVCache], prompt_len: int) -> Callable:
-    """An ``on_layer`` hook that copies each layer's prompt KV to its own host buffer."""
-    buffers = [
-        torch.empty(c.data[:, :, :, :prompt_len].shape, dtype=c.data.dtype) for c in caches
-    ]
+def _streamed_prefill(
+    engine, prompts: list[torch.Tensor], sender: KVSender, sink: KVSink, tag: str
+) -> float:
+    """Seconds until the prompts' KV, streamed layer by layer during prefill, has landed."""
+    rids = [f"{tag}-{i}" for i in range(len(prompts))]
+    tickets = [sink.reserve(rid, len(p)) for rid, p in zip(rids, prompts, strict=True)]
+    caches = [engine.new_cache() for _ in prompts]
+    start = time.perf_counter()
+    handles = [sender.start(rid, [ticket]) for rid, ticket in zip(rids, tickets, strict=True)]
 
-    def on_layer(global_layer: int, layer_caches: Sequence[KVCache]) -> None:
-        for buffer, cache in zip(buffers, layer_caches, strict=True):
-            local = global_layer - cache.layout.first_layer
-            buffer[local].copy_(cache.layer(global_layer)[:, :, :prompt_len])
+    def on_layer(global_layer: int, layer_caches) -> None:
+        for handle, cache in zip(handles, layer_caches, strict=True):
+            sender.save_layer(handle, global_layer, cache)
 
-    return on_layer
+    engine.prefill(prompts, caches, on_layer)
+    for handle in handles:
+        sender.finish(handle)
+        sender.wait_for_save(handle, timeout_s=sink.timeout_s)
+    seconds = time.perf_counter() - start
+    for rid in rids:  # the receiver verified every block: the measured KV really landed
+        sink.collect(rid)
+    return seconds
 
 
-def measure_timings(engine, workload: Workload, reps: int = 5, seed: int = 0) -> Timings:
+def _time_prefills(
+    engine, prompts: list[torch.Tensor], reps: int, transport: str
+) -> tuple[list[float], list[float], str]:
+    """Plain and streamed prefill seconds, alternating, and what carried the KV."""
+    with KVSink(engine.kv_layout, len(prompts), transport) as sink:
+        sender = KVSender(sink.transport, engine.kv_layout, SECRET, max_inflight=len(prompts))
+        try:
+            _streamed_prefill(engine, prompts, sender, sink, "warm-up")  # connects to the peer
+            plain, streamed = [], []
+            for rep in range(reps):
+                caches = [engine.new_cache() for _ in prompts]
+                plain.append(_timed(lambda c=caches: engine.prefill(prompts, c)))
+                streamed.append(_streamed_prefill(engine, prompts, sender, sink, f"rep-{rep}"))
+        finally:
+            sender.close()
+        return plain, streamed, sink.description
+
+
+def measure_timings(
+    engine, workload: Workload, reps: int = 5, seed: int = 0, transport: str = "nixl"
+) -> Timings:
     """Profile Y, t and m on a whole-model engine (first and last stage in one).
 
     Plain and streamed prefills alternate so drift on a shared machine hits
-    both alike; medians damp outliers.
+    both alike; medians damp outliers. ``transport`` carries the streamed KV
+    (:data:`orchestrator.planner.kv_sink.TRANSPORTS`).
     """
     if not (engine.stage.is_first and engine.stage.is_last):
         raise ValueError("profiling needs a whole-model engine (stage=None)")
@@ -168,13 +203,7 @@ def measure_timings(engine, workload: Workload, reps: int = 5, seed: int = 0) ->
 
     with torch.inference_mode():
         engine.prefill(prompts, fresh())  # warm-up
-        plain, streamed = [], []
-        for _ in range(reps):
-            caches = fresh()
-            plain.append(_timed(lambda c=caches: engine.prefill(prompts, c)))
-            caches = fresh()
-            hook = host_copy_hook(caches, workload.prompt_len)
-            streamed.append(_timed(lambda c=caches, h=hook: engine.prefill(prompts, c, h)))
+        plain, streamed, transport_used = _time_prefills(engine, prompts, reps, transport)
         caches = fresh()
         logits = engine.prefill(prompts, caches)
         ids = torch.stack([row.argmax(-1) for row in logits])
@@ -191,6 +220,7 @@ def measure_timings(engine, workload: Workload, reps: int = 5, seed: int = 0) ->
         t=statistics.mean(steps),
         m=max(1.0, m_raw),
         m_raw=m_raw,
+        transport=transport_used,
         prefill_s=plain,
         streamed_prefill_s=streamed,
         step_s=steps,
@@ -223,16 +253,18 @@ def profile_live(
     memory_bytes: float,
     device: str = "cpu",
     reps: int = 5,
+    transport: str = "nixl",
 ) -> tuple[Profile, Timings]:
-    """Load the model, measure Y, t, m on it, and size its layers."""
+    """Load the model, measure Y, t, m on it (m over ``transport``), and size its layers."""
     from orchestrator.engine.torch_engine import load_engine
 
     cfg = ModelConfig.from_dir(model_dir)
     max_seq_len = workload.prompt_len + workload.new_tokens
     engine = load_engine(model_dir, stage=None, device=device, max_seq_len=max_seq_len)
-    timings = measure_timings(engine, workload, reps=reps)
+    timings = measure_timings(engine, workload, reps=reps, transport=transport)
     profile = profile_from_config(
         cfg, workload, memory_bytes, timings.Y, timings.t, timings.m,
         dtype=engine.kv_layout.dtype, source="measured",
     )
-    return profile, timings
+    source = {**profile.source, "m": f"measured (KV over {timings.transport})"}
+    return replace(profile, source=source), timings

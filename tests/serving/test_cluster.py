@@ -28,6 +28,7 @@ from tritonclient.utils import InferenceServerException
 from clients.generate import GenerateError, stream_grpc, stream_http
 from orchestrator.cluster.launcher import Cluster
 from orchestrator.engine.tokenizer import load_tokenizer
+from orchestrator.engine.torch_engine import load_engine
 from orchestrator.serving.frontend import request_tensors
 from orchestrator.serving.params import GenerationParams
 
@@ -198,11 +199,15 @@ def test_client_that_leaves_an_ensemble_stream_does_not_hurt_the_cluster(cluster
         good_request_works(cluster, expected)
 
 
-def test_kv_bytes_streamed_agree_on_both_sides(cluster, expected):
+def test_kv_bytes_streamed_agree_on_both_sides(cluster, model, expected):
     prefill, decode = cluster.role("prefill")[0].server, cluster.role("decode")[0].server
-    good_request_works(cluster, expected)
     sent, received = metric(prefill, "dejavu_kv_bytes"), metric(decode, "dejavu_kv_bytes")
-    assert sent == received > 0
+    good_request_works(cluster, expected)
+    prompt_len = len(load_tokenizer(model).encode(PROMPTS[0]).ids)
+    layout = load_engine(model, max_seq_len=MAX_SEQ_LEN).kv_layout
+    nbytes = prompt_len * layout.token_bytes_per_layer() * layout.num_layers
+    assert metric(prefill, "dejavu_kv_bytes") - sent == nbytes
+    assert metric(decode, "dejavu_kv_bytes") - received == nbytes
     assert metric(decode, "dejavu_kv_transfer_seconds") > 0
 
 

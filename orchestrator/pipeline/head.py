@@ -1,0 +1,395 @@
+"""The head of a token pipeline: scheduling, token callbacks, early-stop refill, admission.
+
+The head owns the :class:`~orchestrator.pipeline.scheduler.MicrobatchScheduler`.
+It sends each microbatch's next step into ``to_first`` (the first stage's
+inbox), gets the step's tokens back from ``from_last`` (the last stage's
+outbox), hands every request its tokens through its callback, and refills the
+slots of requests that stopped early. It never touches an engine or KV, so
+it is the same object whether the stages are threads beside it
+(:class:`~orchestrator.pipeline.pipeline.TokenPipeline`) or processes
+elsewhere (:class:`~orchestrator.pipeline.node.StageNode`).
+
+Admission of requests prefilled elsewhere: ``submit_prefilled(seq)`` without a
+first token parks the request; the head sends a
+:class:`~orchestrator.pipeline.link.KVProbe` down the pipeline, and each stage
+keeps only the requests whose prompt KV it holds complete. When the probe
+comes back, the head admits those every stage has (with the first token the
+prompt worker put in the transfer's ``extra``), fails those a stage reports
+failed, and fails with the stage's name those still missing after
+``kv_timeout_s``. Prompt KV that will never be used (cancel, failure) is
+released on every stage by the next probe.
+
+Faults: a stage that reports it cannot send on, or that ``health()`` finds
+dead, *breaks* the pipeline: every request in it ends with that error, and new
+submissions are refused. Repairing it is the fault-tolerance layer's job.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from orchestrator.pipeline.link import (
+    KVProbe,
+    Link,
+    LinkTimeout,
+    Shutdown,
+    StepMessage,
+    TokenMessage,
+)
+from orchestrator.pipeline.scheduler import Batch, MicrobatchScheduler
+from orchestrator.pipeline.sequence import FinishReason, Status
+from orchestrator.pipeline.sequence import Sequence as Seq
+
+log = logging.getLogger(__name__)
+
+MODES = ("disaggregated", "colocated")
+
+
+class PipelineHead:
+    def __init__(
+        self,
+        to_first: Link,
+        from_last: Link,
+        *,
+        num_microbatches: int,
+        batch_size: int,
+        max_seq_len: int,
+        mode: str = "disaggregated",
+        step_timeout_s: float = 60.0,
+        kv_timeout_s: float = 30.0,
+        probe_interval_s: float = 0.005,
+        poll_s: float = 0.005,
+        health: Callable[[], str | None] | None = None,
+    ) -> None:
+        """``health()``: None while every stage is alive, else what is wrong (checked each loop).
+        ``kv_timeout_s``: how long a prefilled request may wait for its KV on every stage."""
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.to_first, self.from_last, self.mode = to_first, from_last, mode
+        self.num_microbatches, self.batch_size = num_microbatches, batch_size
+        self.scheduler = MicrobatchScheduler(num_microbatches, batch_size, mode == "colocated")
+        self.max_seq_len = max_seq_len
+        self.step_timeout_s, self.kv_timeout_s = step_timeout_s, kv_timeout_s
+        self.probe_interval_s, self.poll_s = probe_interval_s, poll_s
+        self.health = health
+
+        self._lock = threading.RLock()
+        self._done = threading.Condition(self._lock)
+        self._live: dict[str, Seq] = {}
+        self._in_flight = [False] * num_microbatches
+        self._sent_step = [-1] * num_microbatches
+        self._sent_at = [0.0] * num_microbatches
+        # Prefilled elsewhere, KV not yet confirmed on every stage: seq id -> (seq, since).
+        self._pending_kv: dict[int, tuple[Seq, float]] = {}
+        self._waiting_at: dict[int, int] = {}  # seq id -> first stage the last probe missed
+        self._unreleased: dict[int, str] = {}  # prompt KV to drop on every stage
+        self._probe_sent_at: float | None = None
+        self._last_probe = 0.0
+        self.errors: list[str] = []
+        self.broken: str | None = None
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="pipeline-head", daemon=True)
+        self._started = False
+        self._generate_ids = itertools.count()
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    def start(self) -> PipelineHead:
+        self._thread.start()
+        self._started = True
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the head, then the stages (a Shutdown passes through each); requests still
+        running end with an error."""
+        if not self._started:
+            return
+        self._started = False
+        self._stopping.set()
+        self._thread.join(timeout_s)
+        # A broken pipeline cannot pass the Shutdown all the way: stop what can be reached.
+        wait_s = timeout_s if self.broken is None else min(timeout_s, 0.5)
+        deadline = time.monotonic() + wait_s
+        try:
+            self.to_first.send(Shutdown(), wait_s)
+            while time.monotonic() < deadline:  # drain answers until the shutdown comes out
+                if isinstance(self.from_last.recv(self.poll_s), Shutdown):
+                    break
+        except (LinkTimeout, ConnectionError) as exc:
+            log.warning("pipeline stop: %s", exc)
+        with self._lock:
+            self._fail_everything("pipeline stopped")
+
+    def __enter__(self) -> PipelineHead:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- requests (any thread) ---------------------------------------------------------
+
+    def submit(self, seq: Seq) -> Seq:
+        """A new prompt: colocated pipelines run it in a microbatch step."""
+        if self.mode != "colocated":
+            raise ValueError("this pipeline has no prompt engines: use submit_prefilled")
+        with self._lock:
+            self._register(seq)
+            self.scheduler.add(seq)
+        return seq
+
+    def submit_prefilled(self, seq: Seq, first_token: int | None = None) -> Seq:
+        """A request whose prompt was prefilled elsewhere (``mode='disaggregated'``).
+
+        ``first_token`` given: its prompt KV is known to be on every stage already.
+        Without it, the head waits until every stage reports the KV complete, and
+        takes the first token from the prompt worker's ``extra``."""
+        if self.mode != "disaggregated":
+            raise ValueError("prefilled requests need mode='disaggregated'")
+        with self._lock:
+            self._register(seq)
+            if first_token is None:
+                self._pending_kv[seq.seq_id] = (seq, time.monotonic())
+            else:
+                self._admit_prefilled(seq, first_token)
+        return seq
+
+    def cancel(self, request_id: str) -> bool:
+        """End a request now; its KV is freed by its microbatch's next step (or next probe)."""
+        with self._lock:
+            seq = self._live.get(request_id)
+            if seq is None:
+                return False
+            # READY (or pending): its prompt KV waits on the stages. RUNNING: the stages hold
+            # it (and may not have taken it yet), so only its microbatch's next step frees it.
+            unadmitted = seq.status is Status.READY or self._pending_kv.pop(seq.seq_id, None)
+            if self.scheduler.cancel(request_id) is None:
+                self._cancel_elsewhere(request_id)
+                seq.finish(FinishReason.CANCELLED)  # e.g. mid-prefill: dropped when it returns
+            if unadmitted:
+                self._discard_prompt_kv(seq)
+            self._prune()
+            return True
+
+    def wait(self, timeout_s: float) -> None:
+        """Until every submitted request has ended."""
+        with self._done:
+            if not self._done.wait_for(lambda: not self._live, timeout_s):
+                stuck = ", ".join(sorted(self._live)[:5])
+                raise TimeoutError(f"{len(self._live)} requests unfinished after {timeout_s} s "
+                                   f"({stuck}); pipeline errors: {self.errors[-3:]}")
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_tokens: int | Sequence[int],
+        eos_id: int | None = None,
+        timeout_s: float = 120.0,
+    ) -> list[list[int]]:
+        """Submit prompts (``max_tokens`` one for all or one each) and wait for the outputs."""
+        limits = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
+        if len(limits) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(limits)} max_tokens")
+        seqs = [Seq(f"gen-{next(self._generate_ids)}", list(p), m, eos_id)
+                for p, m in zip(prompts, limits, strict=True)]
+        for seq in seqs:
+            self.submit(seq)
+        self.wait(timeout_s)
+        failed = [s for s in seqs if s.finish_reason is FinishReason.ERROR]
+        if failed:
+            raise RuntimeError(f"{len(failed)} requests failed: {failed[0].error}")
+        return [s.output_ids for s in seqs]
+
+    def report_failure(self, error: str) -> None:
+        """A stage cannot go on (its next stage is gone): fail everything, refuse new work."""
+        with self._lock:
+            self._break(error)
+
+    # -- hooks for a head whose stages live beside it -------------------------------------
+
+    def _cancel_elsewhere(self, request_id: str) -> None:
+        """The request is neither scheduled nor pending here (e.g. in a local P-worker)."""
+
+    def _discard_prompt_kv(self, seq: Seq) -> None:
+        """Its prompt KV will never be taken: the next probe releases it on every stage."""
+        self._unreleased[seq.seq_id] = seq.request_id
+
+    def _stall_hint(self) -> str:
+        return ""
+
+    # -- the loop -------------------------------------------------------------------
+
+    def _register(self, seq: Seq) -> None:
+        if not self._started:
+            raise RuntimeError("pipeline not started")
+        if self.broken is not None:
+            raise RuntimeError(f"pipeline is down: {self.broken}")
+        if seq.request_id in self._live:
+            raise ValueError(f"request id {seq.request_id!r} is already running")
+        if seq.prompt_len + seq.max_tokens - 1 > self.max_seq_len:
+            raise ValueError(f"request {seq.request_id!r}: {seq.prompt_len} prompt tokens + "
+                             f"{seq.max_tokens} new exceed max_seq_len {self.max_seq_len}")
+        self._live[seq.request_id] = seq
+
+    def _admit_prefilled(self, seq: Seq, first_token: int) -> None:
+        with self._lock:
+            if not seq.is_finished:  # not cancelled while its prompt ran
+                seq.append(first_token)  # the first token counts (and may end it)
+            if seq.is_finished:
+                self._discard_prompt_kv(seq)
+            else:
+                seq.status = Status.READY
+                self.scheduler.add(seq)
+            self._prune()
+
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            with self._lock:
+                if self.broken is None:
+                    if self.scheduler.waiting:
+                        for mb, busy in enumerate(self._in_flight):
+                            if not busy:
+                                self._issue(mb)
+                    self._probe()
+            message = self.from_last.recv(self.poll_s)
+            with self._lock:
+                if self.broken is None:
+                    if isinstance(message, TokenMessage):
+                        self._complete(message)
+                    elif isinstance(message, KVProbe):
+                        self._probed(message)
+                    self._check_health()
+                    self._fail_stalled()
+                self._prune()
+
+    def _issue(self, mb: int) -> None:
+        batch = self.scheduler.schedule(mb)
+        if batch.is_empty:
+            return
+        try:
+            self.to_first.send(_to_message(batch), self.step_timeout_s)
+        except LinkTimeout as exc:
+            self.errors.append(str(exc))
+            self.scheduler.fail(mb, f"first stage not taking work: {exc}")
+            return
+        self._in_flight[mb], self._sent_step[mb] = True, batch.step
+        self._sent_at[mb] = time.monotonic()
+
+    def _complete(self, message: TokenMessage) -> None:
+        mb = message.microbatch
+        if not self._in_flight[mb] or message.step != self._sent_step[mb]:
+            log.warning("dropping a late answer for microbatch %d step %d", mb, message.step)
+            return
+        self._in_flight[mb] = False
+        if message.error is not None:
+            self.errors.append(message.error)
+            self.scheduler.fail(mb, message.error)
+        else:
+            self.scheduler.postprocess(mb, message.tokens)
+        self._issue(mb)
+
+    # -- admission of requests prefilled elsewhere ------------------------------------------
+
+    def _probe(self) -> None:
+        """One probe in flight at most, for every pending request and release."""
+        now = time.monotonic()
+        if self._probe_sent_at is not None or now - self._last_probe < self.probe_interval_s:
+            return
+        if not (self._pending_kv or self._unreleased):
+            return
+        probe = KVProbe({s: seq.request_id for s, (seq, _) in self._pending_kv.items()},
+                        release=self._unreleased)
+        try:
+            self.to_first.send(probe, self.step_timeout_s)
+        except LinkTimeout as exc:
+            self.errors.append(f"first stage not taking a KV probe: {exc}")
+            return
+        self._unreleased = {}
+        self._probe_sent_at = self._last_probe = now
+
+    def _probed(self, probe: KVProbe) -> None:
+        self._probe_sent_at = None
+        self._waiting_at = probe.waiting_at
+        for seq_id, token in probe.ready.items():
+            # gone if cancelled or timed out while the probe was out (its release is queued)
+            pending = self._pending_kv.pop(seq_id, None)
+            if pending is not None:
+                self._admit_prefilled(pending[0], token)
+        for seq_id, error in probe.failed.items():
+            pending = self._pending_kv.pop(seq_id, None)
+            if pending is not None:
+                pending[0].finish(FinishReason.ERROR, error)
+                self._discard_prompt_kv(pending[0])
+        now = time.monotonic()
+        for seq_id, (seq, since) in list(self._pending_kv.items()):
+            if now - since > self.kv_timeout_s:
+                stage = self._waiting_at.get(seq_id)
+                where = "any stage" if stage is None else f"stage {stage}"
+                del self._pending_kv[seq_id]
+                seq.finish(FinishReason.ERROR, f"prompt KV of {seq.request_id!r} not complete "
+                                               f"on {where} after {self.kv_timeout_s} s")
+                self._discard_prompt_kv(seq)
+
+    # -- faults ---------------------------------------------------------------------
+
+    def _check_health(self) -> None:
+        problem = self.health() if self.health is not None else None
+        if problem is not None:
+            self._break(problem)
+
+    def _fail_stalled(self) -> None:
+        now = time.monotonic()
+        for mb, busy in enumerate(self._in_flight):
+            if busy and now - self._sent_at[mb] > self.step_timeout_s:
+                error = (f"microbatch {mb} step {self._sent_step[mb]} got no answer in "
+                         f"{self.step_timeout_s} s{self._stall_hint()}")
+                self.errors.append(error)
+                self._in_flight[mb] = False
+                self.scheduler.fail(mb, error)
+        if self._probe_sent_at is not None and now - self._probe_sent_at > self.step_timeout_s:
+            self.errors.append(f"a KV probe got no answer in {self.step_timeout_s} s")
+            self._probe_sent_at = None  # probe again; pending requests time out on their own
+
+    def _break(self, error: str) -> None:
+        if self.broken is None:
+            log.error("pipeline down: %s", error)
+            self.broken = error
+            self.errors.append(error)
+        self._fail_everything(error)
+
+    def _fail_everything(self, error: str) -> None:
+        self._in_flight = [False] * self.num_microbatches
+        self._probe_sent_at = None
+        self._pending_kv.clear()
+        for seq in list(self._live.values()):
+            seq.finish(FinishReason.ERROR, error)
+            self._discard_prompt_kv(seq)
+        self.scheduler.clear()
+        self._prune()
+
+    def _prune(self) -> None:
+        for request_id in [r for r, s in self._live.items() if s.is_finished]:
+            del self._live[request_id]
+        if not self._live:
+            self._done.notify_all()
+
+
+def _to_message(batch: Batch) -> StepMessage:
+    decode_ids = [s.seq_id for s in batch.decode]
+    inputs = torch.tensor([s.last_token for s in batch.decode]) if batch.decode else None
+    return StepMessage(
+        microbatch=batch.microbatch,
+        step=batch.step,
+        seq_ids=decode_ids,
+        inputs=inputs,
+        prompt_seq_ids=[s.seq_id for s in batch.prefill],
+        prompts=[torch.tensor(s.prompt_ids) for s in batch.prefill],
+        admit=[s.seq_id for s in batch.admit],
+        release=batch.release,
+        sampling={s.seq_id: s.sampling for s in batch.prefill + batch.admit},
+    )
