@@ -203,6 +203,8 @@ class DeltaStreamer:
                     self._transfer(self.transport.write(post.peer, post.pairs, post.notify))
             except KVTransferError as error:
                 self.error = self.error or error
+            except Exception as error:  # never let the thread die silently: flush would hang
+                self.error = self.error or KVTransferError(post.peer, repr(error))
             finally:
                 self._free.put(post.index)
                 with self._done:
@@ -211,18 +213,23 @@ class DeltaStreamer:
 
     def _wait_for_room(self, peer: str, rid: str, position: int) -> None:
         """Block until the receiver scattered the step that used ``position``'s landing block."""
-        ticket = self._targets[rid]
+        ticket = self._targets.get(rid)
+        if ticket is None:  # removed while this post was queued: the request has ended
+            return
         deadline = time.monotonic() + self.timeout_s
-        while position - self._consumed[rid] >= ticket.landing_depth:
+        consumed = self._consumed.get(rid, ticket.prompt_len)
+        while position - consumed >= ticket.landing_depth:
             remote = Region(ticket.consumed_addr, self._counter.element_size())
             self._transfer(self.transport.read(peer, [(self._counter_region, remote)]))
-            self._consumed[rid] = int(self._counter[0])
-            if position - self._consumed[rid] < ticket.landing_depth:
+            consumed = int(self._counter[0])
+            if rid in self._targets:  # not removed meanwhile
+                self._consumed[rid] = consumed
+            if position - consumed < ticket.landing_depth:
                 return
             if time.monotonic() > deadline:
                 raise KVTransferError(
                     peer,
-                    f"receiver holds {self._consumed[rid]} positions of "
+                    f"receiver holds {consumed} positions of "
                     f"{rid!r} after {self.timeout_s}s; it must call progress() "
                     f"for step {position} to land",
                     rid,
