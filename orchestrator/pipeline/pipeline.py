@@ -10,7 +10,6 @@ baseline: prompts enter the same pipeline and run inside microbatch steps.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -21,10 +20,7 @@ from orchestrator.engine.base import Engine, StageSpec
 from orchestrator.engine.config import ModelConfig
 from orchestrator.engine.torch_engine import TorchEngine, load_engine
 from orchestrator.pipeline.head import PipelineHead
-from orchestrator.pipeline.link import (
-    Link,
-    QueueLink,
-)
+from orchestrator.pipeline.link import Link, QueueLink
 from orchestrator.pipeline.prompt_worker import PromptKVStore, PromptWorker
 from orchestrator.pipeline.sequence import Sequence as Seq
 from orchestrator.pipeline.stage import Interval, PromptKVSource, StageWorker
@@ -37,10 +33,6 @@ from orchestrator.pipeline.swapper import (
     measure_copy_bandwidth,
     should_swap,
 )
-
-log = logging.getLogger(__name__)
-
-MODES = ("disaggregated", "colocated")
 
 
 def stage_specs(
@@ -94,8 +86,6 @@ class TokenPipeline(PipelineHead):
         ``prompt_engines``: an in-process P-worker's stages (disaggregated); without them,
         prompt KV arrives from elsewhere through ``prompt_kv`` and ``submit_prefilled``.
         ``make_link(name, capacity)``: the stage-to-stage links (default in-process queues)."""
-        if swap not in SWAP_MODES:
-            raise ValueError(f"swap must be one of {SWAP_MODES}, got {swap!r}")
         _check_chain(engines)
         self.engines, self.depth = list(engines), len(engines)
         num_microbatches = num_microbatches or self.depth

@@ -1,25 +1,30 @@
-"""The prompt side in one process: prefill on its own engines, hand the KV to the token stages.
+"""The prompt side: prefill on its own engines, hand the KV to the token stages.
 
 A P-worker runs whole prompts (its engines may be a different split of the
 same model), samples each first token, and regroups the prompt KV by the token
 pipeline's layer ranges (DejaVu's stream_out/stream_in: split at the source,
-merge at the destination) into a :class:`PromptKVStore`, where each token stage
-takes its part when the sequence is admitted. Across nodes the KV library's
-connector plays the store's part.
+merge at the destination). In one process it puts the KV in a
+:class:`PromptKVStore`, where each token stage takes its part when the
+sequence is admitted. Across processes, :func:`stream_prefill` streams each
+layer as it is made through the KV library's ``KVSender`` into every token
+stage's ``KVReceiver`` (the library routes layers to the stage holding them),
+with the first token as the transfer's ``extra``.
 """
 
 from __future__ import annotations
 
 import logging
+import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
 from orchestrator.engine.base import Engine
-from orchestrator.engine.sampling import Sampler
+from orchestrator.engine.sampling import Sampler, SamplingParams
+from orchestrator.kv.connector import KVSender
 from orchestrator.kv.layout import KVCache, KVLayout
 from orchestrator.kv.primitives import region_view, routes
 from orchestrator.kv.transport.base import KVPoll
@@ -28,6 +33,18 @@ from orchestrator.pipeline.sequence import Sequence as Seq
 from orchestrator.pipeline.stage import Interval
 
 log = logging.getLogger(__name__)
+_FIRST_TOKEN = struct.Struct("<I")  # what the serving P-node sends too
+
+
+def encode_first_token(token: int) -> bytes:
+    return _FIRST_TOKEN.pack(token)
+
+
+def decode_first_token(extra: bytes) -> int:
+    if len(extra) != _FIRST_TOKEN.size:
+        raise ValueError(f"expected a {_FIRST_TOKEN.size}-byte first token after the prompt KV, "
+                         f"got {len(extra)} bytes")
+    return _FIRST_TOKEN.unpack(extra)[0]
 
 
 class PromptKVStore:
@@ -162,3 +179,39 @@ class PromptWorker:
                 self.store.put(seq.seq_id, stage_index, cache)
         self.timeline.append(Interval(start, time.monotonic(), -1, "prefill"))
         return tokens
+
+
+def stream_prefill(
+    engines: Sequence[Engine],
+    senders: Sequence[KVSender],
+    prompts: Mapping[str, Sequence[int]],
+    tickets: Mapping[str, Sequence[bytes]],
+    sampling: Mapping[str, SamplingParams] | None = None,
+    save_timeout_s: float = 30.0,
+) -> dict[str, int]:
+    """Prefill ``prompts`` (request id -> ids) on the prompt stages ``engines`` (one
+    ``KVSender`` each), streaming every layer's KV while the next computes to the token
+    stages that reserved ``tickets[request_id]`` (one ticket per token stage). Returns each
+    first token; raises ``KVTransferError`` naming the token stage a transfer failed to."""
+    sampling = sampling or {}
+    rids = list(prompts)
+    x: list[torch.Tensor] = [torch.tensor(prompts[r], dtype=torch.long) for r in rids]
+    handles = []
+    for engine, sender in zip(engines, senders, strict=True):
+        stage_handles = [sender.start(rid, list(tickets[rid])) for rid in rids]
+
+        def save(layer: int, caches: Sequence[KVCache], sender=sender, hs=stage_handles) -> None:
+            for handle, cache in zip(hs, caches, strict=True):
+                sender.save_layer(handle, layer, cache)
+
+        x = engine.prefill(x, [engine.new_cache() for _ in rids], on_layer=save)
+        handles.append(stage_handles)
+    first = {rid: int(Sampler(sampling.get(rid))(logits[None])[0])
+             for rid, logits in zip(rids, x, strict=True)}
+    for sender, stage_handles in zip(senders, handles, strict=True):
+        for rid, handle in zip(rids, stage_handles, strict=True):
+            sender.finish(handle, extra=encode_first_token(first[rid]))
+    for sender, stage_handles in zip(senders, handles, strict=True):
+        for handle in stage_handles:
+            sender.wait_for_save(handle, save_timeout_s)
+    return first

@@ -117,7 +117,8 @@ class StageWorker:
             except (LinkTimeout, LinkError) as exc:
                 # Keep serving: the head hears of it and stops sending; a repaired link
                 # (fault recovery) finds this stage still running.
-                error = f"stage {self.index} cannot send on: {exc}"
+                peer = "the head" if self.is_last else f"stage {self.index + 1}"
+                error = f"stage {self.index} cannot send to {peer}: {exc}"
                 log.error("%s", error)
                 if self.report is not None and not isinstance(message, Shutdown):
                     self.report(error)

@@ -129,15 +129,6 @@ class TransportSender:
                 raise LinkTimeout(f"link to {self.ticket.node}: write not done in {timeout_s} s")
             time.sleep(self.poll_s)  # the staging buffer is reused: wait until it has left
 
-    def notify(self, note: bytes) -> None:
-        """A control note (never all digits: those name ring slots); raises :class:`LinkError`."""
-        if note.isdigit():
-            raise ValueError(f"control note {note!r} would read as a ring slot")
-        try:
-            self.transport.notify(self.ticket.node, note)
-        except ConnectionError as exc:
-            raise LinkError(f"link to {self.ticket.node}: {exc}") from exc
-
 
 class TransportLink:
     """Both halves in one object, for a link whose two ends live in one process."""

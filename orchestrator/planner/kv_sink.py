@@ -52,7 +52,7 @@ def _receiver_main(inbox: mp.Queue, outbox: mp.Queue, layout: dict, slots: int, 
     torch.set_num_threads(1)
     transport = NixlTransport(name=RECEIVER)
     receiver = KVReceiver(transport, KVLayout(**layout), slots, SECRET, timeout_s=timeout_s)
-    outbox.put((transport.name, transport.metadata()))
+    outbox.put(b"up")
     parent = mp.parent_process()
     while parent is not None and parent.is_alive():
         try:
@@ -103,10 +103,10 @@ class KVSink:
         self._process.start()
         self.transport = NixlTransport(name="plan-sender")
         try:
-            self._outbox.get(timeout=STARTUP_S)  # the ticket carries the receiver's metadata
-        except queue.Empty:
+            self._answer("start-up", STARTUP_S)  # tickets will carry the receiver's metadata
+        except KVTransferError:
             self.close()
-            raise RuntimeError(f"NIXL receiver process not up after {STARTUP_S} s") from None
+            raise
 
     @property
     def description(self) -> str:
@@ -124,22 +124,25 @@ class KVSink:
         if self.kind == "local":
             return _serve(self._receiver, kind, request_id, prompt_len)
         self._inbox.put((kind, request_id, prompt_len))
-        deadline = time.monotonic() + self.timeout_s + 10  # the receiver times out first
+        reply = self._answer(kind, self.timeout_s + 10, request_id)  # the receiver times out first
+        if isinstance(reply, tuple):  # the receiver's error: (peer, reason)
+            raise KVTransferError(*reply, request_id)
+        return reply
+
+    def _answer(self, what: str, wait_s: float, request_id: str | None = None):
+        """The child's next message; fails at once if it died, after ``wait_s`` if silent."""
+        deadline = time.monotonic() + wait_s
         while True:
             try:
-                reply = self._outbox.get(timeout=0.5)
-                break
+                return self._outbox.get(timeout=0.5)
             except queue.Empty:
                 if not self._process.is_alive():
                     why = f"exited with code {self._process.exitcode}"
                 elif time.monotonic() > deadline:
-                    why = f"did not answer {kind} in {self.timeout_s + 10:.0f} s"
+                    why = f"did not answer {what} in {wait_s:.0f} s"
                 else:
                     continue
                 raise KVTransferError(RECEIVER, f"receiver process {why}", request_id) from None
-        if isinstance(reply, tuple):  # the receiver's error: (peer, reason)
-            raise KVTransferError(*reply, request_id)
-        return reply
 
     def close(self) -> None:
         if self.kind == "local":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -15,14 +16,23 @@ import triton_python_backend_utils as pb_utils
 from orchestrator.serving.metrics import Metrics
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-# Responses leave from many threads (one per request, the token loop); seen crashing
-# tritonserver 2.51 (SIGSEGV, boost lock_exception) under load, so one at a time.
-_send_lock = threading.Lock()
+# Every call below talks to tritonserver through the stub's shared memory. Made from
+# many threads at once (one per request, the token loop, KV waits) they crashed
+# tritonserver 2.51 (SIGSEGV in libtriton_python, boost lock_exception): one at a time.
+_ipc = threading.Lock()
 
 
 def send(sender, response: pb_utils.InferenceResponse, final: bool = False) -> None:
-    with _send_lock:
+    with _ipc:
         sender.send(response, flags=FINAL if final else 0)
+
+
+def cancelled(request) -> Callable[[], bool]:
+    def is_cancelled() -> bool:
+        with _ipc:
+            return request.is_cancelled()
+
+    return is_cancelled
 
 
 def parameters(args: dict) -> dict[str, str]:
@@ -82,14 +92,17 @@ class TritonMetrics(Metrics):
         self.by_outcome: dict[str, object] = {}
 
     def request_done(self, outcome: str) -> None:
-        if outcome not in self.by_outcome:
-            labels = {"node": self.node, "outcome": outcome}
-            self.by_outcome[outcome] = self.requests.Metric(labels=labels)
-        self.by_outcome[outcome].increment(1)
+        with _ipc:
+            if outcome not in self.by_outcome:
+                labels = {"node": self.node, "outcome": outcome}
+                self.by_outcome[outcome] = self.requests.Metric(labels=labels)
+            self.by_outcome[outcome].increment(1)
 
     def queue_length(self, requests: int) -> None:
-        self.queue_metric.set(requests)
+        with _ipc:
+            self.queue_metric.set(requests)
 
     def kv_streamed(self, nbytes: int, seconds: float) -> None:
-        self.kv_bytes_metric.increment(nbytes)
-        self.kv_seconds_metric.increment(seconds)
+        with _ipc:
+            self.kv_bytes_metric.increment(nbytes)
+            self.kv_seconds_metric.increment(seconds)

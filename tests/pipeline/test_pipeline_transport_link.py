@@ -9,7 +9,7 @@ import torch
 from orchestrator.engine.reference import generate, load_stages
 from orchestrator.engine.sampling import SamplingParams
 from orchestrator.kv.transport.local import LocalFabric, LocalTransport
-from orchestrator.pipeline.link import Shutdown, StepMessage, TokenMessage
+from orchestrator.pipeline.link import KVProbe, Shutdown, StepMessage, TokenMessage
 from orchestrator.pipeline.pipeline import TokenPipeline
 from orchestrator.pipeline.transport_link import LinkError, TransportLink, decode, encode
 
@@ -33,6 +33,9 @@ def test_messages_survive_the_wire_format():
     tokens = TokenMessage(1, 3, {4: 10, 9: 0}, error="stage 1: boom")
     assert decode(buf[: encode(tokens, buf)]) == tokens
     assert isinstance(decode(buf[: encode(Shutdown(), buf)]), Shutdown)
+    probe = KVProbe({4: "a", 9: "b"}, release={2: "c"}, ready={1: 77}, failed={3: "stage 1: x"},
+                    waiting_at={5: 2})
+    assert decode(buf[: encode(probe, buf)]) == probe
     with pytest.raises(ValueError, match="does not fit a link slot"):
         encode(StepMessage(0, 0, [1], torch.zeros(1, 1 << 20)), buf)
 

@@ -39,3 +39,14 @@ def test_unknown_transport(tiny_model):
     layout = load_engine(tiny_model("gpt2"), max_seq_len=24).kv_layout
     with pytest.raises(ValueError, match="unknown transport 'tcp'; choose from nixl, local"):
         KVSink(layout, 1, "tcp")
+
+
+@pytest.mark.timeout(60)
+def test_a_dead_receiver_process_fails_fast(tiny_model):
+    layout = load_engine(tiny_model("gpt2"), max_seq_len=24).kv_layout
+    with KVSink(layout, 1, "nixl") as sink:
+        sink._process.kill()  # as a crashed decode node
+        start = time.monotonic()
+        with pytest.raises(KVTransferError, match="receiver process exited with code -9"):
+            sink.reserve("orphan", 8)
+        assert time.monotonic() - start < 5  # not the 70 s answer timeout

@@ -31,7 +31,7 @@ class TritonPythonModel:
                     GenerationParams.from_tensors(tensors),
                     emit,
                     fail,
-                    request.is_cancelled,
+                    pb.cancelled(request),
                     send_ticket,
                 )
             except Exception as exc:  # a refused request must not hurt the others

@@ -35,7 +35,7 @@ class TritonPythonModel:
             tensors = pb.inputs(request, ["input_ids", *PARAM_TENSORS])
             params = GenerationParams.from_tensors(tensors)
             prompt = tensors["input_ids"].reshape(-1).tolist()
-            self.frontend.generate(prompt, params, emit, request.is_cancelled)
+            self.frontend.generate(prompt, params, emit, pb.cancelled(request))
             outcome = "finished"
         except Cancelled:  # Triton already closed the stream when is_cancelled() said so
             outcome = "cancelled"

@@ -1,0 +1,314 @@
+"""A token pipeline across processes: one :class:`StageNode` per process (a Triton T-node).
+
+Each node holds one stage (its layers, its engine, its sequences' KV) and runs
+the same :class:`~orchestrator.pipeline.stage.StageWorker` as the in-process
+:class:`~orchestrator.pipeline.pipeline.TokenPipeline`; node 0 also runs the
+:class:`~orchestrator.pipeline.head.PipelineHead` (scheduling, token callbacks,
+refill). Steps go 0 -> 1 -> ... -> D-1 -> back to node 0, each hop one NIXL
+WRITE into the next node's ring (:mod:`orchestrator.pipeline.transport_link`).
+
+Bootstrap (a coordinator, e.g. the Triton launcher, carries opaque bytes)::
+
+    config = PipelineConfig(depth=3, batch_size=4, swap="on")   # the same on every node
+    node = StageNode(model_dir, stage_index, config, secret=b"...")  # every process
+    mine = node.endpoints()                  # bytes: publish to the coordinator
+    node.connect(next=endpoints[(i + 1) % depth], head=endpoints[0])
+    node.start()                             # nodes 1..D-1 first, node 0 last
+
+Per request (disaggregated: prefilled on a P-node, KV streamed to every stage)::
+
+    tickets = [node_i.reserve_prompt(request_id, prompt_len) for every stage i]  # bytes
+    # P-node: KVSender.start(request_id, tickets) ... (``stream_prefill``); the first
+    # token rides as the transfer's extra (``encode_first_token``)
+    node0.head.submit_prefilled(Sequence(request_id, prompt_ids, max_tokens, eos_id,
+                                         on_token=callback))   # right away, no waiting
+    node0.head.cancel(request_id)
+    node_i.release_prompt(request_id)    # only if never submitted (e.g. the P-node failed)
+
+The head admits a request once a KV probe found its prompt KV complete on every
+stage, and fails it with the stage's name if a stage reports the transfer
+failed or it is still missing after ``kv_timeout_s``. ``on_token(seq, token,
+finished)`` streams tokens (``token`` None: ended without one, see ``seq.error``).
+
+Liveness: nodes 1..D-1 send node 0 a heartbeat every ``heartbeat_s``; a node
+silent for ``dead_after_s``, or a node reporting that it cannot reach its
+successor, breaks the pipeline: every request in it fails with an error naming
+the stage, and ``submit_prefilled`` refuses new ones. (Recovery is the fault
+layer's job.) Only ``mode="disaggregated"`` spans processes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from orchestrator.engine.base import Engine
+from orchestrator.engine.config import ModelConfig
+from orchestrator.engine.torch_engine import load_engine
+from orchestrator.kv.connector import KVReceiver
+from orchestrator.kv.errors import KVTransferError
+from orchestrator.kv.layout import KVCache
+from orchestrator.kv.transport.base import KVPoll, Transport
+from orchestrator.pipeline.head import PipelineHead
+from orchestrator.pipeline.link import Link, QueueLink
+from orchestrator.pipeline.pipeline import link_capacity, make_placement, resolve_swap, stage_specs
+from orchestrator.pipeline.prompt_worker import decode_first_token
+from orchestrator.pipeline.stage import StageWorker
+from orchestrator.pipeline.transport_link import LinkTicket, TransportReceiver, TransportSender
+
+log = logging.getLogger(__name__)
+
+_HEARTBEAT, _FAILURE = b"hb:", b"err:"
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """What every node of one token pipeline must agree on."""
+
+    depth: int
+    batch_size: int
+    num_microbatches: int | None = None  # default: depth
+    layers: tuple[int, ...] | None = None  # layers per stage; default: an even split
+    swap: str = "off"  # on | off | auto (auto decides per stage, on its own measurements)
+    device_kv_budget: int | None = None  # bytes per stage
+    swap_workload: tuple[int, int] | None = None  # (prompt_len, new_tokens) for swap=auto
+    max_seq_len: int | None = None
+    prompt_slots: int = 16  # prompt KVs a stage can hold before their requests are admitted
+    step_timeout_s: float = 60.0
+    kv_timeout_s: float = 30.0
+    heartbeat_s: float = 0.25
+    dead_after_s: float = 3.0
+
+    @property
+    def microbatches(self) -> int:
+        return self.num_microbatches or self.depth
+
+
+class ReceiverKVSource:
+    """A stage's prompt KV, streamed by P-nodes into its ``KVReceiver`` (a PromptKVSource)."""
+
+    def __init__(self, receiver: KVReceiver) -> None:
+        self.receiver = receiver
+        self._request_ids: dict[int, str] = {}  # seq id -> request id, learnt from probes
+        self._lock = threading.Lock()
+
+    def probe(self, seq_id: int, request_id: str, stage_index: int) -> tuple[KVPoll, str]:
+        with self._lock:
+            self._request_ids[seq_id] = request_id
+        try:
+            state = self.receiver.poll(request_id)
+            if state in (KVPoll.SUCCESS, KVPoll.FAILED):
+                _, extra = self.receiver.wait(request_id, timeout_s=0)
+                return KVPoll.SUCCESS, str(decode_first_token(extra))
+        except KeyError:
+            return KVPoll.FAILED, "no KV slot was reserved for it on this stage"
+        except (KVTransferError, ValueError) as exc:
+            return KVPoll.FAILED, str(exc)
+        return state, ""
+
+    def take(self, seq_id: int, stage_index: int) -> KVCache:
+        """A copy of the prompt's positions; the receiver's slot goes back to its pool now."""
+        with self._lock:
+            request_id = self._request_ids.pop(seq_id)
+        slot = self.receiver.cache(request_id)
+        cache = KVCache(slot.layout, slot.layout.allocate("cpu"), slot.length)
+        cache.data[:, :, :, : slot.length].copy_(slot.data[:, :, :, : slot.length])
+        self.receiver.release(request_id)
+        return cache
+
+    def discard(self, seq_id: int, request_id: str | None = None) -> None:
+        with self._lock:
+            request_id = self._request_ids.pop(seq_id, None) or request_id
+        if request_id is not None:
+            self.receiver.release(request_id)
+
+
+class StageNode:
+    """One stage of a token pipeline in this process; node 0 also holds the head."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        stage_index: int,
+        config: PipelineConfig,
+        *,
+        secret: bytes,
+        device: str = "cpu",
+        make_transport: Callable[[str], Transport] | None = None,
+        name: str | None = None,
+        engine: Engine | None = None,
+    ) -> None:
+        """``make_transport(name)``: the KV transport (default NIXL); a node makes two, one
+        for its ring and one for its prompt KV, since each drains its own notifications."""
+        if not 0 <= stage_index < config.depth:
+            raise ValueError(f"stage_index {stage_index} not in [0, {config.depth})")
+        if make_transport is None:
+            from orchestrator.kv.transport.nixl import NixlTransport
+
+            make_transport = NixlTransport
+        self.index, self.config = stage_index, config
+        self.name = name or f"tnode-{stage_index}"
+        if engine is None:
+            num_layers = ModelConfig.from_dir(model_dir).num_layers
+            spec = stage_specs(num_layers, config.depth, config.layers)[stage_index]
+            kwargs = {} if config.max_seq_len is None else {"max_seq_len": config.max_seq_len}
+            engine = load_engine(model_dir, spec, device, **kwargs)
+        self.engine = engine
+        mbs, batch = config.microbatches, config.batch_size
+        self.swap = resolve_swap([engine], config.swap, config.device_kv_budget,
+                                 config.swap_workload, mbs, batch)
+        self.kv = make_placement(engine, batch, mbs, self.swap, config.device_kv_budget)
+
+        self.kv_transport = make_transport(f"{self.name}-kv")
+        self.receiver = KVReceiver(self.kv_transport, engine.kv_layout, config.prompt_slots,
+                                   secret, timeout_s=config.kv_timeout_s)
+        self.prompt_kv = ReceiverKVSource(self.receiver)
+
+        capacity = link_capacity(mbs)
+        self.link_transport: Transport | None = None
+        self.ring: TransportReceiver | None = None  # node 0: answers; others: the inbox
+        if config.depth > 1:
+            self.link_transport = make_transport(f"{self.name}-link")
+            self.ring = TransportReceiver(self.link_transport, capacity, self._slot_bytes())
+        self._head_link: QueueLink | None = None
+        self.head: PipelineHead | None = None
+        if stage_index == 0:
+            self._head_link = QueueLink("head->stage-0", capacity)
+            results: Link = self.ring or QueueLink("stage-0->head", capacity)
+            self.head = PipelineHead(
+                self._head_link, results, num_microbatches=mbs, batch_size=batch,
+                max_seq_len=engine.kv_layout.max_seq_len, step_timeout_s=config.step_timeout_s,
+                kv_timeout_s=config.kv_timeout_s, health=self._health,
+            )
+        self.worker: StageWorker | None = None
+        self._head_node: str | None = None  # the head's transport name (nodes 1..D-1)
+        self._beats: dict[int, tuple[str, float]] = {}  # node 0: stage -> (node, last beat)
+        self._reported: list[str] = []
+        self._started_at = 0.0
+        self._stopping = threading.Event()
+        self._heartbeat = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
+        if config.depth == 1:  # the stage answers its own head: no transport link
+            self._make_worker(self.head.from_last)
+
+    # -- bootstrap ------------------------------------------------------------------
+
+    def endpoints(self) -> bytes:
+        """Opaque bytes for the coordinator: where the previous node writes (node 0: where the
+        last node writes the tokens back)."""
+        ticket = self.ring.ticket().to_dict() if self.ring is not None else None
+        return json.dumps({"stage": self.index, "depth": self.config.depth,
+                           "ring": ticket}).encode()
+
+    def connect(self, next: bytes, head: bytes) -> None:  # noqa: A002  (the API's word)
+        """Wire this node to its successor's endpoints (the last node: node 0's) and to node
+        0's (heartbeats and failure reports go to the head)."""
+        if self.config.depth == 1:
+            return
+        succ, first = json.loads(next), json.loads(head)
+        want = (self.index + 1) % self.config.depth
+        for what, got, expected in (("next", succ, want), ("head", first, 0)):
+            if got["stage"] != expected or got["depth"] != self.config.depth:
+                raise ValueError(f"stage {self.index}: {what} endpoints are of stage "
+                                 f"{got['stage']}/{got['depth']}, expected "
+                                 f"{expected}/{self.config.depth}")
+        assert self.link_transport is not None
+        self._make_worker(TransportSender(self.link_transport,
+                                          LinkTicket.from_dict(succ["ring"])))
+        if self.index > 0:
+            ticket = LinkTicket.from_dict(first["ring"])
+            self.link_transport.add_peer(ticket.node, ticket.metadata)
+            self._head_node = ticket.node
+
+    def start(self) -> StageNode:
+        if self.worker is None:
+            raise RuntimeError(f"stage {self.index}: connect() before start()")
+        self._started_at = time.monotonic()
+        self.worker.start()
+        if self._head_node is not None:
+            self._heartbeat.start()
+        if self.head is not None:
+            self.head.start()
+        return self
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Node 0: stop the head (a Shutdown passes through every stage). Then free the
+        transports."""
+        if self.head is not None:
+            self.head.stop(timeout_s)
+        self._stopping.set()
+        if self.worker is not None and self.worker.thread.is_alive():
+            # after node 0's close, the Shutdown has passed (or the pipeline is broken)
+            self.worker.thread.join(min(timeout_s, 1.0))
+        self.receiver.close()
+        for transport in (self.kv_transport, self.link_transport):
+            if transport is not None:
+                transport.close()
+
+    # -- prompt KV ---------------------------------------------------------------------
+
+    def reserve_prompt(self, request_id: str, prompt_len: int) -> bytes:
+        """A KV slot for the request's prompt on this stage; the ticket goes to the P-node."""
+        return self.receiver.reserve(request_id, prompt_len)
+
+    def release_prompt(self, request_id: str) -> None:
+        """Free a reservation whose request was never submitted (submitted ones are freed by
+        the pipeline)."""
+        self.receiver.release(request_id)
+
+    # -- liveness ---------------------------------------------------------------------
+
+    def _make_worker(self, outbox: Link) -> None:
+        inbox = self._head_link if self.index == 0 else self.ring
+        assert inbox is not None
+        self.worker = StageWorker(
+            self.index, self.engine, self.kv, inbox, outbox, self.config.microbatches,
+            self.prompt_kv, send_timeout_s=self.config.step_timeout_s, report=self._report,
+        )
+
+    def _report(self, error: str) -> None:
+        if self.head is not None:
+            self.head.report_failure(error)
+        else:
+            self._notify_head(_FAILURE + f"{self.index}:{error}".encode())
+
+    def _beat(self) -> None:
+        note = _HEARTBEAT + str(self.index).encode()
+        while not self._stopping.wait(self.config.heartbeat_s):
+            self._notify_head(note)
+
+    def _notify_head(self, note: bytes) -> None:
+        assert self.link_transport is not None and self._head_node is not None
+        try:
+            self.link_transport.notify(self._head_node, note)
+        except ConnectionError as exc:
+            log.warning("stage %d: cannot reach the head: %s", self.index, exc)
+
+    def _health(self) -> str | None:
+        """Node 0's head asks: has a stage reported a failure, or gone silent?"""
+        if self.ring is None:
+            return None
+        now = time.monotonic()
+        while self.ring.control:
+            peer, note = self.ring.control.popleft()
+            if note.startswith(_HEARTBEAT):
+                self._beats[int(note[len(_HEARTBEAT):])] = (peer, now)
+            elif note.startswith(_FAILURE):
+                self._reported.append(note[len(_FAILURE):].split(b":", 1)[1].decode())
+        if self._reported:
+            return self._reported[0]
+        for stage in range(1, self.config.depth):
+            peer, last = self._beats.get(stage, ("never heard from", self._started_at))
+            if now - last > self.config.dead_after_s:
+                return (f"stage {stage} ({peer}) silent for {now - last:.1f} s "
+                        f"(heartbeat every {self.config.heartbeat_s} s): presumed dead")
+        return None
+
+    def _slot_bytes(self) -> int:
+        """One step message: a JSON header (ids, sampling of admitted sequences) and a
+        [batch, hidden] tensor."""
+        return (64 << 10) + self.config.batch_size * self.engine.hidden_size * 8
