@@ -167,7 +167,8 @@ class PipelineHead:
                 return False
             # READY (or pending): its prompt KV waits on the stages. RUNNING: the stages hold
             # it (and may not have taken it yet), so only its microbatch's next step frees it.
-            unadmitted = seq.status is Status.READY or self._pending_kv.pop(seq.seq_id, None)
+            pending = self._pending_kv.pop(seq.seq_id, None) is not None
+            unadmitted = pending or seq.status is Status.READY
             if self.scheduler.cancel(request_id) is None:
                 self._cancel_elsewhere(request_id)
                 seq.finish(FinishReason.CANCELLED)  # e.g. mid-prefill: dropped when it returns
@@ -265,6 +266,7 @@ class PipelineHead:
                         self._probed(message)
                     self._check_health()
                     self._fail_stalled()
+                    self._expire_pending_kv()
                 self._prune()
 
     def _issue(self, mb: int) -> None:
@@ -325,6 +327,8 @@ class PipelineHead:
             if pending is not None:
                 pending[0].finish(FinishReason.ERROR, error)
                 self._discard_prompt_kv(pending[0])
+
+    def _expire_pending_kv(self) -> None:
         now = time.monotonic()
         for seq_id, (seq, since) in list(self._pending_kv.items()):
             if now - since > self.kv_timeout_s:

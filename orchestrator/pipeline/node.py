@@ -25,10 +25,17 @@ Per request (disaggregated: prefilled on a P-node, KV streamed to every stage)::
     node0.head.cancel(request_id)
     node_i.release_prompt(request_id)    # only if never submitted (e.g. the P-node failed)
 
+    node0.close(); node_i.close()        # node 0 first: its Shutdown passes every stage
+
 The head admits a request once a KV probe found its prompt KV complete on every
 stage, and fails it with the stage's name if a stage reports the transfer
 failed or it is still missing after ``kv_timeout_s``. ``on_token(seq, token,
-finished)`` streams tokens (``token`` None: ended without one, see ``seq.error``).
+finished)`` runs on the head's thread (don't block in it): its first call
+carries the first token (the P-node's, from the transfer's extra; skip it if
+the client already has it), ``token`` None means it ended without one (cancel,
+error: ``seq.error`` says which stage). ``reserve_prompt`` raises when all
+``prompt_slots`` hold prompts not yet admitted; endpoints and tickets are
+~1 KB of opaque bytes.
 
 Liveness: nodes 1..D-1 send node 0 a heartbeat every ``heartbeat_s``; a node
 silent for ``dead_after_s``, or a node reporting that it cannot reach its
@@ -41,6 +48,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -144,7 +152,9 @@ class StageNode:
         engine: Engine | None = None,
     ) -> None:
         """``make_transport(name)``: the KV transport (default NIXL); a node makes two, one
-        for its ring and one for its prompt KV, since each drains its own notifications."""
+        for its ring and one for its prompt KV, since each drains its own notifications.
+        ``name``: unique in the cluster (its transports are ``<name>-link``, ``<name>-kv``).
+        ``engine``: an already loaded stage engine (else loaded from ``model_dir``)."""
         if not 0 <= stage_index < config.depth:
             raise ValueError(f"stage_index {stage_index} not in [0, {config.depth})")
         if make_transport is None:
@@ -152,12 +162,16 @@ class StageNode:
 
             make_transport = NixlTransport
         self.index, self.config = stage_index, config
-        self.name = name or f"tnode-{stage_index}"
+        self.name = name or f"tnode-{stage_index}-{os.getpid()}"
+        num_layers = (ModelConfig.from_dir(model_dir).num_layers if engine is None
+                      else engine.stage.num_layers)
+        spec = stage_specs(num_layers, config.depth, config.layers)[stage_index]
         if engine is None:
-            num_layers = ModelConfig.from_dir(model_dir).num_layers
-            spec = stage_specs(num_layers, config.depth, config.layers)[stage_index]
             kwargs = {} if config.max_seq_len is None else {"max_seq_len": config.max_seq_len}
             engine = load_engine(model_dir, spec, device, **kwargs)
+        elif engine.stage != spec:
+            raise ValueError(f"stage {stage_index} of {config.depth} holds {spec}, "
+                             f"the engine given holds {engine.stage}")
         self.engine = engine
         mbs, batch = config.microbatches, config.batch_size
         self.swap = resolve_swap([engine], config.swap, config.device_kv_budget,
@@ -277,8 +291,12 @@ class StageNode:
             self._notify_head(_FAILURE + f"{self.index}:{error}".encode())
 
     def _beat(self) -> None:
+        """Beat while the stage worker lives: a node whose worker died reads as dead."""
         note = _HEARTBEAT + str(self.index).encode()
         while not self._stopping.wait(self.config.heartbeat_s):
+            if self.worker is None or not self.worker.thread.is_alive():
+                log.info("stage %d: worker thread ended; heartbeats stop", self.index)
+                return
             self._notify_head(note)
 
     def _notify_head(self, note: bytes) -> None:

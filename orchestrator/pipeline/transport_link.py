@@ -11,7 +11,7 @@ in order.
 
 Notifications that are not slot numbers are *control notes* (a stage's
 heartbeat, a stage reporting that its own outgoing link failed): the receiver
-keeps them in ``control`` and remembers when it last heard from each peer.
+keeps them in ``control`` for its owner.
 """
 
 from __future__ import annotations
@@ -76,7 +76,6 @@ class TransportReceiver:
         self.region = transport.register(self.ring)
         self._arrived: deque[int] = deque()
         self.control: deque[tuple[str, bytes]] = deque()  # (peer, note), oldest first
-        self.heard: dict[str, float] = {}  # peer -> monotonic time of its last notification
 
     def ticket(self) -> LinkTicket:
         return LinkTicket(self.transport.name, self.transport.metadata(), self.region.addr,
@@ -96,9 +95,7 @@ class TransportReceiver:
 
     def drain(self) -> None:
         """Sort what arrived into ring slots and control notes."""
-        now = time.monotonic()
         for peer, note in self.transport.drain_notifications():
-            self.heard[peer] = now
             if note.isdigit():
                 self._arrived.append(int(note))
             else:

@@ -1,0 +1,391 @@
+"""``dejavu bench serving``: perf_analyzer and genai-perf against the ensemble, vs the bare engine.
+
+For each mode (disaggregated 1P+1T, colocated 1T) a local cluster comes up
+(or ``--url``/``--http-url`` name a running one) and perf_analyzer 2.51 streams
+requests over gRPC (``--streaming``, a fixed prompt and ``max_tokens``) at each
+concurrency; its per-request profile export gives tokens/s, time to first
+token (TTFT) and inter-token latency (ITL). The bare engine loop
+(``orchestrator.engine.reference.generate`` in this process, same weights,
+batch = concurrency) runs in the same invocation: the ratio of time per token,
+served over bare, is the serving overhead. genai-perf runs once per mode at one
+concurrency for its own TTFT/ITL, over Triton's HTTP ``generate_stream`` (its
+``kserve`` endpoint sends ``exclude_input_in_output``, an input the ensemble
+lacks). The tools come from ``scripts/perf_tools.sh`` (run here; a no-op when
+installed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from orchestrator.cluster.tritonserver import ServerError
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOLS_SCRIPT = ROOT / "scripts" / "perf_tools.sh"
+MODEL = "ensemble"
+PROMPT = "The prompt phase reads the whole prompt, then the token phase writes one token at a time"
+PA_TIMEOUT_S = 300.0
+GENAI_TIMEOUT_S = 300.0
+
+
+class BenchError(RuntimeError):
+    """A load tool failed or its output does not add up; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class Tools:
+    perf_analyzer: Path
+    ld_library_path: str  # libcudart.so.12 for perf_analyzer
+    genai_perf: Path
+
+    def env(self) -> dict[str, str]:
+        """perf_analyzer 2.51 first on PATH: genai-perf runs whichever it finds."""
+        env = dict(os.environ)
+        env["PATH"] = f"{self.perf_analyzer.parent}:{env.get('PATH', '')}"
+        env["LD_LIBRARY_PATH"] = ":".join(filter(None, [self.ld_library_path,
+                                                         env.get("LD_LIBRARY_PATH")]))
+        return env
+
+
+def install_tools() -> Tools:
+    """Run ``scripts/perf_tools.sh`` (idempotent) and read where it put the tools."""
+    try:
+        done = subprocess.run(["bash", str(TOOLS_SCRIPT)], capture_output=True, text=True,
+                              timeout=1200)
+    except subprocess.TimeoutExpired as exc:
+        raise BenchError(f"{TOOLS_SCRIPT} did not finish in {exc.timeout:.0f} s") from None
+    if done.returncode != 0:
+        raise BenchError(f"{TOOLS_SCRIPT} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    found = dict(line.split("=", 1) for line in done.stdout.splitlines() if "=" in line)
+    try:
+        return Tools(Path(found["PERF_ANALYZER"]), found["PERF_LD_LIBRARY_PATH"],
+                     Path(found["GENAI_PERF"]))
+    except KeyError as exc:
+        raise BenchError(f"{TOOLS_SCRIPT} did not print {exc.args[0]}=...") from None
+
+
+def _run(cmd: list[str], tools: Tools, log: Path, timeout_s: float, cwd: Path) -> None:
+    """Run a tool with its output in ``log``; a failure quotes the end of that log."""
+    with log.open("w") as out:
+        try:
+            code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=tools.env(),
+                                  cwd=cwd, timeout=timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            raise BenchError(f"{Path(cmd[0]).name} ran past {timeout_s:.0f} s; log {log}") from None
+    if code != 0:
+        raise BenchError(f"{Path(cmd[0]).name} exited {code}; log {log}:\n"
+                         f"{log.read_text()[-2000:]}")
+
+
+# -- perf_analyzer ---------------------------------------------------------------------------
+
+
+@dataclass
+class LoadPoint:
+    """One concurrency level as perf_analyzer measured it (times in ms)."""
+
+    mode: str
+    concurrency: int
+    requests: int  # completed, every one of them
+    tokens: int  # streamed responses, one token each
+    requests_per_s: float
+    tokens_per_s: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    itl_ms: float  # per request (last - first response) / (tokens - 1), averaged
+    bare_tokens_per_s: float = math.nan
+    served_over_bare: float = math.nan  # time per token, served / bare engine
+    overhead_ms_per_token: float = math.nan
+
+
+def run_perf_analyzer(tools: Tools, grpc_url: str, mode: str, concurrency: int, requests: int,
+                      max_tokens: int, prompt: str, out_dir: Path) -> LoadPoint:
+    """Exactly ``requests`` streamed requests at ``concurrency`` (after ``concurrency`` warm-up)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data = {"data": [{"text_input": [prompt], "max_tokens": [max_tokens], "stream": [True]}]}
+    (out_dir / "input.json").write_text(json.dumps(data))
+    cmd = [
+        str(tools.perf_analyzer), "-m", MODEL, "-u", grpc_url, "-i", "grpc", "--streaming",
+        "--input-data", "input.json", "--concurrency-range", str(concurrency),
+        # One measurement of a fixed request count: bounded time, no stability retries
+        # (shared CPUs never look stable); -s 999 is how genai-perf asks for the same.
+        "--request-count", str(requests), "--warmup-request-count", str(concurrency),
+        "--stability-percentage", "999", "--profile-export-file", "export.json",
+    ]
+    _run(cmd, tools, out_dir / "perf_analyzer.log", PA_TIMEOUT_S, out_dir)
+    export = json.loads((out_dir / "export.json").read_text())
+    return summarize_export(export, mode, concurrency, max_tokens)
+
+
+def summarize_export(export: dict, mode: str, concurrency: int, max_tokens: int) -> LoadPoint:
+    """TTFT, ITL and throughput from the per-request timestamps (ns) perf_analyzer exported."""
+    experiment = next((e for e in export["experiments"]
+                       if e["experiment"] == {"mode": "concurrency", "value": concurrency}), None)
+    if experiment is None or not experiment["requests"]:
+        raise BenchError(f"perf_analyzer exported no requests at concurrency {concurrency}")
+    requests = experiment["requests"]
+    short = [len(r["response_timestamps"]) for r in requests
+             if len(r["response_timestamps"]) != max_tokens]
+    if short:
+        raise BenchError(f"{len(short)} of {len(requests)} requests streamed {short[0]} tokens, "
+                         f"not max_tokens={max_tokens} (failed or cut short)")
+    start = min(r["timestamp"] for r in requests)
+    span_s = (max(r["response_timestamps"][-1] for r in requests) - start) / 1e9
+    ttft = sorted((r["response_timestamps"][0] - r["timestamp"]) / 1e6 for r in requests)
+    itl = [(r["response_timestamps"][-1] - r["response_timestamps"][0]) / 1e6 / (max_tokens - 1)
+           for r in requests] if max_tokens > 1 else [math.nan]
+    tokens = sum(len(r["response_timestamps"]) for r in requests)
+    return LoadPoint(
+        mode=mode, concurrency=concurrency, requests=len(requests), tokens=tokens,
+        requests_per_s=len(requests) / span_s, tokens_per_s=tokens / span_s,
+        ttft_p50_ms=statistics.median(ttft), ttft_p99_ms=_percentile(ttft, 99),
+        itl_ms=statistics.fmean(itl),
+    )
+
+
+def _percentile(ordered: list[float], p: float) -> float:
+    return ordered[min(len(ordered) - 1, math.ceil(p / 100 * len(ordered)) - 1)]
+
+
+# -- genai-perf ------------------------------------------------------------------------------
+
+
+@dataclass
+class GenaiPoint:
+    """genai-perf's summary (it counts tokens by re-tokenizing the streamed text)."""
+
+    mode: str
+    concurrency: int
+    requests: int
+    tokens_streamed: int  # data events with output_ids in its raw export: one token each
+    requests_per_s: float
+    tokens_per_s: float
+    ttft_avg_ms: float
+    ttft_p99_ms: float
+    itl_avg_ms: float
+    output_len_avg: float  # retokenized, so it need not equal max_tokens
+
+
+def run_genai_perf(tools: Tools, http_url: str, model_dir: Path, mode: str, concurrency: int,
+                   requests: int, max_tokens: int, out_dir: Path) -> GenaiPoint:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [
+        str(tools.genai_perf), "profile", "-m", MODEL, "--endpoint-type", "generate",
+        "--endpoint", f"v2/models/{MODEL}/generate_stream", "--streaming", "-u", http_url,
+        "--tokenizer", str(model_dir), "--concurrency", str(concurrency),
+        "--request-count", str(requests), "--warmup-request-count", str(concurrency),
+        "--synthetic-input-tokens-mean", "16", "--synthetic-input-tokens-stddev", "0",
+        "--output-tokens-mean", str(max_tokens), "--num-dataset-entries", "8",
+        "--random-seed", "0", "--artifact-dir", str(out_dir / "artifacts"),
+    ]
+    _run(cmd, tools, out_dir / "genai_perf.log", GENAI_TIMEOUT_S, out_dir)
+    summaries = list((out_dir / "artifacts").glob("*/profile_export_genai_perf.json"))
+    if len(summaries) != 1:
+        raise BenchError(f"expected one genai-perf summary under {out_dir}, found {summaries}")
+    summary = json.loads(summaries[0].read_text())
+    raw = json.loads((summaries[0].parent / "profile_export.json").read_text())
+    streamed = sum(
+        '"output_ids"' in out["response"]
+        for r in raw["experiments"][0]["requests"] for out in r["response_outputs"]
+    )
+    return GenaiPoint(
+        mode=mode, concurrency=concurrency, requests=int(summary["request_count"]["avg"]),
+        tokens_streamed=streamed, requests_per_s=summary["request_throughput"]["avg"],
+        tokens_per_s=summary["output_token_throughput"]["avg"],
+        ttft_avg_ms=summary["time_to_first_token"]["avg"],
+        ttft_p99_ms=summary["time_to_first_token"]["p99"],
+        itl_avg_ms=summary["inter_token_latency"]["avg"],
+        output_len_avg=summary["output_sequence_length"]["avg"],
+    )
+
+
+# -- the bare engine ---------------------------------------------------------------------------
+
+
+def bare_tokens_per_s(model_dir: Path, prompt: str, max_tokens: int, batches: list[int],
+                      min_s: float = 0.5) -> dict[int, float]:
+    """Tokens/s of ``reference.generate`` in this process, one thread like a serving node."""
+    import torch
+
+    from orchestrator.engine.reference import generate
+    from orchestrator.engine.tokenizer import load_tokenizer
+    from orchestrator.engine.torch_engine import load_engine
+
+    torch.set_num_threads(1)
+    engine = load_engine(model_dir)
+    prompt_ids = load_tokenizer(model_dir).encode(prompt).ids
+    rates = {}
+    for batch in batches:
+        prompts = [prompt_ids] * batch
+        generate([engine], prompts, max_tokens)  # warm-up
+        runs, begin = 0, time.perf_counter()
+        while runs < 2 or time.perf_counter() - begin < min_s:
+            generate([engine], prompts, max_tokens)
+            runs += 1
+        rates[batch] = runs * batch * max_tokens / (time.perf_counter() - begin)
+    return rates
+
+
+def compare_to_bare(point: LoadPoint, bare: dict[int, float]) -> None:
+    point.bare_tokens_per_s = bare[point.concurrency]
+    point.served_over_bare = point.bare_tokens_per_s / point.tokens_per_s
+    point.overhead_ms_per_token = 1e3 / point.tokens_per_s - 1e3 / point.bare_tokens_per_s
+
+
+# -- output ----------------------------------------------------------------------------------
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return "-" if math.isnan(value) else f"{value:.3g}" if abs(value) < 10 else f"{value:.0f}"
+    return str(value)
+
+
+LOAD_COLUMNS = {
+    "mode": "mode", "concurrency": "conc", "requests": "requests", "tokens_per_s": "tok/s",
+    "requests_per_s": "req/s", "ttft_p50_ms": "TTFT p50 ms", "ttft_p99_ms": "TTFT p99 ms",
+    "itl_ms": "ITL ms", "bare_tokens_per_s": "bare tok/s",
+    "served_over_bare": "served/bare time per token",
+    "overhead_ms_per_token": "overhead ms/token",
+}
+GENAI_COLUMNS = {
+    "mode": "mode", "concurrency": "conc", "requests": "requests", "tokens_per_s": "tok/s",
+    "ttft_avg_ms": "TTFT avg ms", "ttft_p99_ms": "TTFT p99 ms", "itl_avg_ms": "ITL avg ms",
+    "output_len_avg": "output len (retokenized)",
+}
+
+
+def write_csv(path: Path, rows: list) -> None:
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
+        writer.writeheader()
+        writer.writerows(asdict(r) for r in rows)
+
+
+def print_table(title: str, rows: list, columns: dict[str, str]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for header in columns.values():
+        table.add_column(header, justify="right")
+    for row in rows:
+        table.add_row(*(_fmt(getattr(row, key)) for key in columns))
+    Console(width=200).print(table)
+
+
+def markdown(rows: list, columns: dict[str, str]) -> str:
+    lines = ["| " + " | ".join(columns.values()) + " |",
+             "|" + "---:|" * len(columns)]
+    lines += ["| " + " | ".join(_fmt(getattr(r, key)) for key in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+# -- the command -----------------------------------------------------------------------------
+
+
+@contextmanager
+def _frontend(args, mode: str, model_dir: Path) -> Iterator[tuple[str, str]]:
+    """(gRPC, HTTP) of a fresh local cluster for ``mode``, or of the one ``--url`` names."""
+    if args.url:
+        yield args.url, args.http_url
+        return
+    from orchestrator.cluster.launcher import Cluster
+
+    run_dir = args.out / "cluster" / mode
+    with Cluster.up(model_dir, colocated=mode == "colocated", run_dir=run_dir) as cluster:
+        yield cluster.frontend.grpc_url, cluster.frontend.http_url
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="dejavu bench serving",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, help="model folder (default: make a dummy one)")
+    parser.add_argument("--arch", default="llama", help="dummy model's architecture")
+    parser.add_argument("--preset", default="tiny", help="dummy model's size")
+    parser.add_argument("--url", help="gRPC host:port of a running frontend (no local cluster)")
+    parser.add_argument("--http-url", help="its HTTP host:port (genai-perf), with --url")
+    parser.add_argument("--modes", nargs="+", choices=["disaggregated", "colocated"],
+                        default=["disaggregated", "colocated"])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=list(range(1, 9)))
+    parser.add_argument("--requests", type=int, default=12,
+                        help="requests per concurrent stream at each level")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--prompt", default=PROMPT)
+    parser.add_argument("--genai-concurrency", type=int, default=4,
+                        help="genai-perf's one concurrency (0: skip genai-perf)")
+    parser.add_argument("--out", type=Path, default=Path("bench_out/serving"))
+    args = parser.parse_args(argv)
+    if bool(args.url) != bool(args.http_url):
+        parser.error("--url and --http-url go together (perf_analyzer: gRPC, genai-perf: HTTP)")
+    if args.url and not args.model:
+        parser.error("--url needs --model: the served model's folder (tokenizer, bare engine)")
+    if min(args.concurrency) < 1 or args.requests < 1 or args.max_tokens < 2:
+        parser.error("need --concurrency >= 1, --requests >= 1 and --max-tokens >= 2")
+    modes = ["external"] if args.url else args.modes
+    args.out = args.out.resolve()
+    args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        tools = install_tools()
+        model_dir = (args.model or _dummy_model(args)).resolve()
+        bare = bare_tokens_per_s(model_dir, args.prompt, args.max_tokens, args.concurrency)
+        points, genai = [], []
+        for mode in modes:
+            with _frontend(args, mode, model_dir) as (grpc_url, http_url):
+                for c in args.concurrency:
+                    point = run_perf_analyzer(tools, grpc_url, mode, c, args.requests * c,
+                                              args.max_tokens, args.prompt,
+                                              args.out / mode / f"c{c}")
+                    compare_to_bare(point, bare)
+                    points.append(point)
+                    print(f"{mode} c={c}: {point.tokens_per_s:.0f} tok/s", flush=True)
+                if args.genai_concurrency:
+                    c = args.genai_concurrency
+                    genai.append(run_genai_perf(tools, http_url, model_dir, mode, c,
+                                                args.requests * c, args.max_tokens,
+                                                args.out / mode / "genai"))
+    except (BenchError, ServerError, ValueError, OSError) as exc:
+        print(f"dejavu bench serving: {exc}", file=sys.stderr)
+        return 1
+    report(args, points, genai)
+    return 0
+
+
+def _dummy_model(args) -> Path:
+    from orchestrator.engine.checkpoint import make_checkpoint
+
+    folder = args.out / f"{args.arch}-{args.preset}"
+    return folder if (folder / "config.json").is_file() else make_checkpoint(
+        args.arch, args.preset, folder)
+
+
+def report(args, points: list[LoadPoint], genai: list[GenaiPoint]) -> None:
+    print_table("perf_analyzer (gRPC streaming) vs the bare engine", points, LOAD_COLUMNS)
+    write_csv(args.out / "perf_analyzer.csv", points)
+    if genai:
+        print_table("genai-perf (HTTP generate_stream)", genai, GENAI_COLUMNS)
+        write_csv(args.out / "genai_perf.csv", genai)
+    print(f"wrote {args.out}/perf_analyzer.csv" + (", genai_perf.csv" if genai else ""))
+    print(f"\nprompt {args.prompt!r}, max_tokens {args.max_tokens}, "
+          f"{args.requests} requests per concurrent stream; bare = reference.generate at "
+          "batch = concurrency, one thread.\n")
+    print(markdown(points, LOAD_COLUMNS))
+    if genai:
+        print()
+        print(markdown(genai, GENAI_COLUMNS))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

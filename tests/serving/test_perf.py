@@ -1,0 +1,90 @@
+"""``dejavu bench serving``: perf_analyzer and genai-perf against a real cluster, briefly.
+
+The tools are installed by ``scripts/perf_tools.sh`` when missing (CI starts
+from a fresh machine); a failed install fails the test, it is never skipped.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import pytest
+from cluster_helpers import reference
+
+from clients.perf import PROMPT, BenchError, install_tools, main, summarize_export
+
+MAX_TOKENS = 8
+REQUESTS = 3  # per concurrent stream
+CONCURRENCY = [1, 2]
+
+
+def _export(requests: list[tuple[int, list[int]]], concurrency: int = 1) -> dict:
+    """A perf_analyzer profile export: (sent ns, [response ns, ...]) per request."""
+    return {"experiments": [{
+        "experiment": {"mode": "concurrency", "value": concurrency},
+        "requests": [{"timestamp": t, "response_timestamps": r} for t, r in requests],
+    }]}
+
+
+def test_summarize_export_times_each_request():
+    ms = 1_000_000
+    export = _export([(0, [10 * ms, 12 * ms, 14 * ms]), (14 * ms, [20 * ms, 26 * ms, 32 * ms])])
+    point = summarize_export(export, "colocated", 1, max_tokens=3)
+    assert (point.requests, point.tokens) == (2, 6)
+    assert point.tokens_per_s == pytest.approx(6 / 0.032)
+    assert point.requests_per_s == pytest.approx(2 / 0.032)
+    assert point.ttft_p50_ms == pytest.approx(8.0)  # median of 10 and 6
+    assert point.ttft_p99_ms == pytest.approx(10.0)
+    assert point.itl_ms == pytest.approx((2.0 + 6.0) / 2)
+
+
+def test_summarize_export_rejects_cut_streams_and_missing_levels():
+    export = _export([(0, [1, 2, 3]), (3, [4, 5])])
+    with pytest.raises(BenchError, match="1 of 2 requests streamed 2 tokens, not max_tokens=3"):
+        summarize_export(export, "colocated", 1, max_tokens=3)
+    with pytest.raises(BenchError, match="no requests at concurrency 4"):
+        summarize_export(export, "colocated", 4, max_tokens=3)
+
+
+@pytest.mark.slow
+def test_bench_serving_against_a_real_cluster(tiny_model, tmp_path):
+    install_tools()  # raises (the test fails) when the tools cannot be installed
+    model = tiny_model("llama")
+    out = tmp_path / "bench"
+    argv = ["--model", str(model), "--modes", "disaggregated", "--max-tokens", str(MAX_TOKENS),
+            "--requests", str(REQUESTS), "--genai-concurrency", "2", "--out", str(out),
+            "--concurrency", *map(str, CONCURRENCY)]
+    assert main(argv) == 0
+
+    with (out / "perf_analyzer.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["concurrency"]) for r in rows] == CONCURRENCY
+    for row in rows:
+        requests, tokens = int(row["requests"]), int(row["tokens"])
+        assert requests == REQUESTS * int(row["concurrency"])  # every request completed
+        assert tokens == requests * MAX_TOKENS
+        numbers = {k: float(v) for k, v in row.items() if k not in ("mode", "concurrency")}
+        assert all(v > 0 and math.isfinite(v) for k, v in numbers.items()
+                   if k != "overhead_ms_per_token"), numbers
+        assert numbers["tokens_per_s"] == pytest.approx(numbers["requests_per_s"] * MAX_TOKENS)
+        assert numbers["ttft_p50_ms"] <= numbers["ttft_p99_ms"]
+        # time per token served = bare time per token + overhead, both ways of reporting agree
+        assert 1e3 / numbers["tokens_per_s"] == pytest.approx(
+            1e3 / numbers["bare_tokens_per_s"] + numbers["overhead_ms_per_token"])
+
+    # What perf_analyzer streamed are the reference's greedy tokens, in order.
+    expected = reference(model, [PROMPT], MAX_TOKENS)[0]
+    for c in CONCURRENCY:
+        export = json.loads((out / "disaggregated" / f"c{c}" / "export.json").read_text())
+        for request in export["experiments"][0]["requests"]:
+            assert [r["output_ids"] for r in request["response_outputs"]] == expected
+
+    with (out / "genai_perf.csv").open() as f:
+        (genai,) = list(csv.DictReader(f))
+    assert int(genai["requests"]) == REQUESTS * 2
+    assert int(genai["tokens_streamed"]) == REQUESTS * 2 * MAX_TOKENS
+    for key in ("requests_per_s", "tokens_per_s", "ttft_avg_ms", "itl_avg_ms", "output_len_avg"):
+        assert float(genai[key]) > 0, key
+    assert float(genai["ttft_avg_ms"]) <= float(genai["ttft_p99_ms"])
