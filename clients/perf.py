@@ -100,7 +100,7 @@ class LoadPoint:
     concurrency: int
     requests: int  # completed, every one of them
     tokens: int  # streamed responses, one token each
-    requests_per_s: float
+    requests_per_s: float  # over the run: first request sent to last token received
     tokens_per_s: float
     ttft_p50_ms: float
     ttft_p99_ms: float
@@ -383,7 +383,8 @@ def report(args, points: list[LoadPoint], genai: list[GenaiPoint]) -> None:
           "batch = concurrency, one thread.\n")
     print(markdown(points, LOAD_COLUMNS))
     if genai:
-        print()
+        print("\ngenai-perf counts tokens by re-tokenizing the streamed text (output len), "
+              f"not the {args.max_tokens} tokens streamed: its tok/s and ITL scale with that.\n")
         print(markdown(genai, GENAI_COLUMNS))
 
 

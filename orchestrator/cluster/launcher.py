@@ -1,12 +1,21 @@
-"""A local cluster of tritonservers: a frontend, P-nodes and T-nodes on loopback.
+"""A local cluster of tritonservers: a frontend, P-nodes and token pipelines on loopback.
 
-``dejavu up`` starts them, waits until each is ready and writes
-``<dir>/cluster.json`` (roles, addresses, pids, logs; one log per node in
-``<dir>/logs``); ``dejavu status`` and ``dejavu down`` read it. Tests use
-:meth:`Cluster.up`, a context manager over the same code.
+``dejavu up`` starts them, waits until each is ready, connects the stages of
+every token pipeline, and writes ``<dir>/cluster.json`` (roles, pipelines and
+stages, addresses, pids, logs; one log per node in ``<dir>/logs``);
+``dejavu status`` and ``dejavu down`` read it. Tests use :meth:`Cluster.up`,
+a context manager over the same code; ``dejavu up --spec FILE`` starts what
+the planner's cluster spec says (:mod:`orchestrator.planner.planner`).
 
-Colocated mode has no P-nodes: each T-node prefills its own prompts (the
-baseline that disaggregation is measured against).
+A token pipeline of depth D_t is D_t T-nodes, one stage each; stage 0 is its
+head and serves the frontend. A P-node runs D_p prompt stages in its one
+process. Bootstrap: once every node is ready, the launcher asks each stage for
+its endpoints and sends each its successor's and stage 0's (control requests
+to the decode model), then starts stages 1..D-1 and stage 0 last. Depth-1
+pipelines start themselves.
+
+Colocated mode has no P-nodes: each T-node (depth 1) prefills its own prompts
+(the baseline that disaggregation is measured against).
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from orchestrator.cluster.tritonserver import (
 )
 
 STATE_FILE = "cluster.json"
+SWAP_MODES = ("on", "off", "auto")
 ROLE_MODELS = {
     "frontend": ("preprocessing", "postprocessing", "orchestrator", "ensemble"),
     "prefill": ("prefill",),
@@ -52,12 +62,18 @@ def write_node_repo(repo: Path, role: str, params: dict[str, str]) -> None:
 class Node:
     role: str  # frontend | prefill | decode
     server: TritonServer
+    pipeline: int | None = None  # which P- or T-pipeline
+    stage: int | None = None  # T-nodes: its stage in the pipeline (P-nodes run all theirs)
+    depth: int | None = None  # the pipeline's depth
 
     def describe(self) -> dict:
         s = self.server
         return {
             "name": s.name,
             "role": self.role,
+            "pipeline": self.pipeline,
+            "stage": self.stage,
+            "depth": self.depth,
             "http": s.http_url,
             "grpc": s.grpc_url,
             "metrics": f"127.0.0.1:{s.metrics_port}",
@@ -77,42 +93,96 @@ class Cluster:
         run_dir: str | Path = "runs/local",
         max_seq_len: int | None = None,
         max_batch: int = 16,
+        prefill_depth: int = 1,
+        decode_depth: int = 1,
+        swap: str = "off",
+        dead_after_s: float = 10.0,
     ) -> None:
+        """``prefill``/``decode``: how many P- and T-pipelines, of depths ``prefill_depth``
+        and ``decode_depth``; ``max_batch``: sequences per microbatch of a T-pipeline."""
         if decode < 1:
             raise ValueError("a cluster needs at least one decode node")
         if not colocated and prefill < 1:
             raise ValueError("disaggregated mode needs at least one prefill node")
+        if prefill_depth < 1 or decode_depth < 1:
+            raise ValueError(f"depths must be >= 1, got prefill {prefill_depth}, "
+                             f"decode {decode_depth}")
+        if colocated and decode_depth != 1:
+            raise ValueError("colocated pipelines deeper than 1 are not supported on Triton "
+                             "nodes (prompts enter a pipeline only within one process)")
+        if swap not in SWAP_MODES:
+            raise ValueError(f"swap must be one of {SWAP_MODES}, got {swap!r}")
         self.model_dir = Path(model_dir).resolve()
         if not (self.model_dir / "config.json").is_file():
             raise ValueError(f"{self.model_dir} is not a model folder (no config.json)")
         self.colocated = colocated
         self.run_dir = Path(run_dir).resolve()
         self.secret = secrets.token_hex(16)
-        self.common = {"model_dir": str(self.model_dir), "max_seq_len": str(max_seq_len or "")}
-        self.max_batch = max_batch
+        self.common = {
+            "model_dir": str(self.model_dir),
+            "max_seq_len": str(max_seq_len or ""),
+            "max_batch": str(max_batch),
+            "swap": swap,
+            "dead_after_s": str(dead_after_s),
+            "prefill_depth": str(prefill_depth),
+        }
         self.backend_dir = make_backend_dir(self.run_dir / "backends")
         self.nodes: list[Node] = []
-        for i in range(0 if colocated else prefill):
-            self._add_node("prefill", f"prefill{i}")
-        for i in range(decode):
-            self._add_node("decode", f"decode{i}")
-        self._add_node("frontend", "frontend")
+        for p in range(0 if colocated else prefill):
+            self._add_node(Node("prefill", None, p, None, prefill_depth), f"prefill{p}")
+        for p in range(decode):
+            for i in range(decode_depth):
+                name = f"decode{p}" if decode_depth == 1 else f"decode{p}s{i}"
+                self._add_node(Node("decode", None, p, i, decode_depth), name)
+        self._add_node(Node("frontend", None), "frontend")
 
-    def _add_node(self, role: str, name: str) -> None:
+    @classmethod
+    def from_spec(cls, spec: dict, **kwargs) -> Cluster:
+        """The nodes a planner cluster spec asks for (``kwargs``: run_dir, max_seq_len, ...)."""
+        version = spec.get("version")
+        if version != 1:
+            raise ValueError(f"cluster spec version {version!r}: only version 1 is known")
+        mode, prefill, decode = spec.get("mode"), spec.get("prefill"), spec.get("decode")
+        if mode not in ("disaggregated", "colocated") or not isinstance(decode, dict):
+            raise ValueError("a cluster spec needs mode (disaggregated | colocated) and "
+                             "decode {pipelines, depth}")
+        if mode == "disaggregated" and not isinstance(prefill, dict):
+            raise ValueError("a disaggregated cluster spec needs prefill {pipelines, depth}")
+        if spec.get("batch"):
+            kwargs.setdefault("max_batch", int(spec["batch"]))
+        prefill = prefill or {"pipelines": 0, "depth": 1}
+        return cls(
+            spec["model_dir"], int(prefill["pipelines"]), int(decode["pipelines"]),
+            mode == "colocated", prefill_depth=int(prefill["depth"]),
+            decode_depth=int(decode["depth"]), **kwargs,
+        )
+
+    def _add_node(self, node: Node, name: str) -> None:
         repo = self.run_dir / "repos" / name
         shutil.rmtree(repo, ignore_errors=True)
-        server = TritonServer(name, repo, self.backend_dir, self.run_dir / "logs" / f"{name}.log")
+        node.server = TritonServer(
+            name, repo, self.backend_dir, self.run_dir / "logs" / f"{name}.log"
+        )
         params = {
             **self.common,
             "secret": self.secret,
-            "name": f"{name}-{server.grpc_port}",
+            "name": f"{name}-{node.server.grpc_port}",
             "mode": "colocated" if self.colocated else "disaggregated",
-            "max_batch": str(self.max_batch),
+            "depth": str(node.depth or 1),
+            "stage": str(node.stage or 0),
             "prefill_urls": ",".join(n.server.grpc_url for n in self.role("prefill")),
-            "decode_urls": ",".join(n.server.grpc_url for n in self.role("decode")),
+            "decode_urls": ",".join("+".join(n.server.grpc_url for n in stages)
+                                    for stages in self.decode_pipelines()),
         }
-        write_node_repo(repo, role, params)
-        self.nodes.append(Node(role, server))
+        write_node_repo(repo, node.role, params)
+        self.nodes.append(node)
+
+    def decode_pipelines(self) -> list[list[Node]]:
+        """Each token pipeline's nodes, stage 0 first."""
+        pipelines: dict[int, list[Node]] = {}
+        for node in self.role("decode"):
+            pipelines.setdefault(node.pipeline, []).append(node)
+        return [sorted(nodes, key=lambda n: n.stage) for _, nodes in sorted(pipelines.items())]
 
     def role(self, role: str) -> list[Node]:
         return [n for n in self.nodes if n.role == role]
@@ -127,6 +197,9 @@ class Cluster:
                 node.server.launch()
             for node in self.nodes:
                 node.server.wait_ready(timeout_s)
+            for stages in self.decode_pipelines():
+                if len(stages) > 1:
+                    connect_pipeline([n.server.grpc_url for n in stages], timeout_s)
         except BaseException:
             self.stop()
             raise
@@ -156,6 +229,22 @@ class Cluster:
             cluster.stop()
 
 
+def connect_pipeline(urls: list[str], timeout_s: float) -> None:
+    """Wire the stages of one token pipeline (gRPC urls, stage 0 first), then start them."""
+    from orchestrator.serving.frontend import control  # tritonclient: only where needed
+
+    try:
+        endpoints = [control(url, "endpoints", timeout_s) for url in urls]
+        for i, url in enumerate(urls):
+            peers = [endpoints[(i + 1) % len(urls)], endpoints[0]]
+            control(url, "connect", timeout_s, peers=peers)
+        for url in [*urls[1:], urls[0]]:  # the head last: it starts counting heartbeats
+            control(url, "start", timeout_s)
+    except Exception as exc:
+        raise ServerError(f"could not connect the token pipeline {' -> '.join(urls)}: "
+                          f"{exc}") from exc
+
+
 def read_state(run_dir: str | Path) -> dict:
     path = Path(run_dir) / STATE_FILE
     if not path.is_file():
@@ -169,9 +258,18 @@ def _dir_argument(parser: argparse.ArgumentParser) -> None:
 
 def up_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="dejavu up", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="model folder (config.json, weights)")
-    parser.add_argument("--prefill", type=int, default=1, help="number of P-nodes")
-    parser.add_argument("--decode", type=int, default=1, help="number of T-nodes")
+    parser.add_argument("--model", help="model folder (config.json, weights)")
+    parser.add_argument("--spec", type=Path, help="a planner cluster spec (JSON): its model, "
+                        "mode and pipelines replace --model, --prefill, --decode, the depths")
+    parser.add_argument("--prefill", type=int, default=1, help="number of P-pipelines")
+    parser.add_argument("--decode", type=int, default=1, help="number of T-pipelines")
+    parser.add_argument("--prefill-depth", type=int, default=1,
+                        help="prompt stages per P-node (D_p, in one process)")
+    parser.add_argument("--decode-depth", type=int, default=1,
+                        help="T-nodes per token pipeline (D_t, one stage each)")
+    parser.add_argument("--swap", choices=SWAP_MODES, default="off",
+                        help="microbatch swapping on the T-stages")
+    parser.add_argument("--max-batch", type=int, default=16, help="sequences per microbatch")
     parser.add_argument("--colocated", action="store_true", help="T-nodes prefill themselves")
     parser.add_argument("--max-seq-len", type=int, help="KV slot size (default: model's)")
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for ready")
@@ -182,19 +280,37 @@ def up_main(argv: list[str]) -> int:
             print(f"a cluster is up in {args.dir}: run `dejavu down` first", file=sys.stderr)
             return 1
         (Path(args.dir) / STATE_FILE).unlink()  # left by a cluster that died
+    common = dict(run_dir=args.dir, max_seq_len=args.max_seq_len, swap=args.swap)
     try:
-        cluster = Cluster(
-            args.model, args.prefill, args.decode, args.colocated, args.dir, args.max_seq_len
-        )
+        if args.spec is not None:
+            cluster = Cluster.from_spec(json.loads(args.spec.read_text()), **common)
+        elif args.model is None:
+            raise ValueError("give --model DIR or --spec FILE")
+        else:
+            cluster = Cluster(
+                args.model, args.prefill, args.decode, args.colocated,
+                max_batch=args.max_batch, prefill_depth=args.prefill_depth,
+                decode_depth=args.decode_depth, **common,
+            )
         cluster.start(args.timeout)
-    except (ValueError, ServerError) as exc:
+    except (ValueError, ServerError, OSError) as exc:
         print(f"dejavu up: {exc}", file=sys.stderr)
         return 1
     for node in cluster.nodes:
         s = node.server
-        print(f"{s.name:<10} {node.role:<9} http {s.http_url}  grpc {s.grpc_url}  log {s.log_path}")
+        print(f"{s.name:<10} {node.role:<9} {_place(node.describe()):<14} http {s.http_url}  "
+              f"grpc {s.grpc_url}  log {s.log_path}")
     print(f"ready: ensemble at http://{cluster.frontend.http_url} (state in {args.dir})")
     return 0
+
+
+def _place(node: dict) -> str:
+    """Where a node sits: ``pipeline 0 stage 1/3`` (P-nodes: ``pipeline 0 depth 2``)."""
+    if node.get("pipeline") is None:
+        return ""
+    if node.get("stage") is None:
+        return f"pipeline {node['pipeline']} depth {node['depth']}"
+    return f"pipeline {node['pipeline']} stage {node['stage']}/{node['depth']}"
 
 
 def status_main(argv: list[str]) -> int:
@@ -215,7 +331,8 @@ def status_main(argv: list[str]) -> int:
         print(f"mode {state['mode']}, model {state['model_dir']}")
         for n in state["nodes"]:
             ready = "ready" if n["ready"] else "DOWN"
-            print(f"{n['name']:<10} {n['role']:<9} {ready:<6} http {n['http']}  pid {n['pid']}")
+            print(f"{n['name']:<10} {n['role']:<9} {_place(n):<22} {ready:<6} http {n['http']}  "
+                  f"pid {n['pid']}")
     return 0 if all(n["ready"] for n in state["nodes"]) else 1
 
 
@@ -248,6 +365,10 @@ def repo_main(argv: list[str]) -> int:
     parser.add_argument("--prefill-urls", default="", help="comma-separated P-node gRPC urls")
     parser.add_argument("--decode-urls", default="", help="comma-separated T-node gRPC urls")
     parser.add_argument("--max-seq-len", default="")
+    parser.add_argument("--depth", type=int, default=1, help="T-node: its pipeline's depth")
+    parser.add_argument("--stage", type=int, default=0, help="T-node: its stage")
+    parser.add_argument("--prefill-depth", type=int, default=1, help="P-node: prompt stages")
+    parser.add_argument("--swap", choices=SWAP_MODES, default="off")
     args = parser.parse_args(argv)
     params = {
         "model_dir": args.model,
@@ -257,6 +378,10 @@ def repo_main(argv: list[str]) -> int:
         "prefill_urls": args.prefill_urls,
         "decode_urls": args.decode_urls,
         "max_seq_len": args.max_seq_len,
+        "depth": str(args.depth),
+        "stage": str(args.stage),
+        "prefill_depth": str(args.prefill_depth),
+        "swap": args.swap,
     }
     write_node_repo(args.out, args.role, params)
     print(f"wrote {args.role} repository to {args.out}")

@@ -21,7 +21,10 @@ released on every stage by the next probe.
 
 Faults: a stage that reports it cannot send on, or that ``health()`` finds
 dead, *breaks* the pipeline: every request in it ends with that error, and new
-submissions are refused. Repairing it is the fault-tolerance layer's job.
+submissions are refused. Repairing it is the fault-tolerance layer's job
+(:mod:`orchestrator.fault.replicated`): it ``pause`` s the head, sees the steps
+in flight out (``drain``), repairs the stages, and ``resume`` s the head at the
+step of each microbatch its controller picked.
 """
 
 from __future__ import annotations
@@ -93,6 +96,8 @@ class PipelineHead:
         self._last_probe = 0.0
         self.errors: list[str] = []
         self.broken: str | None = None
+        self._paused = False
+        self._markers: dict[str, bool] = {}  # drain marker sent -> came back
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="pipeline-head", daemon=True)
         self._started = False
@@ -211,6 +216,67 @@ class PipelineHead:
         with self._lock:
             self._break(error)
 
+    # -- fault recovery ---------------------------------------------------------------
+
+    def pause(self) -> None:
+        """Issue nothing more; answers still coming back are taken in."""
+        with self._lock:
+            self._paused = True
+
+    def drain(self, link: Link, timeout_s: float) -> None:
+        """Wait until every message ahead of a marker sent into ``link`` reached the head:
+        after it, nothing downstream of ``link`` is in flight (paused head, in-process)."""
+        # A probe releasing nothing real (no seq id is negative) passes every stage as is.
+        marker = f"drain-{next(self._generate_ids)}"
+        with self._lock:
+            self._markers[marker] = False
+        link.send(KVProbe({}, release={-1: marker}), timeout_s)
+        with self._done:
+            drained = self._done.wait_for(lambda: self._markers[marker], timeout_s)
+            del self._markers[marker]
+        if not drained:
+            raise TimeoutError(f"the pipeline did not drain in {timeout_s} s")
+
+    def rewind(self, resume: dict[int, int]) -> dict[int, int]:
+        """Paused: microbatch j redoes from step ``min(resume.get(j, 0), first step the head
+        has no answer for)``. Cuts tokens from there on, queues again the sequences that
+        joined later; returns every running sequence's KV length before its redo step."""
+        lengths: dict[int, int] = {}
+        with self._lock:
+            if not self._paused:
+                raise RuntimeError("rewind needs a paused head")
+            for mb in range(self.num_microbatches):
+                answered = self._sent_step[mb] if self._in_flight[mb] else self.scheduler.steps[mb]
+                step = min(resume.get(mb, 0), answered)
+                kept, restarted = self.scheduler.rewind(mb, step)
+                lengths |= kept
+                for seq in reversed(restarted):
+                    self._restart(seq)
+                self._in_flight[mb] = False
+        return lengths
+
+    def resume(self) -> None:
+        """Go on: every microbatch not in flight takes its next step now."""
+        with self._lock:
+            self._paused = False
+            for mb, busy in enumerate(self._in_flight):
+                if not busy and self.broken is None:
+                    self._issue(mb)
+
+    def running(self) -> list[Seq]:
+        """The sequences holding a microbatch slot now."""
+        with self._lock:
+            return [s for batch in self.scheduler.running for s in batch]
+
+    def _restart(self, seq: Seq) -> None:
+        """A sequence whose prompt KV was lost starts over: colocated, its prompt runs
+        again; prefilled elsewhere, it cannot (a pipeline with its own P-worker can)."""
+        if self.mode == "colocated":
+            self.scheduler.waiting.appendleft(seq)
+        else:
+            seq.finish(FinishReason.ERROR, f"request {seq.request_id!r}: prompt KV lost with "
+                                           "a failed stage; prefill it again")
+
     # -- hooks for a head whose stages live beside it -------------------------------------
 
     def _cancel_elsewhere(self, request_id: str) -> None:
@@ -251,7 +317,7 @@ class PipelineHead:
     def _loop(self) -> None:
         while not self._stopping.is_set():
             with self._lock:
-                if self.broken is None:
+                if self.broken is None and not self._paused:
                     if self.scheduler.waiting:
                         for mb, busy in enumerate(self._in_flight):
                             if not busy:
@@ -262,10 +328,14 @@ class PipelineHead:
                 if self.broken is None:
                     if isinstance(message, TokenMessage):
                         self._complete(message)
+                    elif isinstance(message, KVProbe) and message.release.get(-1) in self._markers:
+                        self._markers[message.release[-1]] = True
+                        self._done.notify_all()
                     elif isinstance(message, KVProbe):
                         self._probed(message)
                     self._check_health()
-                    self._fail_stalled()
+                    if not self._paused:  # a paused head waits on a repair, not a stall
+                        self._fail_stalled()
                     self._expire_pending_kv()
                 self._prune()
 
@@ -293,7 +363,8 @@ class PipelineHead:
             self.scheduler.fail(mb, message.error)
         else:
             self.scheduler.postprocess(mb, message.tokens)
-        self._issue(mb)
+        if not self._paused:
+            self._issue(mb)
 
     # -- admission of requests prefilled elsewhere ------------------------------------------
 

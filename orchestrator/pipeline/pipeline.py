@@ -114,12 +114,27 @@ class TokenPipeline(PipelineHead):
                 prompt_engines, [e.kv_layout for e in engines], self.prompt_store,
                 self._admit_prefilled, prompt_batch,
             )
-        self.stages = [
-            StageWorker(i, engine, kv, self.links[i], self.links[i + 1], num_microbatches,
-                        self.prompt_kv, send_timeout_s=step_timeout_s,
-                        report=self.report_failure)
-            for i, (engine, kv) in enumerate(zip(engines, self.kv, strict=True))
-        ]
+        self.device_kv_budget = device_kv_budget
+        self.stages = [self._make_stage(i) for i in range(self.depth)]
+
+    def _make_stage(self, index: int) -> StageWorker:
+        return StageWorker(index, self.engines[index], self.kv[index], self.links[index],
+                           self.links[index + 1], self.num_microbatches, self.prompt_kv,
+                           send_timeout_s=self.step_timeout_s, report=self.report_failure)
+
+    def replace_stage(self, index: int) -> StageWorker:
+        """Fault recovery: a fresh worker for stage ``index`` on the same engine (a hot spare
+        with the weights loaded) and links, with empty KV and the old one's hooks; not
+        started. The old worker's thread must have ended."""
+        old = self.stages[index]
+        if old.thread.is_alive():
+            raise RuntimeError(f"stage {index} is still running; it cannot be replaced")
+        old.kv.shutdown()
+        self.kv[index] = make_placement(self.engines[index], self.batch_size,
+                                        self.num_microbatches, self.swap, self.device_kv_budget)
+        self.stages[index] = new = self._make_stage(index)
+        new.on_step, new.on_release = old.on_step, old.on_release
+        return new
 
     # -- lifecycle ------------------------------------------------------------------
 

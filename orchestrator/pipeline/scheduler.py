@@ -9,6 +9,10 @@ Colocated, a new sequence's prompt runs in the same microbatch step as the
 others' token step (the bubbles disaggregation removes); disaggregated, the
 waiting queue holds only sequences whose prompt KV is already on the stages,
 and they join the token step at once.
+
+Steps are numbered per microbatch and never restart, refills included, so a
+(microbatch, step) pair names one step for good: fault tolerance acks
+replicas by it. Only :meth:`rewind` (recovery) goes back, to redo steps.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ class MicrobatchScheduler:
         self.running: list[list[Sequence]] = [[] for _ in range(num_microbatches)]
         self.to_release: list[list[int]] = [[] for _ in range(num_microbatches)]
         self.steps = [0] * num_microbatches
+        self.joined: dict[int, int] = {}  # seq id -> step it joined its microbatch at
 
     @property
     def num_microbatches(self) -> int:
@@ -67,6 +72,7 @@ class MicrobatchScheduler:
             seq = self.waiting.popleft()
             seq.status = Status.RUNNING
             new.append(seq)
+            self.joined[seq.seq_id] = self.steps[microbatch]
         batch = Batch(microbatch, self.steps[microbatch], release=self.to_release[microbatch])
         if self.colocated:
             batch.decode, batch.prefill = list(running), new
@@ -97,8 +103,35 @@ class MicrobatchScheduler:
         self._retire(microbatch, ended)
         return ended
 
+    def rewind(self, microbatch: int, step: int) -> tuple[dict[int, int], list[Sequence]]:
+        """Fault recovery: ``microbatch`` redoes from ``step``; its tokens from then on go.
+
+        Returns each remaining sequence's KV length before ``step`` and the sequences
+        that joined at ``step`` or later, reset to start over from their prompt (they
+        are out of the microbatch; the caller queues them again)."""
+        lengths: dict[int, int] = {}
+        restarted: list[Sequence] = []
+        for seq in self.running[microbatch]:
+            done = step - self.joined[seq.seq_id]  # steps it took before ``step``
+            if done <= 0:
+                restarted.append(seq)
+                continue
+            # Colocated, its first step was the prefill; disaggregated, the first token
+            # came with the prompt KV and every step here added one.
+            keep = done if self.colocated else done + 1
+            del seq.output_ids[keep:]
+            lengths[seq.seq_id] = seq.prompt_len + keep - 1
+        for seq in restarted:
+            self.running[microbatch].remove(seq)
+            del self.joined[seq.seq_id]
+            seq.output_ids.clear()
+            seq.status = Status.WAITING
+        self.steps[microbatch] = step
+        return lengths, restarted
+
     def clear(self) -> None:
         """Forget every sequence (the pipeline is down or stopped; they were ended)."""
+        self.joined.clear()
         self.waiting.clear()
         self.running = [[] for _ in self.running]
         self.to_release = [[] for _ in self.to_release]
@@ -119,5 +152,7 @@ class MicrobatchScheduler:
 
     def _retire(self, microbatch: int, ended: list[Sequence]) -> None:
         gone = {id(s) for s in ended}
+        for seq in ended:
+            self.joined.pop(seq.seq_id, None)
         self.running[microbatch] = [s for s in self.running[microbatch] if id(s) not in gone]
         self.to_release[microbatch].extend(s.seq_id for s in ended)

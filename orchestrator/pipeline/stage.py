@@ -68,6 +68,14 @@ class Interval:
     kind: str  # "decode", "prefill" or "prefill+decode"
 
 
+StepHook = Callable[[int, int, list[int], list[KVCache]], None]
+
+
+class StageLost(BaseException):
+    """Raised by a hook to end the stage's thread at once, sending nothing: what a crash
+    does (fault drills). Not an ``Exception``: no step error is reported downstream."""
+
+
 class StageWorker:
     def __init__(
         self,
@@ -81,28 +89,43 @@ class StageWorker:
         send_timeout_s: float = 60.0,
         poll_s: float = 0.05,
         report: Callable[[str], None] | None = None,
+        on_step: StepHook | None = None,
+        on_release: Callable[[int], None] | None = None,
     ) -> None:
         """``report(error)``: told when a message cannot be sent on (the next stage is gone);
-        a remote stage forwards it to the head, which fails the requests."""
+        a remote stage forwards it to the head, which fails the requests.
+
+        Fault-tolerance hooks (no-ops when None): ``on_step(microbatch, step, seq_ids,
+        caches)`` after each step's compute, with the caches it wrote (replicate the delta);
+        ``on_release(seq_id)`` when a sequence's KV is freed here (drop its replica)."""
         self.index, self.engine, self.kv = index, engine, kv
         self.inbox, self.outbox = inbox, outbox
         self.num_microbatches = num_microbatches
         self.prompt_kv = prompt_kv
         self.send_timeout_s, self.poll_s = send_timeout_s, poll_s
         self.report = report
+        self.on_step, self.on_release = on_step, on_release
         self.is_last = engine.stage.is_last
         self.samplers: dict[int, Sampler] = {}  # last stage only
         self.members: dict[int, list[int]] = {}  # microbatch -> its sequences, as last seen
         self._followed_by: dict[int, int] = {}  # microbatch -> the one that came after it
         self._previous: int | None = None
         self.timeline: list[Interval] = []
+        self._retired = threading.Event()
         self.thread = threading.Thread(target=self._run, name=f"stage-{index}", daemon=True)
 
     def start(self) -> None:
         self.thread.start()
 
+    def retire(self, timeout_s: float = 10.0) -> None:
+        """Take no more messages (fault drills: the stage is lost); waits for the thread
+        unless called on it. A step being computed finishes first."""
+        self._retired.set()
+        if self.thread is not threading.current_thread() and self.thread.is_alive():
+            self.thread.join(timeout_s)
+
     def _run(self) -> None:
-        while True:
+        while not self._retired.is_set():
             message = self.inbox.recv(self.poll_s)
             if message is None:
                 continue
@@ -111,7 +134,12 @@ class StageWorker:
             elif isinstance(message, KVProbe):
                 out = self._probe_safely(message)
             else:
-                out = self._process_safely(message)
+                try:
+                    out = self._process_safely(message)
+                except StageLost:
+                    log.warning("stage %d lost at microbatch %d step %d", self.index,
+                                message.microbatch, message.step)
+                    return
             try:
                 self.outbox.send(out, self.send_timeout_s)
             except (LinkTimeout, LinkError) as exc:
@@ -189,6 +217,8 @@ class StageWorker:
         self.kv.prefetch(following, self.members.get(following, []))
 
         prompt_out, step_out = self._compute(message, caches) if seq_ids else ([], None)
+        if self.on_step is not None and seq_ids:
+            self.on_step(mb, message.step, seq_ids, caches)
         self.kv.close(mb, seq_ids)
         self.members[mb] = seq_ids
         if not self.is_last:
@@ -240,3 +270,5 @@ class StageWorker:
             elif self.prompt_kv is not None:  # admitted in a step that failed before taking it
                 self.prompt_kv.discard(seq_id)
             self.samplers.pop(seq_id, None)
+            if self.on_release is not None:
+                self.on_release(seq_id)

@@ -95,6 +95,27 @@ class KVPlacement(ABC):
     def shutdown(self) -> None: ...
 
     @abstractmethod
+    def held(self) -> dict[int, KVCache]:
+        """Every sequence's KV as it stands between steps (the host copy when swapping)."""
+
+    def rollback(self, lengths: dict[int, int]) -> None:
+        """Fault recovery: cut each sequence back to ``lengths[seq_id]`` positions (the state
+        before the step to redo); a sequence with no length, or 0, is dropped (redone from
+        its prompt). Between steps only: caches are clean."""
+        for seq_id, cache in self.held().items():
+            length = lengths.get(seq_id, 0)
+            if length == 0:
+                self.drop(seq_id)
+            elif cache.length < length:
+                raise RuntimeError(f"sequence {seq_id}: {cache.length} KV positions here, "
+                                   f"the resume point needs {length}")
+            else:
+                self._cut(seq_id, length)
+
+    @abstractmethod
+    def _cut(self, seq_id: int, length: int) -> None: ...
+
+    @abstractmethod
     def __len__(self) -> int:
         """Sequences held."""
 
@@ -130,6 +151,12 @@ class ResidentKV(KVPlacement):
 
     def shutdown(self) -> None:
         return None
+
+    def held(self) -> dict[int, KVCache]:
+        return dict(self.caches)
+
+    def _cut(self, seq_id: int, length: int) -> None:
+        self.caches[seq_id].length = length
 
     def __len__(self) -> int:
         return len(self.caches)
@@ -203,6 +230,14 @@ class SwappedKV(KVPlacement):
 
     def shutdown(self) -> None:
         self._prefetcher.shutdown(wait=True)
+
+    def held(self) -> dict[int, KVCache]:
+        self._settle()
+        return dict(self.host)
+
+    def _cut(self, seq_id: int, length: int) -> None:
+        self._evict([seq_id])  # a device copy would carry the positions being cut
+        self.host[seq_id].length = length
 
     def __len__(self) -> int:
         return len(self.host)

@@ -1,14 +1,17 @@
 """The frontend's per-request path: route, hand the prompt from P to T, relay tokens.
 
-Disaggregated: open a stream to the decode model on the chosen T-node; its
-first response is a KV ticket (a reserved slot); the chosen P-node prefills,
-streams the KV into that slot and returns the first token, which goes to the
-client at once; the T-node's tokens follow. Colocated: the T-node prefills
-itself and every token comes from its stream. All calls are Triton gRPC.
+Disaggregated: the chosen token pipeline's stages 1..D-1 each reserve a KV
+slot for the prompt (a control request), then a stream opens to the decode
+model on stage 0, whose first response is its own KV ticket; the chosen P-node
+prefills, streams each layer's KV into the stage that holds it and returns the
+first token, which goes to the client at once; stage 0's tokens follow.
+Colocated: the T-node prefills itself and every token comes from its stream.
+All calls are Triton gRPC.
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import time
 import uuid
@@ -71,11 +74,11 @@ class DecodeStream:
         self.client = grpcclient.InferenceServerClient(self.url)
         self.client.start_stream(callback=lambda result, error: self.responses.put((result, error)))
 
-    def send(self, request_id: str, prompt_ids: list[int], params: GenerationParams) -> None:
+    def send(self, request_id: str, tensors: list[grpcclient.InferInput]) -> None:
         try:
             self.client.async_stream_infer(
                 "decode",
-                request_tensors(prompt_ids, params),
+                tensors,
                 request_id=request_id,
                 enable_empty_final_response=True,
             )
@@ -110,12 +113,37 @@ class DecodeStream:
             self.client.close()
 
 
+def control(url: str, op: str, timeout_s: float, request_id: str = "",
+            prompt_ids: list[int] | None = None, peers: list[bytes] | None = None) -> bytes:
+    """A control request to a T-node's decode model (see token_service); its reply bytes."""
+    arrays = {"op": np.array([op.encode()], dtype=np.object_)}
+    if prompt_ids:
+        arrays["input_ids"] = np.array(prompt_ids, dtype=np.int32)
+    if peers is not None:
+        arrays["peers"] = np.array(peers, dtype=np.object_)
+    stream = DecodeStream(url, timeout_s)
+    try:
+        stream.send(request_id, [_tensor(name, array) for name, array in arrays.items()])
+        result, _ = stream.next(lambda: False)
+    finally:
+        stream.close(cancel=False)
+    return result.as_numpy("reply").reshape(-1)[0]
+
+
+def parse_pipelines(spec: str) -> list[list[str]]:
+    """``"a+b,c+d"``: two token pipelines, each its stages' gRPC urls, stage 0 first."""
+    return [[url for url in p.split("+") if url] for p in spec.split(",") if p]
+
+
 class Frontend:
     def __init__(
-        self, prefill_urls: list[str], decode_urls: list[str], timeout_s: float = 60.0
+        self, prefill_urls: list[str], decode_pipelines: list[list[str]],
+        timeout_s: float = 60.0,
     ) -> None:
+        """``decode_pipelines``: each token pipeline's stage urls, stage 0 (its head) first."""
         self.prefill = Router(prefill_urls) if prefill_urls else None
-        self.decode = Router(decode_urls)
+        self.decode = Router([stages[0] for stages in decode_pipelines])
+        self.later_stages = {stages[0]: stages[1:] for stages in decode_pipelines}
         self.timeout_s = timeout_s
         self.prefill_clients = {url: grpcclient.InferenceServerClient(url) for url in prefill_urls}
 
@@ -149,10 +177,15 @@ class Frontend:
 
         stream = None
         cancel = True
+        reserved: list[str] = []  # later stages holding a slot stage 0 has not taken over
         try:
             try:
+                tickets = []
+                for stage_url in self.later_stages[url]:
+                    tickets.append(self._reserve(stage_url, request_id, prompt_ids))
+                    reserved.append(stage_url)
                 stream = DecodeStream(url, self.timeout_s)
-                stream.send(request_id, prompt_ids, params)
+                stream.send(request_id, request_tensors(prompt_ids, params))
                 result, final = stream.next(is_cancelled)
             except InferenceServerException as exc:
                 if _is_unreachable(exc):
@@ -163,7 +196,9 @@ class Frontend:
                 ticket = result.as_numpy("kv_ticket")
                 if ticket is None:
                     raise ServingError(f"decode node {url} answered without a KV ticket")
-                first = self._prefill(request_id, prompt_ids, params, ticket)
+                reserved = []  # stage 0 holds the request now: its head frees every slot
+                tickets = np.concatenate([ticket.reshape(-1), np.array(tickets, np.object_)])
+                first = self._prefill(request_id, prompt_ids, params, tickets)
                 relay([first], False)
                 result, final = stream.next(is_cancelled)
             while True:
@@ -179,13 +214,25 @@ class Frontend:
             self.decode.done(url, left)
             if stream is not None:
                 stream.close(cancel)
+            for stage_url in reserved:
+                self._release(stage_url, request_id)
+
+    def _reserve(self, url: str, request_id: str, prompt_ids: list[int]) -> bytes:
+        try:
+            return control(url, "reserve", self.timeout_s, request_id, prompt_ids)
+        except InferenceServerException as exc:
+            raise ServingError(f"decode node {url} (a later stage): {exc.message()}") from exc
+
+    def _release(self, url: str, request_id: str) -> None:
+        with contextlib.suppress(InferenceServerException):  # a stage gone took its slot along
+            control(url, "release", self.timeout_s, request_id)
 
     def _prefill(
-        self, request_id: str, prompt_ids: list[int], params: GenerationParams, ticket: np.ndarray
+        self, request_id: str, prompt_ids: list[int], params: GenerationParams, tickets: np.ndarray
     ) -> int:
         assert self.prefill is not None
         with self.prefill.assign(len(prompt_ids)) as url:
-            inputs = [*request_tensors(prompt_ids, params), _tensor("kv_ticket", ticket)]
+            inputs = [*request_tensors(prompt_ids, params), _tensor("kv_ticket", tickets)]
             try:
                 result = self.prefill_clients[url].infer(
                     "prefill", inputs, request_id=request_id, client_timeout=self.timeout_s

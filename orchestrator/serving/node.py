@@ -2,54 +2,68 @@
 
 Parameters: ``model_dir``, ``max_seq_len`` (KV slot size, optional), ``secret``
 (hex, shared by every node of a cluster: KV blocks and tickets are signed with
-it), ``name`` (the node's transport name), and on a T-node ``mode``
-(``disaggregated`` or ``colocated``), ``num_slots`` and ``max_batch``.
+it), ``name`` (the node's transport name); on a P-node ``prefill_depth`` (prompt
+stages, all in this process); on a T-node ``mode`` (``disaggregated`` or
+``colocated``), ``depth`` and ``stage`` (its place in its token pipeline),
+``max_batch`` (sequences per microbatch), ``swap`` (on | off | auto),
+``num_slots`` (prompt KVs it can hold before their requests are admitted) and
+``dead_after_s`` (a silent stage breaks the pipeline after this long).
 """
 
 from __future__ import annotations
 
 import torch
 
-from orchestrator.engine.torch_engine import TorchEngine, load_engine
-from orchestrator.serving.decode_service import DecodeService
+from orchestrator.engine.reference import load_stages
+from orchestrator.engine.torch_engine import load_engine
+from orchestrator.pipeline.node import PipelineConfig, StageNode
+from orchestrator.pipeline.pipeline import TokenPipeline
 from orchestrator.serving.metrics import Metrics
 from orchestrator.serving.prefill_worker import PrefillWorker
+from orchestrator.serving.token_service import TokenService
 
 
-def _engine(params: dict[str, str]) -> TorchEngine:
+def _max_seq_len(params: dict[str, str]) -> int | None:
+    return int(params["max_seq_len"]) if params.get("max_seq_len") else None
+
+
+def _set_threads(params: dict[str, str]) -> None:
     torch.set_num_threads(int(params.get("threads", "1")))  # nodes share the machine's cores
-    max_seq_len = int(params["max_seq_len"]) if params.get("max_seq_len") else None
-    return load_engine(params["model_dir"], max_seq_len=max_seq_len)
-
-
-def _transport(params: dict[str, str]):
-    from orchestrator.kv.transport.nixl import NixlTransport  # loads UCX: only where needed
-
-    return NixlTransport(name=params.get("name") or None)
 
 
 def load_prefill_worker(params: dict[str, str], metrics: Metrics | None = None) -> PrefillWorker:
     from orchestrator.kv.connector import KVSender
+    from orchestrator.kv.transport.nixl import NixlTransport  # loads UCX: only where needed
 
-    engine = _engine(params)
-    sender = KVSender(_transport(params), engine.kv_layout, bytes.fromhex(params["secret"]))
-    return PrefillWorker(engine, sender, metrics=metrics)
+    _set_threads(params)
+    depth = int(params.get("prefill_depth", "1"))
+    engines = load_stages(params["model_dir"], depth, max_seq_len=_max_seq_len(params))
+    transport = NixlTransport(name=params.get("name") or None)
+    secret = bytes.fromhex(params["secret"])
+    senders = [KVSender(transport, e.kv_layout, secret, max_inflight=16) for e in engines]
+    return PrefillWorker(engines, senders, metrics=metrics)
 
 
-def load_decode_service(params: dict[str, str], metrics: Metrics | None = None) -> DecodeService:
-    engine = _engine(params)
-    max_batch = int(params.get("max_batch", "16"))
-    mode = params.get("mode", "disaggregated")
+def load_token_service(params: dict[str, str], metrics: Metrics | None = None) -> TokenService:
+    _set_threads(params)
+    mode, depth = params.get("mode", "disaggregated"), int(params.get("depth", "1"))
+    batch, swap = int(params.get("max_batch", "16")), params.get("swap", "off")
     if mode == "colocated":
-        return DecodeService(engine, None, max_batch, metrics=metrics)
+        if depth != 1:
+            raise ValueError("colocated T-nodes run depth-1 pipelines only (got depth "
+                             f"{depth}): prompts cannot yet enter a pipeline across nodes")
+        engine = load_engine(params["model_dir"], max_seq_len=_max_seq_len(params))
+        pipeline = TokenPipeline([engine], batch, mode="colocated", swap=swap).start()
+        return TokenService(engine, pipeline=pipeline, metrics=metrics)
     if mode != "disaggregated":
         raise ValueError(f"mode must be 'disaggregated' or 'colocated', got {mode!r}")
-    from orchestrator.kv.connector import KVReceiver
-
-    receiver = KVReceiver(
-        _transport(params),
-        engine.kv_layout,
-        int(params.get("num_slots", str(max_batch))),
-        bytes.fromhex(params["secret"]),
+    slots = {"prompt_slots": int(params["num_slots"])} if params.get("num_slots") else {}
+    config = PipelineConfig(
+        depth=depth, batch_size=batch, swap=swap, max_seq_len=_max_seq_len(params),
+        dead_after_s=float(params.get("dead_after_s", "10")), **slots,
     )
-    return DecodeService(engine, receiver, max_batch, metrics=metrics)
+    node = StageNode(params["model_dir"], int(params.get("stage", "0")), config,
+                     secret=bytes.fromhex(params["secret"]), name=params.get("name") or None)
+    if depth == 1:  # nothing to connect: serve at once (also where no launcher bootstraps)
+        node.start()
+    return TokenService(node.engine, node=node, metrics=metrics)

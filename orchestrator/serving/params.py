@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from orchestrator.engine.sampling import Sampler, SamplingParams
+from orchestrator.engine.sampling import SamplingParams
 
 
 class RequestError(ValueError):
@@ -47,12 +47,10 @@ class GenerationParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def make_sampler(self, offset: int = 0) -> Sampler:
+    def sampling(self, offset: int = 0) -> SamplingParams:
         """``offset`` keeps the P-node's draw of the first token apart from the T-node's."""
         seed = random.getrandbits(62) if self.random_seed is None else self.random_seed
-        return Sampler(
-            SamplingParams(self.temperature, self.top_k, self.top_p, (seed + offset) % 2**63)
-        )
+        return SamplingParams(self.temperature, self.top_k, self.top_p, (seed + offset) % 2**63)
 
     @classmethod
     def from_tensors(cls, tensors: Mapping[str, np.ndarray | None]) -> GenerationParams:

@@ -1,9 +1,12 @@
 """The P-node's job: prefill a batch of prompts, streaming each layer's KV as it is made.
 
-The engine's ``on_layer`` hook hands layer l to the KV sender while layer l+1
-computes (DejaVu §4.1, Splitwise's layer-wise transfer). The first token
-travels twice: back to the caller, which streams it to the client at once,
-and as the transfer's extra bytes, so the T-node knows what to feed next.
+The P-node runs the prompt pipeline's D_p stages in this one process
+(:func:`~orchestrator.pipeline.prompt_worker.stream_prefill`); each layer goes
+to the token-pipeline stage that holds it (one ticket per T-stage) while the
+next layer computes (DejaVu §4.1, Splitwise's layer-wise transfer), so
+D_p != D_t regroups the KV on the way. The first token travels twice: back to
+the caller, which streams it to the client at once, and as the transfer's
+extra bytes, so the T-pipeline knows what to feed next.
 """
 
 from __future__ import annotations
@@ -13,22 +16,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from orchestrator.engine.base import Engine
-from orchestrator.kv.layout import KVCache
+from orchestrator.pipeline.prompt_worker import stream_prefill
 from orchestrator.serving.metrics import Metrics
 from orchestrator.serving.params import GenerationParams
-
-
-def encode_token(token: int) -> bytes:
-    return token.to_bytes(4, "little")
-
-
-def decode_token(extra: bytes) -> int:
-    if len(extra) != 4:
-        raise ValueError(f"expected a 4-byte first token after the KV, got {len(extra)} bytes")
-    return int.from_bytes(extra, "little")
 
 
 @dataclass
@@ -36,22 +27,21 @@ class PrefillJob:
     request_id: str
     prompt_ids: list[int]
     params: GenerationParams
-    ticket: bytes  # from the T-node's KVReceiver.reserve
+    tickets: list[bytes]  # one per token stage, from each stage's KV receiver
 
 
 class PrefillWorker:
-    """Owns the engine and the KV sender on a P-node; one batch at a time."""
+    """Owns the prompt stages' engines and KV senders on a P-node; one batch at a time."""
 
     def __init__(
         self,
-        engine: Engine,
-        sender,
+        engines: Sequence[Engine],
+        senders: Sequence,  # orchestrator.kv.connector.KVSender, one per engine
         save_timeout_s: float = 30.0,
         metrics: Metrics | None = None,
     ) -> None:
-        self.engine = engine
+        self.engines, self.senders = list(engines), list(senders)
         self.metrics = metrics or Metrics()
-        self.sender = sender  # orchestrator.kv.connector.KVSender
         self.save_timeout_s = save_timeout_s
         self.lock = threading.Lock()  # Triton may run execute() from several threads
 
@@ -64,41 +54,26 @@ class PrefillWorker:
         return results
 
     def _run(self, jobs: Sequence[PrefillJob]) -> list[int | Exception]:
-        results: list[int | Exception] = [RuntimeError("not run")] * len(jobs)
-        started = []  # (index, job, handle)
-        for i, job in enumerate(jobs):
-            try:
-                if not job.prompt_ids:
-                    raise ValueError("empty prompt")
-                started.append((i, job, self.sender.start(job.request_id, [job.ticket])))
-            except Exception as exc:
-                results[i] = exc
-        if not started:
+        results: list[int | Exception] = [ValueError("empty prompt")] * len(jobs)
+        todo = {job.request_id: job for job in jobs if job.prompt_ids}
+        if not todo:
             return results
         opened = time.perf_counter()
-        caches = [self.engine.new_cache() for _ in started]
-        handles = [handle for _, _, handle in started]
-
-        def on_layer(layer: int, filled: Sequence[KVCache]) -> None:
-            for handle, cache in zip(handles, filled, strict=True):
-                self.sender.save_layer(handle, layer, cache)
-
-        prompts = [torch.tensor(job.prompt_ids, dtype=torch.long) for _, job, _ in started]
         try:
-            logits = self.engine.prefill(prompts, caches, on_layer=on_layer)
-        except Exception as exc:
-            for i, _, _ in started:
-                results[i] = exc
-            return results
-        for (i, job, handle), row in zip(started, logits, strict=True):
-            try:
-                token = int(job.params.make_sampler()(row[None])[0])
-                self.sender.finish(handle, extra=encode_token(token))
-                self.sender.wait_for_save(handle, self.save_timeout_s)
-                results[i] = token
-                layout = self.engine.kv_layout
-                nbytes = len(job.prompt_ids) * layout.token_bytes_per_layer() * layout.num_layers
-                self.metrics.kv_streamed(nbytes, time.perf_counter() - opened)
-            except Exception as exc:
-                results[i] = exc
+            first = stream_prefill(
+                self.engines, self.senders,
+                {rid: job.prompt_ids for rid, job in todo.items()},
+                {rid: job.tickets for rid, job in todo.items()},
+                {rid: job.params.sampling() for rid, job in todo.items()},
+                self.save_timeout_s,
+            )
+        except Exception as exc:  # one transfer failed: stream_prefill cannot tell which
+            return [exc if job.prompt_ids else r for job, r in zip(jobs, results, strict=True)]
+        seconds = time.perf_counter() - opened
+        bytes_per_token = sum(e.kv_layout.token_bytes_per_layer() * e.kv_layout.num_layers
+                              for e in self.engines)
+        for i, job in enumerate(jobs):
+            if job.prompt_ids:
+                results[i] = first[job.request_id]
+                self.metrics.kv_streamed(len(job.prompt_ids) * bytes_per_token, seconds)
         return results

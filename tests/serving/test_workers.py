@@ -1,7 +1,7 @@
-"""The P- and T-node libraries in one process, with the real engine and KV connector.
+"""The P- and T-node libraries in one process, with the real engine, pipeline and KV connector.
 
 The KV moves over the in-process transport here; the same code over NIXL
-between real tritonservers is tested in test_cluster.py.
+between real tritonservers is tested in test_cluster.py and test_pipeline_cluster.py.
 """
 
 from __future__ import annotations
@@ -13,13 +13,16 @@ import pytest
 
 from orchestrator.engine.reference import generate
 from orchestrator.engine.torch_engine import load_engine
-from orchestrator.kv.connector import KVReceiver, KVSender
+from orchestrator.kv.connector import KVSender
 from orchestrator.kv.transport.local import LocalFabric, LocalTransport
-from orchestrator.serving.decode_service import DecodeService
+from orchestrator.pipeline.node import PipelineConfig, StageNode
+from orchestrator.pipeline.pipeline import TokenPipeline
 from orchestrator.serving.params import GenerationParams, RequestError
 from orchestrator.serving.prefill_worker import PrefillJob, PrefillWorker
+from orchestrator.serving.token_service import TokenService
 
 SECRET = b"test-secret"
+MAX_SEQ = 32
 PROMPTS = [[5, 9, 33, 7], [100, 3], [42] * 9, [7, 8, 9, 10, 11, 12]]
 
 
@@ -35,6 +38,8 @@ class Client:
 
     def emit(self, tokens: list[int], final: bool) -> None:
         self.tokens += tokens
+        if self.cancel_after is not None:
+            time.sleep(0.02)  # a slow client: the cancellation is seen mid-stream
         if final:
             self.done.set()
 
@@ -54,18 +59,27 @@ class Client:
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model):
-    return load_engine(tiny_model("llama"), max_seq_len=32)
+def model(tiny_model):
+    return tiny_model("llama")
 
 
-def admit(service: DecodeService, rid: str, prompt: list[int], params, client: Client) -> None:
+@pytest.fixture(scope="module")
+def engine(model):
+    return load_engine(model, max_seq_len=MAX_SEQ)
+
+
+def colocated(engine, batch: int) -> TokenService:
+    return TokenService(engine, pipeline=TokenPipeline([engine], batch, mode="colocated").start())
+
+
+def admit(service: TokenService, rid: str, prompt: list[int], params, client: Client) -> None:
     service.admit(
         rid, prompt, params, client.emit, client.fail, client.is_cancelled, client.send_ticket
     )
 
 
 def test_colocated_batch_matches_reference(engine):
-    service = DecodeService(engine, max_batch=3)  # 4 requests: one waits for room
+    service = colocated(engine, 3)  # 4 requests: one waits for room
     try:
         clients = [Client() for _ in PROMPTS]
         for i, (prompt, client) in enumerate(zip(PROMPTS, clients, strict=True)):
@@ -76,47 +90,51 @@ def test_colocated_batch_matches_reference(engine):
     assert got == generate([engine], PROMPTS, max_tokens=6)
 
 
-def test_disaggregated_batch_matches_reference(engine):
+def test_disaggregated_batch_matches_reference(model, engine):
     fabric = LocalFabric()
-    receiver = KVReceiver(LocalTransport(fabric, "t0"), engine.kv_layout, 4, SECRET, 5.0)
-    sender = KVSender(LocalTransport(fabric, "p0"), engine.kv_layout, SECRET)
-    prefill = PrefillWorker(engine, sender)
-    service = DecodeService(engine, receiver, max_batch=4, kv_timeout_s=5.0)
-    params = GenerationParams(max_tokens=6)
+    config = PipelineConfig(depth=1, batch_size=2, max_seq_len=MAX_SEQ, kv_timeout_s=5)
+    node = StageNode(model, 0, config, secret=SECRET,
+                     make_transport=lambda name: LocalTransport(fabric, name)).start()
+    service = TokenService(node.engine, node=node)
+    prefill = PrefillWorker([engine], [KVSender(LocalTransport(fabric, "p0"), engine.kv_layout,
+                                                SECRET)])
+    limits = [6, 2, 1, 5]  # more requests than slots, early stops: slots refill mid-run
     try:
         clients = [Client() for _ in PROMPTS]
-        for i, (prompt, client) in enumerate(zip(PROMPTS, clients, strict=True)):
-            admit(service, f"r{i}", prompt, params, client)
+        for i, (prompt, client, n) in enumerate(zip(PROMPTS, clients, limits, strict=True)):
+            admit(service, f"r{i}", prompt, GenerationParams(max_tokens=n), client)
         jobs = [
-            PrefillJob(f"r{i}", prompt, params, client.ticket)
-            for i, (prompt, client) in enumerate(zip(PROMPTS, clients, strict=True))
+            PrefillJob(f"r{i}", prompt, GenerationParams(max_tokens=n), [client.ticket])
+            for i, (prompt, client, n) in enumerate(zip(PROMPTS, clients, limits, strict=True))
         ]
         firsts = prefill.run(jobs)
         got = [[first, *c.wait().tokens] for first, c in zip(firsts, clients, strict=True)]
+        assert not service.clients  # every request forgotten
     finally:
         service.stop()
-    assert got == generate([engine], PROMPTS, max_tokens=6)
-    for i in range(4):  # every slot came back
-        receiver.reserve(f"again{i}", 3)
+    assert got == [generate([engine], [p], n)[0] for p, n in zip(PROMPTS, limits, strict=True)]
 
 
 def test_end_id_cancel_and_refusal(engine):
     reference = generate([engine], PROMPTS[:1], max_tokens=8)[0]
-    service = DecodeService(engine)
+    service = colocated(engine, 4)
     try:
         stop_at = Client()
         admit(service, "eos", PROMPTS[0], GenerationParams(8, end_id=reference[2]), stop_at)
         cancelled = Client(cancel_after=2)
-        admit(service, "cancel", PROMPTS[0], GenerationParams(max_tokens=20), cancelled)
+        admit(service, "cancel", PROMPTS[0], GenerationParams(max_tokens=28), cancelled)
         assert stop_at.wait().tokens == reference[: reference.index(reference[2]) + 1]
-        # Triton closes a cancelled stream itself: the loop just drops the request.
+        # Triton closes a cancelled stream itself: the pipeline just drops the request.
         deadline = time.monotonic() + 10
-        while service.worker.queue_length:
+        while service.clients:
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        assert cancelled.tokens == reference[:2] and cancelled.error is None
+        assert 2 <= len(cancelled.tokens) < 28 and cancelled.error is None
+        assert cancelled.tokens == generate([engine], PROMPTS[:1], 28)[0][: len(cancelled.tokens)]
         with pytest.raises(RequestError, match="exceeds the context"):
             admit(service, "long", [1] * 30, GenerationParams(max_tokens=8), Client())
+        with pytest.raises(RequestError, match="a colocated node has no pipeline"):
+            service.control("reserve", "x", 3)
         after = Client()
         admit(service, "after", PROMPTS[0], GenerationParams(max_tokens=8), after)
         assert after.wait().tokens == reference
@@ -124,14 +142,25 @@ def test_end_id_cancel_and_refusal(engine):
         service.stop()
 
 
-def test_kv_that_never_comes_fails_the_request_and_frees_the_slot(engine):
-    receiver = KVReceiver(LocalTransport(LocalFabric(), "t0"), engine.kv_layout, 1, SECRET, 0.3)
-    service = DecodeService(engine, receiver, kv_timeout_s=0.3)
+def test_kv_that_never_comes_fails_the_request_and_frees_the_slot(model):
+    config = PipelineConfig(depth=1, batch_size=1, max_seq_len=MAX_SEQ, kv_timeout_s=0.3)
+    fabric = LocalFabric()
+    node = StageNode(model, 0, config, secret=SECRET,
+                     make_transport=lambda name: LocalTransport(fabric, name)).start()
+    service = TokenService(node.engine, node=node)
     try:
+        with pytest.raises(RequestError, match="unknown op 'nope'"):
+            service.control("nope")
         orphan = Client()
         admit(service, "orphan", PROMPTS[0], GenerationParams(max_tokens=4), orphan)
-        assert "KV transfer failed" in orphan.wait().error
+        assert "stage 0" in orphan.wait().error
+        deadline = time.monotonic() + 5
+        while True:  # the head's next probe releases the slot on every stage
+            try:
+                node.receiver.poll("orphan")
+            except KeyError:
+                break
+            assert time.monotonic() < deadline, "the orphan's KV slot was never released"
+            time.sleep(0.02)
     finally:
         service.stop()
-    with pytest.raises(KeyError, match="holds no slot"):  # released
-        receiver.poll("orphan")

@@ -1,33 +1,43 @@
-"""T-node, decoupled: admit into the token loop, stream each token as it is made."""
+"""T-node, decoupled: one stage of a token pipeline. ``op`` absent (or ``generate``): admit a
+request and stream each token as it is made (stage 0); else a control request (bootstrap,
+KV reservation) answered with one final ``reply``."""
 
 from orchestrator.serving import pb
-from orchestrator.serving.node import load_decode_service
+from orchestrator.serving.node import load_token_service
 from orchestrator.serving.params import PARAM_TENSORS, GenerationParams
 
 
 class TritonPythonModel:
     def initialize(self, args):
         params = pb.parameters(args)
-        self.service = load_decode_service(params, pb.TritonMetrics(params["name"]))
+        self.service = load_token_service(params, pb.TritonMetrics(params["name"]))
 
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
-            tensors = pb.inputs(request, ["input_ids", *PARAM_TENSORS])
-
-            def emit(tokens, final, sender=sender):
-                pb.send(sender, pb.response(output_ids=pb.ids(tokens)), final)
+            tensors = pb.inputs(request, ["op", "peers", "input_ids", *PARAM_TENSORS])
+            prompt = [] if tensors["input_ids"] is None else tensors["input_ids"].reshape(-1)
 
             def fail(message, sender=sender):
                 pb.send(sender, pb.error(f"decode: {message}"), final=True)
 
-            def send_ticket(ticket, sender=sender):
-                pb.send(sender, pb.response(kv_ticket=pb.strings(ticket)))
-
             try:
+                op = "generate" if tensors["op"] is None else pb.text(tensors["op"])
+                if op != "generate":
+                    peers = None if tensors["peers"] is None else list(tensors["peers"].reshape(-1))
+                    reply = self.service.control(op, request.request_id(), len(prompt), peers)
+                    pb.send(sender, pb.response(reply=pb.strings(reply)), final=True)
+                    continue
+
+                def emit(tokens, final, sender=sender):
+                    pb.send(sender, pb.response(output_ids=pb.ids(tokens)), final)
+
+                def send_ticket(ticket, sender=sender):
+                    pb.send(sender, pb.response(kv_ticket=pb.strings(ticket)))
+
                 self.service.admit(
                     request.request_id(),
-                    tensors["input_ids"].reshape(-1).tolist(),
+                    prompt.tolist(),
                     GenerationParams.from_tensors(tensors),
                     emit,
                     fail,

@@ -4,15 +4,15 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from orchestrator.serving import pb
-from orchestrator.serving.frontend import Cancelled, Frontend
+from orchestrator.serving.frontend import Cancelled, Frontend, parse_pipelines
 from orchestrator.serving.params import PARAM_TENSORS, GenerationParams
 
 
 class TritonPythonModel:
     def initialize(self, args):
         params = pb.parameters(args)
-        split = lambda key: [url for url in params.get(key, "").split(",") if url]  # noqa: E731
-        self.frontend = Frontend(split("prefill_urls"), split("decode_urls"))
+        prefill_urls = [url for url in params.get("prefill_urls", "").split(",") if url]
+        self.frontend = Frontend(prefill_urls, parse_pipelines(params.get("decode_urls", "")))
         self.metrics = pb.TritonMetrics(params.get("name", "frontend"))
         self.held, self.lock = 0, threading.Lock()
         self.pool = ThreadPoolExecutor(max_workers=int(params.get("max_requests", "64")))

@@ -1,4 +1,5 @@
-"""P-node: prefill, stream the KV layer by layer to the ticket's T-node, return the first token."""
+"""P-node: prefill on the prompt stages, stream each layer's KV to the T-stage of its ticket
+(``kv_ticket``: one per stage of the chosen token pipeline), return the first token."""
 
 from orchestrator.serving import pb
 from orchestrator.serving.node import load_prefill_worker
@@ -17,9 +18,9 @@ class TritonPythonModel:
             tensors = pb.inputs(request, ["input_ids", "kv_ticket", *PARAM_TENSORS])
             try:
                 params = GenerationParams.from_tensors(tensors)
-                ticket = tensors["kv_ticket"].reshape(-1)[0]
+                tickets = list(tensors["kv_ticket"].reshape(-1))
                 prompt = tensors["input_ids"].reshape(-1).tolist()
-                jobs.append((i, PrefillJob(request.request_id(), prompt, params, ticket)))
+                jobs.append((i, PrefillJob(request.request_id(), prompt, params, tickets)))
             except ValueError as exc:
                 responses[i] = pb.error(f"prefill: {exc}")
         results = self.worker.run([job for _, job in jobs])

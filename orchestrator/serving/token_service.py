@@ -1,0 +1,199 @@
+"""A T-node: one stage of a token pipeline on a tritonserver; stage 0 also admits requests.
+
+Disaggregated: the node runs a :class:`~orchestrator.pipeline.node.StageNode`.
+Stage 0 holds the pipeline's head: a request reserves its prompt KV slot
+here (the ticket is the first response; the frontend reserved one on every
+other stage before), joins the head at once, and streams every token after
+the first (the P-node's, which the client already has). Colocated: a depth-1
+:class:`~orchestrator.pipeline.pipeline.TokenPipeline` prefills the prompts
+itself. Either way the token loop is the pipeline library's.
+
+Control requests bootstrap a pipeline (``endpoints``, ``connect``, ``start``)
+and reserve or release prompt KV (``reserve``, ``release``) on any stage.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from orchestrator.engine.base import Engine
+from orchestrator.pipeline.head import PipelineHead
+from orchestrator.pipeline.node import StageNode
+from orchestrator.pipeline.pipeline import TokenPipeline
+from orchestrator.pipeline.sequence import FinishReason, Sequence
+from orchestrator.serving.metrics import Metrics
+from orchestrator.serving.params import GenerationParams, RequestError, check_prompt
+
+log = logging.getLogger(__name__)
+CONTROL_OPS = ("endpoints", "connect", "start", "reserve", "release")
+
+
+@dataclass(eq=False)
+class _Client:
+    """Where one request's tokens go."""
+
+    emit: Callable[[list[int], bool], None]  # new tokens, is this the last response
+    fail: Callable[[str], None]  # final error response
+    is_cancelled: Callable[[], bool]
+    sent: int  # tokens the client has (disaggregated: the P-node sent the first)
+    reserved_at: float
+
+
+class TokenService:
+    """One stage (``node``) of a disaggregated pipeline, or a colocated ``pipeline``."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        node: StageNode | None = None,
+        pipeline: TokenPipeline | None = None,
+        metrics: Metrics | None = None,
+        cancel_poll_s: float = 0.05,
+    ) -> None:
+        if (node is None) == (pipeline is None):
+            raise ValueError("give a StageNode (disaggregated) or a TokenPipeline (colocated)")
+        self.engine, self.node, self.pipeline = engine, node, pipeline
+        self.head: PipelineHead | None = pipeline if pipeline is not None else node.head
+        self.metrics = metrics or Metrics()
+        self.clients: dict[str, _Client] = {}
+        self.lock = threading.Lock()
+        self.stopped = threading.Event()
+        # Triton tells a request's cancellation only when asked: poll, off the head's thread.
+        self.watcher = threading.Thread(
+            target=self._watch, args=(cancel_poll_s,), name="cancel-watch", daemon=True
+        )
+        self.watcher.start()
+
+    @property
+    def colocated(self) -> bool:
+        return self.pipeline is not None
+
+    # -- control requests --------------------------------------------------------------
+
+    def control(self, op: str, request_id: str = "", prompt_len: int = 0,
+                peers: list[bytes] | None = None) -> bytes:
+        """Bootstrap and reservations; the bytes to answer with (empty when none)."""
+        if op not in CONTROL_OPS:
+            raise RequestError(f"unknown op {op!r}: expected generate or one of {CONTROL_OPS}")
+        if self.node is None:
+            raise RequestError(f"op {op!r}: a colocated node has no pipeline to control")
+        if op == "endpoints":
+            return self.node.endpoints()
+        if op == "connect":
+            if peers is None or len(peers) != 2:
+                raise RequestError("op 'connect' needs peers = [next endpoints, head endpoints]")
+            self.node.connect(*peers)
+        elif op == "start":
+            self.node.start()
+        elif op == "reserve":
+            if prompt_len < 1:
+                raise RequestError("op 'reserve' needs the prompt (input_ids)")
+            return self.node.reserve_prompt(request_id, prompt_len)
+        else:
+            self.node.release_prompt(request_id)
+        return b""
+
+    # -- generation (stage 0) ----------------------------------------------------------
+
+    def admit(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: GenerationParams,
+        emit: Callable[[list[int], bool], None],
+        fail: Callable[[str], None],
+        is_cancelled: Callable[[], bool],
+        send_ticket: Callable[[bytes], None],
+    ) -> None:
+        """Raises RequestError (nothing held) if the request cannot be served."""
+        if self.head is None:
+            raise RequestError(f"stage {self.node.index} of a token pipeline: generate "
+                               "requests go to stage 0")
+        check_prompt(prompt_ids, params, self.head.max_seq_len, self.engine.vocab_size)
+        # The P-node sampled the first token with offset 0; the stages go on from offset 1.
+        seq = Sequence(request_id, prompt_ids, params.max_tokens, params.end_id,
+                       params.sampling(offset=0 if self.colocated else 1), self._on_token)
+        with self.lock:
+            if request_id in self.clients:
+                raise RequestError(f"request id {request_id!r} is already running here")
+            self.clients[request_id] = _Client(emit, fail, is_cancelled,
+                                               0 if self.colocated else 1, time.perf_counter())
+            self.metrics.queue_length(len(self.clients))
+        try:
+            if self.colocated:
+                self.head.submit(seq)
+                return
+            ticket = self.node.reserve_prompt(request_id, len(prompt_ids))
+            try:
+                self.head.submit_prefilled(seq)
+            except Exception:
+                self.node.release_prompt(request_id)
+                raise
+        except Exception as exc:
+            self._forget(request_id)
+            raise RequestError(str(exc)) from exc
+        try:
+            send_ticket(ticket)
+        except Exception:
+            self.head.cancel(request_id)  # its KV is released on every stage by the head
+            raise
+
+    def _on_token(self, seq: Sequence, token: int | None, finished: bool) -> None:
+        """On the head's thread: pass the token on, never raise."""
+        with self.lock:
+            # Forget it before its last response: Triton frees the request with it, and
+            # asking a freed request whether it was cancelled crashes tritonserver.
+            client = self.clients.pop(seq.request_id) if finished else self.clients.get(
+                seq.request_id)
+            self.metrics.queue_length(len(self.clients))
+        if client is None:
+            return
+        try:
+            if not self.colocated and len(seq.output_ids) == 1 and token is not None:
+                self._count_kv(seq, client)
+            if token is None:
+                if seq.finish_reason is not FinishReason.CANCELLED:
+                    client.fail(seq.error or f"ended ({seq.finish_reason.value}) without a token")
+            elif finished:
+                client.emit(seq.output_ids[client.sent :], True)
+            elif len(seq.output_ids) > client.sent:
+                client.emit([token], False)
+                client.sent = len(seq.output_ids)
+        except Exception:
+            log.exception("could not answer request %s", seq.request_id)
+        if finished:
+            outcome = {FinishReason.CANCELLED: "cancelled", FinishReason.ERROR: "failed"}
+            self.metrics.request_done(outcome.get(seq.finish_reason, "finished"))
+
+    def _count_kv(self, seq: Sequence, client: _Client) -> None:
+        """The prompt KV of every stage has landed: count the whole model's bytes."""
+        layout = self.engine.kv_layout
+        nbytes = seq.prompt_len * layout.token_bytes_per_layer() * self.engine.stage.num_layers
+        self.metrics.kv_streamed(nbytes, time.perf_counter() - client.reserved_at)
+
+    def _forget(self, request_id: str) -> None:
+        with self.lock:
+            self.clients.pop(request_id, None)
+            self.metrics.queue_length(len(self.clients))
+
+    def _watch(self, poll_s: float) -> None:
+        while not self.stopped.wait(poll_s):
+            with self.lock:  # no request ends (and is freed by Triton) while we ask
+                cancelled = [rid for rid, client in self.clients.items() if client.is_cancelled()]
+            for request_id in cancelled:
+                try:
+                    self.head.cancel(request_id)
+                except Exception:
+                    log.exception("could not cancel %s", request_id)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self.stopped.set()
+        if self.pipeline is not None:
+            self.pipeline.stop(timeout_s)
+        else:
+            self.node.close(timeout_s)

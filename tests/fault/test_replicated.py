@@ -1,0 +1,113 @@
+"""Recovery on the real token pipeline: a stage of a TokenPipeline is killed mid-run, the
+controller (a process) detects it, the four steps restore it; outputs are token-exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from orchestrator.engine.reference import generate, load_stages
+from orchestrator.fault.replicated import Kill, ReplicatedPipeline
+from orchestrator.pipeline.pipeline import TokenPipeline
+from orchestrator.pipeline.sequence import FinishReason, Sequence
+
+MAX_SEQ = 64
+# More requests than slots, different lengths: microbatches are refilled mid-run.
+LIMITS = [12, 5, 14, 9, 3, 12, 7, 10]
+
+
+def make_prompts(seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, 500, (int(n),), generator=g).tolist()
+            for n in torch.randint(2, 12, (len(LIMITS),), generator=g)]
+
+
+def reference(model, prompts) -> list[list[int]]:
+    engines = load_stages(str(model), 1, max_seq_len=MAX_SEQ)
+    return [generate(engines, [p], m)[0] for p, m in zip(prompts, LIMITS, strict=True)]
+
+
+def run(controller: str, model, depth: int, kills: list[Kill], name: str, swap: str = "off",
+        replicate: bool = True):
+    """Returns (outputs, finish events per request, the wrapper) after every request ended."""
+    engines = load_stages(str(model), depth, max_seq_len=MAX_SEQ)
+    pipeline = TokenPipeline(engines, 2, mode="colocated", swap=swap)
+    ft = ReplicatedPipeline(pipeline, controller, name, replicate=replicate, kills=kills,
+                            heartbeat_s=0.03)
+    finishes: dict[str, int] = {}
+
+    def on_token(seq: Sequence, token: int | None, finished: bool) -> None:
+        finishes[seq.request_id] = finishes.get(seq.request_id, 0) + finished
+
+    seqs = [Sequence(f"r{i}", p, m, on_token=on_token)
+            for i, (p, m) in enumerate(zip(make_prompts(), LIMITS, strict=True))]
+    with ft:
+        for seq in seqs:
+            pipeline.submit(seq)
+        pipeline.wait(60)
+        held = ft.replicas_held()
+        assert pipeline.kv_held() == 0
+    assert all(s.finish_reason is FinishReason.LENGTH for s in seqs), [s.error for s in seqs]
+    assert not ft.kills, "a kill never fired"
+    return [s.output_ids for s in seqs], finishes, ft, held
+
+
+@pytest.mark.parametrize(
+    ("arch", "depth", "swap", "kill"),
+    [("gpt2", 3, "off", Kill(stage=1, microbatch=0, step=6)),
+     ("llama", 2, "off", Kill(stage=0, microbatch=1, step=5)),  # stage 0's holder is stage 1
+     ("opt", 3, "on", Kill(stage=2, microbatch=2, step=4))],  # the last stage, swapping
+)
+def test_recovery_on_the_token_pipeline_is_token_exact(controller, tiny_model, arch, depth,
+                                                       swap, kill) -> None:
+    model = tiny_model(arch)
+    outputs, finishes, ft, held = run(controller, model, depth, [kill], f"tp-{arch}", swap)
+    assert outputs == reference(model, make_prompts())
+    assert finishes == {f"r{i}": 1 for i in range(len(LIMITS))}  # none lost, none twice
+    (recovery,) = ft.recoveries
+    assert recovery.stages == [kill.stage] and not recovery.recompute
+    # Settled: every step before the kill was replicated, so exactly the killed one is redone.
+    assert recovery.resume[kill.microbatch] == kill.step
+    assert held == 0  # every replica freed as its request ended
+
+
+def test_unsettled_kill_redoes_no_later_step_and_stays_exact(controller, tiny_model) -> None:
+    model = tiny_model("gpt2")
+    kill = Kill(stage=2, microbatch=1, step=7, settled=False)
+    outputs, finishes, ft, held = run(controller, model, 3, [kill], "tp-unsettled")
+    assert outputs == reference(model, make_prompts())
+    assert set(finishes.values()) == {1}
+    (recovery,) = ft.recoveries
+    assert 1 <= recovery.resume[1] <= 7 and held == 0
+
+
+def test_holder_also_lost_falls_back_to_recompute(controller, tiny_model) -> None:
+    model = tiny_model("gpt2")
+    kill = Kill(stage=1, microbatch=0, step=4, also=(2,))  # stage 2 holds stage 1's replicas
+    outputs, finishes, ft, held = run(controller, model, 3, [kill], "tp-fallback")
+    assert outputs == reference(model, make_prompts())
+    assert set(finishes.values()) == {1}
+    (recovery,) = ft.recoveries
+    assert recovery.recompute and recovery.stages == [1, 2] and recovery.restarted > 0
+    assert held == 0
+
+
+def test_restart_from_scratch_baseline_is_token_exact(controller, tiny_model) -> None:
+    model = tiny_model("gpt2")
+    kill = Kill(stage=2, microbatch=0, step=6)
+    outputs, finishes, ft, held = run(controller, model, 3, [kill], "tp-restart",
+                                      replicate=False)
+    assert outputs == reference(model, make_prompts())
+    assert set(finishes.values()) == {1}
+    (recovery,) = ft.recoveries
+    assert recovery.recompute and recovery.restarted > 0 and held == 0
+
+
+def test_bad_kills_are_named(controller, tiny_model) -> None:
+    engines = load_stages(str(tiny_model("gpt2")), 2, max_seq_len=MAX_SEQ)
+    with pytest.raises(ValueError, match="no stage 5 in a depth-2 pipeline"):
+        ReplicatedPipeline(TokenPipeline(engines, 2, mode="colocated"), controller,
+                           kills=[Kill(stage=5, microbatch=0, step=1)])
+    with pytest.raises(ValueError, match="replication needs depth >= 2"):
+        ReplicatedPipeline(TokenPipeline(engines[:1] if False else load_stages(
+            str(tiny_model("gpt2")), 1, max_seq_len=MAX_SEQ), 2, mode="colocated"), controller)

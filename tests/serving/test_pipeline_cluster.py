@@ -1,0 +1,93 @@
+"""Token pipelines on real tritonservers: D_t T-nodes, one stage each, linked by NIXL.
+
+A P-node prefills on D_p prompt stages (in its one process) and streams each
+layer's KV to the T-stage that holds it, so D_p != D_t regroups the KV on the
+way. Tokens come out exactly as the single-process reference makes them, for
+more concurrent requests than the pipeline has slots, with different
+``max_tokens`` (early stops refill slots mid-run), with swapping on and off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from cluster_helpers import MAX_SEQ_LEN, PROMPTS, ids_of
+
+from clients.generate import stream_grpc
+from orchestrator.cluster.launcher import Cluster, down_main, status_main, up_main
+from orchestrator.engine.reference import generate
+from orchestrator.engine.tokenizer import load_tokenizer
+from orchestrator.engine.torch_engine import load_engine
+
+pytestmark = pytest.mark.slow
+# 6 requests, 2 per microbatch: a depth-2 pipeline holds 4 at a time, so 2 wait for a slot
+LIMITS = [3, 9, 1, 12, 5, 7]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return tiny_model("llama")  # 4 layers: depth 2 and 3 split them unevenly too
+
+
+@pytest.fixture(scope="module")
+def expected(model):
+    tokenizer = load_tokenizer(model)
+    engine = load_engine(model, max_seq_len=MAX_SEQ_LEN)
+    return [generate([engine], [tokenizer.encode(p).ids], n)[0]
+            for p, n in zip(PROMPTS, LIMITS, strict=True)]
+
+
+def run_all(url: str) -> list[list[int]]:
+    """Every prompt at once, each with its own max_tokens."""
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        futures = [pool.submit(lambda p=p, n=n: ids_of(stream_grpc(url, p, max_tokens=n)))
+                   for p, n in zip(PROMPTS, LIMITS, strict=True)]
+        return [f.result(timeout=120) for f in futures]
+
+
+def test_decode_depth_2_with_swapping_matches_reference(model, expected, tmp_path):
+    with Cluster.up(model, prefill=1, decode=1, decode_depth=2, swap="on", max_batch=2,
+                    run_dir=tmp_path, max_seq_len=MAX_SEQ_LEN) as cluster:
+        stages = [(n.pipeline, n.stage, n.depth) for n in cluster.role("decode")]
+        assert stages == [(0, 0, 2), (0, 1, 2)]
+        url = cluster.frontend.grpc_url
+        assert run_all(url) == expected
+        assert run_all(url) == expected  # the pipeline's slots and KV all came back
+
+
+def _cli(main, argv: list[str]) -> tuple[int, str]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(argv)
+    return code, out.getvalue()
+
+
+def test_up_from_a_spec_prefill_depth_2_decode_depth_3(model, expected, tmp_path):
+    """A planner spec (the format of ``Plan.write_spec``): D_p=2 -> D_t=3, swap off."""
+    spec = {
+        "version": 1, "model_dir": str(model), "mode": "disaggregated",
+        "prefill": {"pipelines": 1, "depth": 2}, "decode": {"pipelines": 1, "depth": 3},
+        "machines": 5, "batch": 2, "prompt_len": 8, "new_tokens": 8, "planner": {},
+    }
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    run_dir = str(tmp_path / "cluster")
+    argv = ["--spec", str(tmp_path / "spec.json"), "--dir", run_dir,
+            "--max-seq-len", str(MAX_SEQ_LEN), "--swap", "off"]
+    code, out = _cli(up_main, argv)
+    try:
+        assert code == 0, out
+        code, out = _cli(status_main, ["--json", "--dir", run_dir])
+        assert code == 0, out
+        state = json.loads(out)
+        placed = sorted((n["role"], n["pipeline"], n["stage"], n["depth"])
+                        for n in state["nodes"] if n["role"] != "frontend")
+        assert placed == [("decode", 0, 0, 3), ("decode", 0, 1, 3), ("decode", 0, 2, 3),
+                          ("prefill", 0, None, 2)]
+        assert run_all(state["frontend"]["grpc"]) == expected
+    finally:
+        code, out = _cli(down_main, ["--dir", run_dir])
+    assert code == 0, out
