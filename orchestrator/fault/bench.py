@@ -1,7 +1,10 @@
 """Recovery benchmark (DejaVu Fig. 14 and 15): replicas + four-step recovery vs restart.
 
-Fig. 14: the cumulative latency of one microbatch, a stage killed at step k,
-with KV replication and recovery vs restart-from-scratch, each against its own
+Runs on the real token pipeline (:class:`~orchestrator.pipeline.pipeline.TokenPipeline`,
+colocated, stages as threads) wrapped by
+:class:`~orchestrator.fault.replicated.ReplicatedPipeline`. Fig. 14: the
+cumulative latency of one microbatch, a stage killed at step k, with KV
+replication and recovery vs restart-from-scratch, each against its own
 failure-free run. Fig. 15: requests completed over time, stages killed at three
 points of a longer stream. The controller is a real process; failure detection
 is its heartbeat timeout, measured, and reported apart from the repair itself.
@@ -13,17 +16,28 @@ import argparse
 import csv
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from orchestrator.engine.checkpoint import make_checkpoint
 from orchestrator.engine.reference import load_stages
+from orchestrator.engine.torch_engine import TorchEngine
 from orchestrator.fault.controller import spawn
-from orchestrator.fault.drill import Drill, DrillConfig, DrillResult, Kill
+from orchestrator.fault.replicated import Kill, Recovery, ReplicatedPipeline
+from orchestrator.pipeline.pipeline import TokenPipeline
+from orchestrator.pipeline.sequence import FinishReason, Sequence
 
 PAPER = {"recovery": 1.24, "restart": 1.91}
+
+
+@dataclass
+class RunResult:
+    outputs: dict[str, list[int]]
+    step_done: dict[int, list[tuple[int, float]]]  # microbatch -> (step, seconds since start)
+    finished: list[tuple[float, str]]  # (seconds since start, request id)
+    recoveries: list[Recovery] = field(default_factory=list)
 
 
 @dataclass
@@ -31,27 +45,48 @@ class Run:
     name: str
     replicate: bool
     kills: list[Kill]
-    result: DrillResult | None = None
+    kill_after: list[int] = field(default_factory=list)  # Fig. 15: kill i once this many ended
+    result: RunResult | None = None
     wall_s: float = 0.0
 
 
-def run_drill(args, engines, controller: str, run: Run, prompts: list[list[int]]) -> None:
-    config = DrillConfig(
-        controller, args.depth, args.batch, args.depth, args.tokens, replicate=run.replicate,
-        pipeline=f"{run.name}-{time.monotonic_ns()}", heartbeat_s=args.heartbeat_s,
-        num_slots=max(64, 2 * args.batch * args.depth),
-    )
-    drill = Drill(config, engines)
-    try:
-        start = time.perf_counter()
-        run.result = drill.run(prompts, run.kills)
+def run_pipeline(args, engines: list[TorchEngine], controller: str, run: Run,
+                 prompts: list[list[int]]) -> None:
+    pipeline = TokenPipeline(engines, args.batch, mode="colocated",
+                             num_microbatches=args.depth)
+    ft = ReplicatedPipeline(pipeline, controller, f"{run.name}-{time.monotonic_ns()}",
+                            replicate=run.replicate, kills=run.kills,
+                            heartbeat_s=args.heartbeat_s)
+    finished: list[tuple[float, str]] = []
+    later = list(zip(run.kill_after, range(len(run.kill_after)), strict=True))
+
+    def on_token(seq: Sequence, token: int | None, done: bool) -> None:
+        if not done:
+            return
+        finished.append((time.monotonic() - ft.started_at, seq.request_id))
+        while later and len(finished) >= later[0][0]:  # a stage dies at its next step
+            ft.inject(Kill(stage=later.pop(0)[1] % args.depth, settled=False))
+
+    seqs = [Sequence(f"r{i}", p, args.tokens, on_token=on_token) for i, p in enumerate(prompts)]
+    start = time.perf_counter()
+    with ft:
+        for seq in seqs:
+            pipeline.submit(seq)
+        pipeline.wait(600)
         run.wall_s = time.perf_counter() - start
-        print(f"  {run.name}: {run.wall_s:.2f}s", flush=True)
-    finally:
-        drill.close()
+    failed = [s for s in seqs if s.finish_reason is not FinishReason.LENGTH]
+    if failed or ft.errors:
+        raise RuntimeError(f"{run.name}: {len(failed)} requests failed: "
+                           f"{failed[0].error if failed else ft.errors}")
+    step_done: dict[int, list[tuple[int, float]]] = {}
+    for mb, step, t in ft.steps_done:
+        step_done.setdefault(mb, []).append((step, t))
+    run.result = RunResult({s.request_id: s.output_ids for s in seqs}, step_done, finished,
+                           ft.recoveries)
+    print(f"  {run.name}: {run.wall_s:.2f}s", flush=True)
 
 
-def microbatch_latency(result: DrillResult, j: int) -> float:
+def microbatch_latency(result: RunResult, j: int) -> float:
     """Seconds from the run's start until microbatch ``j`` produced its last token."""
     return result.step_done[j][-1][1]
 
@@ -62,13 +97,13 @@ def make_prompts(count: int, length: int, vocab: int, seed: int = 0) -> list[lis
 
 
 def fig14(args, engines, controller: str, vocab: int) -> list[Run]:
-    """One round of microbatches; stage 1 dies before microbatch 0's step k."""
+    """One round of microbatches; stage 1 dies at microbatch 0's step k."""
     prompts = make_prompts(args.batch * args.depth, args.prompt, vocab)
-    kill = [Kill(step=args.fail_step, stage=1 % args.depth, microbatch=0, settled=False)]
+    kill = [Kill(stage=1 % args.depth, microbatch=0, step=args.fail_step, settled=False)]
     runs = [Run("recovery, no failure", True, []), Run("recovery, failure", True, kill),
             Run("restart, no failure", False, []), Run("restart, failure", False, kill)]
     for run in runs:
-        run_drill(args, engines, controller, run, prompts)
+        run_pipeline(args, engines, controller, run, prompts)
     base = runs[0].result.outputs
     for run in runs[1:]:
         if run.result.outputs != base:
@@ -79,22 +114,21 @@ def fig14(args, engines, controller: str, vocab: int) -> list[Run]:
 def fig15(args, engines, controller: str, vocab: int) -> list[Run]:
     """A stream of requests, microbatches refilled as they finish; three failures."""
     prompts = make_prompts(args.batch * args.depth * args.rounds, args.prompt, vocab, seed=1)
-    total = args.depth * args.rounds  # microbatches in the run
-    kills = [Kill(step=args.tokens // 2, stage=i % args.depth,
-                  microbatch=total * (i + 1) // 4, settled=False) for i in range(3)]
-    runs = [Run("no failure", True, []), Run("recovery, 3 failures", True, kills),
-            Run("restart, 3 failures", False, kills)]
+    # Stage i % D dies once a quarter, a half, three quarters of the requests ended.
+    after = [len(prompts) * (i + 1) // 4 for i in range(3)]
+    runs = [Run("no failure", True, []), Run("recovery, 3 failures", True, [], after),
+            Run("restart, 3 failures", False, [], after)]
     for run in runs:
-        run_drill(args, engines, controller, run, prompts)
+        run_pipeline(args, engines, controller, run, prompts)
     return runs
 
 
-def steps_run(result: DrillResult) -> int:
+def steps_run(result: RunResult) -> int:
     """Microbatch steps executed, redone ones included (the prefill counts as one)."""
     return sum(len(steps) for steps in result.step_done.values())
 
 
-def in_run_ratio(result: DrillResult, fail_step: int) -> float:
+def in_run_ratio(result: RunResult, fail_step: int) -> float:
     """Latency over the failure-free latency estimated from the same run.
 
     The time lost is from microbatch 0 finishing step k-1 (before the kill) to it
@@ -125,7 +159,7 @@ def summarize14(runs: list[Run], fail_step: int) -> list[dict]:
                 if recoveries else 1.0,
                 "ratio_vs_free_run": round(latency / base, 3),
                 "mb0_steps_run": len(run.result.step_done[0]),
-                "detect_s": round(sum(r.wait_s for r in recoveries), 3),
+                "detect_s": round(sum(r.detect_s for r in recoveries), 3),
                 "repair_s": round(sum(r.repair_s for r in recoveries), 4),
                 "resume_step": recoveries[0].resume.get(0) if recoveries else "",
             })
@@ -139,7 +173,7 @@ def summarize15(runs: list[Run]) -> list[dict]:
         "runtime_s": round(run.wall_s, 3),
         "ratio": round(run.wall_s / base, 3),
         "steps_redone": steps_run(run.result) - base_steps,
-        "detect_s": round(sum(r.wait_s for r in run.result.recoveries), 3),
+        "detect_s": round(sum(r.detect_s for r in run.result.recoveries), 3),
         "failures": len(run.result.recoveries),
         "recomputed": sum(r.recompute for r in run.result.recoveries),
     } for run in runs]
@@ -241,7 +275,7 @@ def main(argv: list[str]) -> int:
         proc, controller = spawn(args.timeout_s)
         try:
             warmup = make_prompts(args.batch * args.depth, args.prompt, vocab, seed=2)
-            run_drill(args, engines, controller, Run("warmup", True, []), warmup)  # untimed
+            run_pipeline(args, engines, controller, Run("warmup", True, []), warmup)  # untimed
             runs14 = fig14(args, engines, controller, vocab)
             runs15 = fig15(args, engines, controller, vocab)
         finally:

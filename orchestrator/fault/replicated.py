@@ -54,14 +54,14 @@ SECRET = b"dejavu-replicas"
 
 @dataclass(frozen=True)
 class Kill:
-    """Kill ``stage`` right after it computed ``step`` of ``microbatch`` (before that step is
-    replicated or sent on). ``settled``: first let every replica and ack so far land, so
-    the step to redo is exactly ``step``; unsettled, acks in flight die with the stage and
-    recovery may redo a few more steps."""
+    """Kill ``stage`` right after it computed ``step`` of ``microbatch`` (None: any), before
+    that step is replicated or sent on. ``settled``: first let every replica and ack so far
+    land, so the step to redo is exactly ``step``; unsettled, acks in flight die with the
+    stage and recovery may redo a few more steps."""
 
     stage: int
-    microbatch: int
-    step: int
+    microbatch: int | None = None
+    step: int | None = None
     settled: bool = True
     also: tuple[int, ...] = ()  # stages lost at the same moment (a rack losing power)
 
@@ -158,8 +158,11 @@ class ReplicatedPipeline:
             stage.on_release = functools.partial(self._on_release, i)
         self.epoch = 0
         self.recoveries: list[Recovery] = []
+        self.steps_done: list[tuple[int, int, float]] = []  # (microbatch, step, s since start)
         self.errors: list[str] = []
         self._killed_at: float | None = None
+        self._controller_timeout_s = 1.0  # as of the last status
+        self._spares: set[int] = set()  # stages replaced by the recovery in progress
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._supervisor = threading.Thread(target=self._supervise, name="fault-supervisor",
@@ -196,6 +199,11 @@ class ReplicatedPipeline:
 
     # -- what tests and benchmarks read -----------------------------------------------
 
+    def inject(self, kill: Kill) -> None:
+        """Arm one more kill (from any thread)."""
+        with self._lock:
+            self.kills.append(kill)
+
     def replicas_held(self, timeout_s: float = 10.0) -> int:
         """Replicas still held once every stage freed its ended requests' KV."""
         deadline = time.monotonic() + timeout_s
@@ -223,6 +231,8 @@ class ReplicatedPipeline:
         if not node.alive:  # killed by another stage's drill while computing
             raise StageLost(stage)
         self._maybe_kill(stage, microbatch, step)
+        if stage == self.pipeline.depth - 1:  # the step's tokens are out
+            self.steps_done.append((microbatch, step, time.monotonic() - self.started_at))
         if node.replicator is not None:
             node.replicator.step(microbatch, step, [str(s) for s in seq_ids], caches)
         if node.store is not None:
@@ -235,8 +245,9 @@ class ReplicatedPipeline:
 
     def _maybe_kill(self, stage: int, microbatch: int, step: int) -> None:
         with self._lock:
-            kill = next((k for k in self.kills
-                         if (k.stage, k.microbatch, k.step) == (stage, microbatch, step)), None)
+            kill = next((k for k in self.kills if k.stage == stage
+                         and k.microbatch in (None, microbatch) and k.step in (None, step)),
+                        None)
             if kill is None:
                 return
             self.kills.remove(kill)
@@ -264,39 +275,63 @@ class ReplicatedPipeline:
     def _supervise(self) -> None:
         while not self._stopping.wait(self.heartbeat_s):
             try:
-                status = query_status(self.controller)
+                failed = self._declared_failed()
             except Exception as exc:  # the controller is away: serving goes on
                 log.debug("controller status: %s", exc)
                 continue
-            failed = status["pipelines"].get(self.name, {}).get("failed", [])
             if not failed:
                 continue
             try:
-                self._recover(sorted(failed))
+                self._recover(failed)
             except Exception as exc:
                 log.exception("recovery failed")
-                self.errors.append(f"recovery of stages {failed} failed: {exc}")
+                self.errors.append(f"recovery of stages {sorted(failed)} failed: {exc}")
                 self.pipeline.report_failure(self.errors[-1])
                 return
 
-    def _recover(self, failed: list[int]) -> None:
-        pipeline = head = self.pipeline  # the head is the in-process pipeline
-        for x in failed:
+    def _declared_failed(self) -> set[int]:
+        status = query_status(self.controller)
+        self._controller_timeout_s = float(status["timeout_s"])
+        return set(status["pipelines"].get(self.name, {}).get("failed", []))
+
+    def _plan(self, failed: set[int]) -> dict:
+        """Hot spares for the lost stages register in their slots; the controller's plan
+        once it covers them all."""
+        for x in sorted(failed):
             if self.nodes[x].alive:
-                raise RuntimeError(f"stage {x} was declared dead while serving (too slow for "
-                                   "the heartbeat timeout); fencing a live stage is not done")
-            self.nodes[x] = FaultNode(self, x)  # the hot spare registers in its slot
+                if self.nodes[x].client.connected and x not in self._spares:
+                    raise RuntimeError(f"stage {x} was declared dead while serving (too slow "
+                                       "for the heartbeat timeout); fencing is not done")
+                continue  # its spare is registered already
+            self.nodes[x] = FaultNode(self, x)
+            self._spares.add(x)
         plan = {"epoch": self.epoch, "failed": []}
-        while not set(failed) <= set(plan["failed"]):  # a plan made before a death was seen
-            plan = self.nodes[failed[0]].client.wait_for_recovery_plan(plan["epoch"],
-                                                                       self.plan_timeout_s)
-        planned = time.monotonic()
+        while not failed <= set(plan["failed"]):  # a plan made before a death was seen
+            plan = self.nodes[min(failed)].client.wait_for_recovery_plan(plan["epoch"],
+                                                                         self.plan_timeout_s)
+        return plan
+
+    def _recover(self, failed: set[int]) -> None:
+        pipeline = head = self.pipeline  # the head is the in-process pipeline
+        self._spares = set()
+        head.pause()
+        while True:
+            plan = self._plan(failed)
+            planned = time.monotonic()
+            try:
+                # Past the controller's timeout every stage lost with these was declared.
+                lost = self._drain(plan["failed"], 2 * self._controller_timeout_s)
+                break
+            except TimeoutError:
+                more = self._declared_failed() - set(plan["failed"])
+                if not more:
+                    raise
+                failed = set(plan["failed"]) | more  # declared late: a new plan covers it
         failed = plan["failed"]
         recompute = plan["recompute"] or not self.replicate
-        resume = {} if recompute else {int(j): int(t) for j, t in plan["resume"].items()}
+        resume = ({j: 0 for j in range(pipeline.num_microbatches)} if recompute
+                  else {int(j): int(t) for j, t in plan["resume"].items()})
 
-        head.pause()
-        lost = self._drain(failed)
         running = {s.seq_id: s for s in head.running()}
         lengths = head.rewind(resume)  # step 3: the heads goes back to (j, t)
         restarted = len(running) - len(lengths)
@@ -333,18 +368,18 @@ class ReplicatedPipeline:
         how = "restarted from prompts" if recompute else f"resumed at {resume}"
         log.warning("stages %s recovered: %s", failed, how)
 
-    def _drain(self, failed: list[int]) -> int:
+    def _drain(self, failed: list[int], timeout_s: float) -> int:
         """See every step in flight out: those past the lost stages reach the head, those
         waiting at a lost stage are dropped (returns how many)."""
         links, depth, lost = self.pipeline.links, self.pipeline.depth, 0
         for start in [0, *(x + 1 for x in failed)]:
             end = min((x for x in failed if x >= start), default=depth)
             if end == depth:
-                self.pipeline.drain(links[start], self.kv_timeout_s)
+                self.pipeline.drain(links[start], timeout_s)
                 continue
-            marker = f"fault-drain-{start}"
-            links[start].send(KVProbe({}, release={-1: marker}), self.kv_timeout_s)
-            deadline = time.monotonic() + self.kv_timeout_s
+            marker = f"fault-drain-{uuid.uuid4().hex}"
+            links[start].send(KVProbe({}, release={-1: marker}), timeout_s)
+            deadline = time.monotonic() + timeout_s
             while True:
                 message = links[end].recv(max(0.0, deadline - time.monotonic()))
                 if message is None:

@@ -242,17 +242,18 @@ class PipelineHead:
         has no answer for)``. Cuts tokens from there on, queues again the sequences that
         joined later; returns every running sequence's KV length before its redo step."""
         lengths: dict[int, int] = {}
+        restarted: list[Seq] = []
         with self._lock:
             if not self._paused:
                 raise RuntimeError("rewind needs a paused head")
             for mb in range(self.num_microbatches):
                 answered = self._sent_step[mb] if self._in_flight[mb] else self.scheduler.steps[mb]
-                step = min(resume.get(mb, 0), answered)
-                kept, restarted = self.scheduler.rewind(mb, step)
+                kept, lost = self.scheduler.rewind(mb, min(resume.get(mb, 0), answered))
                 lengths |= kept
-                for seq in reversed(restarted):
-                    self._restart(seq)
+                restarted += lost
                 self._in_flight[mb] = False
+            for seq in reversed(restarted):  # ahead of the waiting queue, in their old order
+                self._restart(seq)
         return lengths
 
     def resume(self) -> None:

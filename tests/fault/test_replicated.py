@@ -103,11 +103,11 @@ def test_restart_from_scratch_baseline_is_token_exact(controller, tiny_model) ->
     assert recovery.recompute and recovery.restarted > 0 and held == 0
 
 
-def test_bad_kills_are_named(controller, tiny_model) -> None:
-    engines = load_stages(str(tiny_model("gpt2")), 2, max_seq_len=MAX_SEQ)
+def test_bad_setups_are_named(controller, tiny_model) -> None:
+    model = str(tiny_model("gpt2"))
+    two = TokenPipeline(load_stages(model, 2, max_seq_len=MAX_SEQ), 2, mode="colocated")
     with pytest.raises(ValueError, match="no stage 5 in a depth-2 pipeline"):
-        ReplicatedPipeline(TokenPipeline(engines, 2, mode="colocated"), controller,
-                           kills=[Kill(stage=5, microbatch=0, step=1)])
+        ReplicatedPipeline(two, controller, kills=[Kill(stage=5, microbatch=0, step=1)])
+    one = TokenPipeline(load_stages(model, 1, max_seq_len=MAX_SEQ), 2, mode="colocated")
     with pytest.raises(ValueError, match="replication needs depth >= 2"):
-        ReplicatedPipeline(TokenPipeline(engines[:1] if False else load_stages(
-            str(tiny_model("gpt2")), 1, max_seq_len=MAX_SEQ), 2, mode="colocated"), controller)
+        ReplicatedPipeline(one, controller)

@@ -81,3 +81,43 @@ def test_bad_sizes_are_named():
         make_seq("r", 0)
     with pytest.raises(ValueError, match="empty prompt"):
         Sequence("r", [], 3)
+
+
+def test_microbatch_steps_are_never_reused_across_refills():
+    """Fault tolerance acks replicas by (microbatch, step): one pair, one step."""
+    sched = MicrobatchScheduler(num_microbatches=2, batch_size=2, colocated=True)
+    for i in range(7):
+        sched.add(make_seq(f"r{i}", 1 + i % 3))
+    seen = []
+    for _ in range(30):
+        for mb in range(2):
+            batch = sched.schedule(mb)
+            if batch.is_empty:
+                continue
+            seen.append((mb, batch.step))
+            sched.postprocess(mb, {s.seq_id: 5 for s in batch.decode + batch.prefill})
+    assert sched.num_unfinished() == 0
+    assert len(seen) == len(set(seen)) and len(seen) > 7
+
+
+@pytest.mark.parametrize("colocated", [True, False])
+def test_rewind_cuts_tokens_and_restarts_later_joiners(colocated):
+    sched = MicrobatchScheduler(num_microbatches=1, batch_size=2, colocated=colocated)
+    old, new = make_seq("old", 10), make_seq("new", 10)
+    if not colocated:
+        old.append(0)  # the first token came with the prompt KV
+    sched.add(old)
+    for step in range(4):  # steps 0..3; "new" joins at step 2
+        if step == 2:
+            if not colocated:
+                new.append(0)
+            sched.add(new)
+        batch = sched.schedule(0)
+        sched.postprocess(0, {s.seq_id: 10 + step for s in batch.decode + batch.prefill})
+    lengths, restarted = sched.rewind(0, 2)  # redo from step 2: "new" joined there
+    # "old" took steps 0 and 1: colocated a prefill (3 positions, 1 token) and a decode.
+    first = [] if colocated else [0]
+    assert old.output_ids == first + [10, 11]
+    assert lengths == {old.seq_id: 3 + len(old.output_ids) - 1}
+    assert restarted == [new] and new.output_ids == [] and new.status is Status.WAITING
+    assert sched.running[0] == [old] and sched.steps[0] == 2

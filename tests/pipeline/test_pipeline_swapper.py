@@ -9,6 +9,7 @@ from orchestrator.kv.layout import KVCache, KVLayout
 from orchestrator.pipeline.swapper import (
     ArenaFull,
     DeviceArena,
+    ResidentKV,
     SwappedKV,
     measure_copy_bandwidth,
     should_swap,
@@ -58,6 +59,29 @@ def test_swapped_kv_prefetches_and_writes_back_only_the_delta():
     kv.close(1, [1])
     kv.drop(0)
     kv.drop(1)
+    assert len(kv) == 0 and kv.arena.used_bytes == 0
+    kv.shutdown()
+
+
+@pytest.mark.parametrize("placement", [ResidentKV, SwappedKV])
+def test_rollback_cuts_kv_back_and_drops_what_restarts(placement):
+    """Fault recovery: back to the state before the step to redo."""
+    kv = placement(DeviceArena(LAYOUT, 3 * LAYOUT.slot_bytes(), CPU))
+    for seq_id, length in ((0, 6), (1, 4), (2, 5)):
+        kv.add(seq_id, filled(length, float(seq_id)))
+    if placement is SwappedKV:
+        kv.open(0, [0, 1])  # a device copy of the positions being cut must not survive
+        kv.close(0, [0, 1])
+        kv.prefetch(1, [0])
+    kv.rollback({0: 4, 1: 4})  # 2 is not given: it restarts from its prompt
+    held = kv.held()
+    assert sorted(held) == [0, 1] and held[0].length == 4 and held[1].length == 4
+    assert kv.open(0, [0])[0].length == 4
+    kv.close(0, [0])
+    with pytest.raises(RuntimeError, match="sequence 1: 4 KV positions here, the resume "
+                                           "point needs 5"):
+        kv.rollback({0: 4, 1: 5})
+    kv.rollback({})
     assert len(kv) == 0 and kv.arena.used_bytes == 0
     kv.shutdown()
 
