@@ -17,6 +17,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("status",): ("orchestrator.cluster.launcher:status_main", "show the local cluster"),
     ("down",): ("orchestrator.cluster.launcher:down_main", "stop the local cluster"),
     ("repo",): ("orchestrator.cluster.launcher:repo_main", "write one node's model repository"),
+    ("chaos",): ("orchestrator.cluster.chaos:main", "list or kill a local cluster's processes"),
     ("generate",): ("clients.generate:main", "generate through Triton HTTP/gRPC"),
     ("plan",): ("orchestrator.planner.cli:plan_main", "size prompt and token pools"),
     ("simulate",): ("orchestrator.planner.cli:simulate_main", "simulate serving policies"),

@@ -16,25 +16,38 @@ pipelines start themselves.
 
 Colocated mode has no P-nodes: each T-node (depth 1) prefills its own prompts
 (the baseline that disaggregation is measured against).
+
+The fault controller (:mod:`orchestrator.fault.controller`) runs as a process of
+its own on loopback, started before the nodes and stopped after them; every P-
+and T-node registers with it and heartbeats (``controller`` model parameter),
+and ``dejavu status`` shows its view. If the controller dies, serving goes on:
+the nodes keep serving and re-register when it returns, but a node that fails
+while it is away is not declared dead until it is back (the library's
+behaviour, see :mod:`orchestrator.fault.client`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import secrets
 import shutil
+import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from orchestrator.cluster.tritonserver import (
+    ROOT,
     ServerError,
     TritonServer,
     add_model,
     clean_shm,
+    free_port,
     is_ready,
     make_backend_dir,
     stop_processes,
@@ -97,9 +110,11 @@ class Cluster:
         decode_depth: int = 1,
         swap: str = "off",
         dead_after_s: float = 10.0,
+        controller_timeout_s: float = 5.0,
     ) -> None:
         """``prefill``/``decode``: how many P- and T-pipelines, of depths ``prefill_depth``
-        and ``decode_depth``; ``max_batch``: sequences per microbatch of a T-pipeline."""
+        and ``decode_depth``; ``max_batch``: sequences per microbatch of a T-pipeline;
+        ``controller_timeout_s``: the fault controller declares a node silent this long dead."""
         if decode < 1:
             raise ValueError("a cluster needs at least one decode node")
         if not colocated and prefill < 1:
@@ -118,7 +133,10 @@ class Cluster:
         self.colocated = colocated
         self.run_dir = Path(run_dir).resolve()
         self.secret = secrets.token_hex(16)
+        self.controller = Controller(free_port(), controller_timeout_s,
+                                     self.run_dir / "logs" / "controller.log")
         self.common = {
+            "controller": self.controller.address,
             "model_dir": str(self.model_dir),
             "max_seq_len": str(max_seq_len or ""),
             "max_batch": str(max_batch),
@@ -167,6 +185,8 @@ class Cluster:
             **self.common,
             "secret": self.secret,
             "name": f"{name}-{node.server.grpc_port}",
+            "address": node.server.grpc_url,
+            "pipeline": str(node.pipeline if node.pipeline is not None else ""),
             "mode": "colocated" if self.colocated else "disaggregated",
             "depth": str(node.depth or 1),
             "stage": str(node.stage or 0),
@@ -193,6 +213,7 @@ class Cluster:
 
     def start(self, timeout_s: float = 180.0) -> None:
         try:
+            self.controller.start()
             for node in self.nodes:
                 node.server.launch()
             for node in self.nodes:
@@ -207,6 +228,7 @@ class Cluster:
 
     def stop(self) -> None:
         stop_servers([node.server for node in self.nodes])
+        self.controller.stop()
         (self.run_dir / STATE_FILE).unlink(missing_ok=True)
 
     def write_state(self) -> None:
@@ -214,6 +236,7 @@ class Cluster:
             "mode": "colocated" if self.colocated else "disaggregated",
             "model_dir": str(self.model_dir),
             "frontend": {"http": self.frontend.http_url, "grpc": self.frontend.grpc_url},
+            "controller": self.controller.describe(),
             "nodes": [n.describe() for n in self.nodes],
         }
         (self.run_dir / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
@@ -227,6 +250,51 @@ class Cluster:
             yield cluster
         finally:
             cluster.stop()
+
+
+@dataclass
+class Controller:
+    """The fault controller's process (``python -m orchestrator.fault.controller``)."""
+
+    port: int
+    timeout_s: float
+    log_path: Path
+    process: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "orchestrator.fault.controller", "--port", str(self.port),
+                 "--timeout-s", str(self.timeout_s)],
+                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                start_new_session=True,  # like the nodes: Ctrl-C in a shell must not stop it
+            )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ServerError(f"the controller exited with {self.process.returncode}; "
+                                  f"log {self.log_path}")
+            if re.search(rf"controller listening on {re.escape(self.address)}",
+                         self.log_path.read_text(errors="replace")):
+                return
+            time.sleep(0.1)
+        self.stop()
+        raise ServerError(f"the controller did not listen on {self.address} within "
+                          f"{timeout_s:.0f} s; log {self.log_path}")
+
+    def stop(self) -> None:
+        if self.process is not None:
+            stop_processes([self.process.pid], timeout_s=5.0)
+            self.process.wait(timeout=5)
+
+    def describe(self) -> dict:
+        return {"address": self.address, "pid": self.process.pid if self.process else None,
+                "timeout_s": self.timeout_s, "log": str(self.log_path)}
 
 
 def connect_pipeline(urls: list[str], timeout_s: float) -> None:
@@ -273,6 +341,8 @@ def up_main(argv: list[str]) -> int:
     parser.add_argument("--colocated", action="store_true", help="T-nodes prefill themselves")
     parser.add_argument("--max-seq-len", type=int, help="KV slot size (default: model's)")
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for ready")
+    parser.add_argument("--controller-timeout", type=float, default=5.0,
+                        help="the fault controller declares a node silent this long dead")
     _dir_argument(parser)
     args = parser.parse_args(argv)
     if (Path(args.dir) / STATE_FILE).exists():
@@ -280,7 +350,8 @@ def up_main(argv: list[str]) -> int:
             print(f"a cluster is up in {args.dir}: run `dejavu down` first", file=sys.stderr)
             return 1
         (Path(args.dir) / STATE_FILE).unlink()  # left by a cluster that died
-    common = dict(run_dir=args.dir, max_seq_len=args.max_seq_len, swap=args.swap)
+    common = dict(run_dir=args.dir, max_seq_len=args.max_seq_len, swap=args.swap,
+                  controller_timeout_s=args.controller_timeout)
     try:
         if args.spec is not None:
             cluster = Cluster.from_spec(json.loads(args.spec.read_text()), **common)
@@ -300,6 +371,8 @@ def up_main(argv: list[str]) -> int:
         s = node.server
         print(f"{s.name:<10} {node.role:<9} {_place(node.describe()):<14} http {s.http_url}  "
               f"grpc {s.grpc_url}  log {s.log_path}")
+    c = cluster.controller
+    print(f"{'controller':<10} {'fault':<9} {'':<14} grpc {c.address}  log {c.log_path}")
     print(f"ready: ensemble at http://{cluster.frontend.http_url} (state in {args.dir})")
     return 0
 
@@ -325,15 +398,50 @@ def status_main(argv: list[str]) -> int:
         return 1
     for node in state["nodes"]:
         node["ready"] = is_ready(node["http"])
+    view = controller_view(state)
     if args.json:
         print(json.dumps(state, indent=2))
     else:
         print(f"mode {state['mode']}, model {state['model_dir']}")
         for n in state["nodes"]:
             ready = "ready" if n["ready"] else "DOWN"
-            print(f"{n['name']:<10} {n['role']:<9} {_place(n):<22} {ready:<6} http {n['http']}  "
-                  f"pid {n['pid']}")
-    return 0 if all(n["ready"] for n in state["nodes"]) else 1
+            print(f"{n['name']:<10} {n['role']:<9} {_place(n):<22} {ready:<6} "
+                  f"controller: {n['controller']:<12} http {n['http']}  pid {n['pid']}")
+        where = f"controller {state['controller']['address']}"
+        print(f"{where}: {view['error']}" if "error" in view else
+              f"{where}: {len(view['nodes'])} nodes registered, declares dead after "
+              f"{view['timeout_s']} s")
+    healthy = "error" not in view and all(n["controller"] in ("alive", "-") for n in state["nodes"])
+    return 0 if healthy and all(n["ready"] for n in state["nodes"]) else 1
+
+
+def controller_view(state: dict) -> dict:
+    """Ask the controller; mark each node of ``state`` alive, dead or unregistered in its
+    view (``-``: the frontend does not register) and keep the answer in ``state``."""
+    import grpc  # only where needed
+
+    from orchestrator.fault.client import query_status
+
+    controller = state.get("controller") or {}
+    try:
+        view = query_status(controller["address"])
+    except KeyError:
+        view = {"error": "none recorded in the state file"}
+    except grpc.RpcError as exc:
+        view = {"error": f"unreachable ({exc.code().name})"}
+    controller["view"] = view
+    registered = {n["address"]: n for n in view.get("nodes", [])}  # the latest per address
+    for node in state["nodes"]:
+        known = registered.get(node["grpc"])
+        if node["role"] == "frontend":
+            node["controller"] = "-"
+        elif "error" in view:
+            node["controller"] = "unknown"
+        elif known is None:
+            node["controller"] = "unregistered"
+        else:
+            node["controller"] = "alive" if known["alive"] else "dead"
+    return view
 
 
 def down_main(argv: list[str]) -> int:
@@ -349,6 +457,9 @@ def down_main(argv: list[str]) -> int:
     for node in state["nodes"]:
         clean_shm(node["shm_prefix"])
         print(f"stopped {node['name']}")
+    if (state.get("controller") or {}).get("pid"):
+        stop_processes([state["controller"]["pid"]], timeout_s=5.0)
+        print("stopped the controller")
     (Path(args.dir) / STATE_FILE).unlink()
     return 0
 

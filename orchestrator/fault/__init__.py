@@ -3,6 +3,8 @@
 - ``controller``: registration, heartbeats, acks, failure detection, recovery plans.
 - ``client``: the node side of the controller (heartbeat thread, acks, plans).
 - ``replication``: stage x streams its KV to stage (x+1)%D's host memory (or disk).
-- ``recovery``: the four recovery steps, the recompute fallback, the restart baseline.
-- ``drill``: an in-process pipeline of engine stages that fails and recovers a stage.
+- ``recovery``: the four recovery steps (step 1, restoring a stage from its replica).
+- ``replicated``: a ``TokenPipeline`` with replicas, kills, detection and recovery; the
+  recompute fallback and the restart-from-scratch baseline.
+- ``bench``: ``dejavu bench recovery`` (Fig. 14, 15) on that pipeline.
 """

@@ -45,7 +45,9 @@ class Run:
     name: str
     replicate: bool
     kills: list[Kill]
-    kill_after: list[int] = field(default_factory=list)  # Fig. 15: kill i once this many ended
+    # Fig. 15: stage i % D dies once this many of the run's tokens were generated (each
+    # position counted once: tokens a restart generates again do not move it on).
+    kill_at: list[int] = field(default_factory=list)
     result: RunResult | None = None
     wall_s: float = 0.0
 
@@ -58,14 +60,15 @@ def run_pipeline(args, engines: list[TorchEngine], controller: str, run: Run,
                             replicate=run.replicate, kills=run.kills,
                             heartbeat_s=args.heartbeat_s)
     finished: list[tuple[float, str]] = []
-    later = list(zip(run.kill_after, range(len(run.kill_after)), strict=True))
+    later = list(enumerate(run.kill_at))
+    reached: dict[str, int] = {}  # request -> most tokens it ever had
 
     def on_token(seq: Sequence, token: int | None, done: bool) -> None:
-        if not done:
-            return
-        finished.append((time.monotonic() - ft.started_at, seq.request_id))
-        while later and len(finished) >= later[0][0]:  # a stage dies at its next step
-            ft.inject(Kill(stage=later.pop(0)[1] % args.depth, settled=False))
+        reached[seq.request_id] = max(reached.get(seq.request_id, 0), len(seq.output_ids))
+        while later and sum(reached.values()) >= later[0][1]:  # a stage dies at its next step
+            ft.inject(Kill(stage=later.pop(0)[0] % args.depth, settled=False))
+        if done:
+            finished.append((time.monotonic() - ft.started_at, seq.request_id))
 
     seqs = [Sequence(f"r{i}", p, args.tokens, on_token=on_token) for i, p in enumerate(prompts)]
     start = time.perf_counter()
@@ -114,10 +117,10 @@ def fig14(args, engines, controller: str, vocab: int) -> list[Run]:
 def fig15(args, engines, controller: str, vocab: int) -> list[Run]:
     """A stream of requests, microbatches refilled as they finish; three failures."""
     prompts = make_prompts(args.batch * args.depth * args.rounds, args.prompt, vocab, seed=1)
-    # Stage i % D dies once a quarter, a half, three quarters of the requests ended.
-    after = [len(prompts) * (i + 1) // 4 for i in range(3)]
-    runs = [Run("no failure", True, []), Run("recovery, 3 failures", True, [], after),
-            Run("restart, 3 failures", False, [], after)]
+    # Stage i % D dies a quarter, half, three quarters of the way (mid-request: 3 rounds).
+    at = [len(prompts) * args.tokens * (i + 1) // 4 for i in range(3)]
+    runs = [Run("no failure", True, []), Run("recovery, 3 failures", True, [], at),
+            Run("restart, 3 failures", False, [], at)]
     for run in runs:
         run_pipeline(args, engines, controller, run, prompts)
     return runs

@@ -21,9 +21,15 @@ microbatch, (2) replicas are seeded again, and the head resumes there. If a
 replica holder died too, or replication is off (the restart-from-scratch
 baseline), every running request starts over from its prompt.
 
-Limits: greedy or seeded-per-request sampling only restarts exactly if the
-sampler is stateless (greedy); a request prefilled elsewhere whose prompt KV
-was lost ends with an error (colocated pipelines re-run the prompt).
+A request whose prompt KV was lost (it joined at or after the step to redo)
+starts over: colocated, its prompt runs again in the pipeline; disaggregated,
+the pipeline's own P-worker prefills it again (a head fed by P-nodes elsewhere
+ends it with an error saying so).
+
+Limits: redone steps are exact for greedy sampling (a seeded sampler's state is
+not rolled back); tokens cut by a rollback reach ``on_token`` again when redone
+(the same tokens; only after an unsettled failure); the stages are threads of
+this process (across processes the same hooks apply, the drain does not).
 """
 
 from __future__ import annotations
@@ -175,6 +181,8 @@ class ReplicatedPipeline:
         deadline = time.monotonic() + timeout_s
         while not all(n.client.connected for n in self.nodes):
             if time.monotonic() > deadline:
+                for node in self.nodes:
+                    node.close()
                 raise TimeoutError(f"stages did not register with the controller "
                                    f"{self.controller} in {timeout_s} s")
             time.sleep(0.01)
@@ -318,6 +326,8 @@ class ReplicatedPipeline:
         while True:
             plan = self._plan(failed)
             planned = time.monotonic()
+            for x in plan["failed"]:
+                pipeline.stages[x].retire()  # its thread is over: nobody takes its messages
             try:
                 # Past the controller's timeout every stage lost with these was declared.
                 lost = self._drain(plan["failed"], 2 * self._controller_timeout_s)
@@ -333,7 +343,7 @@ class ReplicatedPipeline:
                   else {int(j): int(t) for j, t in plan["resume"].items()})
 
         running = {s.seq_id: s for s in head.running()}
-        lengths = head.rewind(resume)  # step 3: the heads goes back to (j, t)
+        lengths = head.rewind(resume)  # step 3: the head goes back to (j, t)
         restarted = len(running) - len(lengths)
         spares = {x: pipeline.replace_stage(x) for x in failed}
         for holder, x in [] if recompute else plan["restore"]:  # step 1

@@ -254,6 +254,7 @@ class PipelineHead:
                 self._in_flight[mb] = False
             for seq in reversed(restarted):  # ahead of the waiting queue, in their old order
                 self._restart(seq)
+            self._probe_sent_at = None  # a KV probe in flight may have died too: probe again
         return lengths
 
     def resume(self) -> None:

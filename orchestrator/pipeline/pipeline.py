@@ -172,6 +172,13 @@ class TokenPipeline(PipelineHead):
         if self.prompt_worker is not None:
             self.prompt_worker.cancel(request_id)
 
+    def _restart(self, seq: Seq) -> None:
+        """With its own P-worker, a sequence whose prompt KV was lost is prefilled again."""
+        if self.prompt_worker is None:
+            super()._restart(seq)
+        else:
+            self.prompt_worker.submit(seq)
+
     def _discard_prompt_kv(self, seq: Seq) -> None:
         if self.prompt_kv is self.prompt_store:
             self.prompt_store.discard(seq.seq_id)

@@ -7,12 +7,25 @@ prefills, streams each layer's KV into the stage that holds it and returns the
 first token, which goes to the client at once; stage 0's tokens follow.
 Colocated: the T-node prefills itself and every token comes from its stream.
 All calls are Triton gRPC.
+
+A P-node lost mid-prompt (unreachable, killed while prefilling, or its KV
+transfer failed) costs the client a pause, not an error: the frontend cancels
+the T-side admission (the head frees every stage's slot), reserves afresh and
+runs the prompt once more on another P-node; the router leaves the lost node
+out for a while. Prefill is deterministic, so the tokens do not change.
+
+With a fault controller (``controller``), a watcher thread asks it every
+``watch_s`` which nodes it has declared dead and keeps them (and every token
+pipeline with a dead stage) out of the routers. While the controller is away
+the routers go by the failures they meet alone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import queue
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -26,12 +39,18 @@ from orchestrator.serving.params import GenerationParams
 from orchestrator.serving.router import Router
 from orchestrator.serving.text import CONTEXT_TOKENS
 
+log = logging.getLogger(__name__)
+
 # tokens of this response, the tokens already sent just before them, is it the last
 Emit = Callable[[list[int], list[int], bool], None]
 
 
 class ServingError(RuntimeError):
     """A downstream node failed or refused the request; the message says which and why."""
+
+
+class PrefillLost(ServingError):
+    """The P-node went away or its KV never landed: the prompt may run on another P-node."""
 
 
 class Cancelled(Exception):
@@ -60,6 +79,12 @@ def request_tensors(prompt_ids: list[int], params: GenerationParams) -> list:
 
 def _is_unreachable(error: Exception) -> bool:
     return isinstance(error, InferenceServerException) and "UNAVAILABLE" in str(error.status())
+
+
+def _prefill_lost(error: InferenceServerException) -> bool:
+    """The node died (before or during the call) or its KV transfer failed: worth a rerun."""
+    # A KV transfer error reaches us as the P-node's message (orchestrator.kv.errors).
+    return _is_unreachable(error) or "KV transfer (" in (error.message() or "")
 
 
 @dataclass
@@ -138,14 +163,46 @@ def parse_pipelines(spec: str) -> list[list[str]]:
 class Frontend:
     def __init__(
         self, prefill_urls: list[str], decode_pipelines: list[list[str]],
-        timeout_s: float = 60.0,
+        timeout_s: float = 60.0, controller: str = "", watch_s: float = 0.5,
     ) -> None:
-        """``decode_pipelines``: each token pipeline's stage urls, stage 0 (its head) first."""
+        """``decode_pipelines``: each token pipeline's stage urls, stage 0 (its head) first;
+        ``controller``: the fault controller's address (empty: none)."""
         self.prefill = Router(prefill_urls) if prefill_urls else None
         self.decode = Router([stages[0] for stages in decode_pipelines])
         self.later_stages = {stages[0]: stages[1:] for stages in decode_pipelines}
         self.timeout_s = timeout_s
         self.prefill_clients = {url: grpcclient.InferenceServerClient(url) for url in prefill_urls}
+        self.stopped = threading.Event()
+        self.watcher = None
+        if controller:
+            self.watcher = threading.Thread(target=self._watch, args=(controller, watch_s),
+                                            name="controller-watch", daemon=True)
+            self.watcher.start()
+
+    def _watch(self, controller: str, watch_s: float) -> None:
+        import grpc
+
+        from orchestrator.fault.client import query_status
+
+        while not self.stopped.wait(watch_s):
+            try:
+                nodes = query_status(controller, timeout_s=watch_s)["nodes"]
+            except grpc.RpcError:
+                continue  # the controller is away: go by the failures met
+            alive = {}  # the latest registration per address wins
+            for node in nodes:
+                alive[node["address"]] = node["alive"]
+            dead = {address for address, ok in alive.items() if not ok}
+            for url in dead & set(self.prefill_clients):
+                self.prefill.mark_down(url)
+            for head, later in self.later_stages.items():
+                if dead & {head, *later}:
+                    self.decode.mark_down(head)
+
+    def close(self) -> None:
+        self.stopped.set()
+        if self.watcher is not None:
+            self.watcher.join(timeout=5)
 
     @property
     def colocated(self) -> bool:
@@ -178,29 +235,30 @@ class Frontend:
         stream = None
         cancel = True
         reserved: list[str] = []  # later stages holding a slot stage 0 has not taken over
+
+        def admit(rid: str) -> tuple[DecodeStream, np.ndarray | None]:
+            return self._admit(url, rid, prompt_ids, params, reserved, is_cancelled)
+
         try:
             try:
-                tickets = []
-                for stage_url in self.later_stages[url]:
-                    tickets.append(self._reserve(stage_url, request_id, prompt_ids))
-                    reserved.append(stage_url)
-                stream = DecodeStream(url, self.timeout_s)
-                stream.send(request_id, request_tensors(prompt_ids, params))
+                stream, tickets = admit(request_id)
+                if not self.colocated:
+                    try:
+                        first = self._prefill(request_id, prompt_ids, params, tickets)
+                    except PrefillLost as lost:
+                        log.warning("%s; running the prompt again on another P-node", lost)
+                        stream.close(cancel=True)  # the head frees the slot on every stage
+                        stream = None
+                        request_id = uuid.uuid4().hex
+                        stream, tickets = admit(request_id)
+                        first = self._prefill(request_id, prompt_ids, params, tickets)
+                    relay([first], False)
                 result, final = stream.next(is_cancelled)
             except InferenceServerException as exc:
                 if _is_unreachable(exc):
                     self.decode.mark_down(url)
                     raise ServingError(f"decode node {url} is down: {exc.message()}") from exc
                 raise ServingError(f"decode node {url}: {exc.message()}") from exc
-            if not self.colocated:
-                ticket = result.as_numpy("kv_ticket")
-                if ticket is None:
-                    raise ServingError(f"decode node {url} answered without a KV ticket")
-                reserved = []  # stage 0 holds the request now: its head frees every slot
-                tickets = np.concatenate([ticket.reshape(-1), np.array(tickets, np.object_)])
-                first = self._prefill(request_id, prompt_ids, params, tickets)
-                relay([first], False)
-                result, final = stream.next(is_cancelled)
             while True:
                 tokens = result.as_numpy("output_ids")
                 relay([] if tokens is None else tokens.tolist(), final)
@@ -216,6 +274,32 @@ class Frontend:
                 stream.close(cancel)
             for stage_url in reserved:
                 self._release(stage_url, request_id)
+
+    def _admit(
+        self, url: str, request_id: str, prompt_ids: list[int], params: GenerationParams,
+        reserved: list[str], is_cancelled: Callable[[], bool],
+    ) -> tuple[DecodeStream, np.ndarray | None]:
+        """Reserve the prompt KV on every stage and open stage 0's stream; the KV tickets
+        (None when colocated). ``reserved`` lists the stages to release if this fails."""
+        tickets = []
+        for stage_url in self.later_stages[url]:
+            tickets.append(self._reserve(stage_url, request_id, prompt_ids))
+            reserved.append(stage_url)
+        stream = DecodeStream(url, self.timeout_s)
+        try:
+            stream.send(request_id, request_tensors(prompt_ids, params))
+            if self.colocated:
+                return stream, None
+            result, _ = stream.next(is_cancelled)
+        except BaseException:
+            stream.close(cancel=True)
+            raise
+        ticket = result.as_numpy("kv_ticket")
+        if ticket is None:
+            stream.close(cancel=True)
+            raise ServingError(f"decode node {url} answered without a KV ticket")
+        reserved.clear()  # stage 0 holds the request now: its head frees every slot
+        return stream, np.concatenate([ticket.reshape(-1), np.array(tickets, np.object_)])
 
     def _reserve(self, url: str, request_id: str, prompt_ids: list[int]) -> bytes:
         try:
@@ -238,8 +322,8 @@ class Frontend:
                     "prefill", inputs, request_id=request_id, client_timeout=self.timeout_s
                 )
             except InferenceServerException as exc:
-                if _is_unreachable(exc):
+                if _prefill_lost(exc):
                     self.prefill.mark_down(url)
-                    raise ServingError(f"prefill node {url} is down: {exc.message()}") from exc
+                    raise PrefillLost(f"prefill node {url} lost: {exc.message()}") from exc
                 raise ServingError(f"prefill node {url}: {exc.message()}") from exc
             return int(result.as_numpy("output_ids")[0])

@@ -7,7 +7,9 @@ stages, all in this process); on a T-node ``mode`` (``disaggregated`` or
 ``colocated``), ``depth`` and ``stage`` (its place in its token pipeline),
 ``max_batch`` (sequences per microbatch), ``swap`` (on | off | auto),
 ``num_slots`` (prompt KVs it can hold before their requests are admitted) and
-``dead_after_s`` (a silent stage breaks the pipeline after this long).
+``dead_after_s`` (a silent stage breaks the pipeline after this long). Every
+node: ``controller`` (the fault controller's address; empty: none), ``address``
+(its own gRPC url) and ``pipeline`` (the index of its P- or T-pipeline).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from orchestrator.engine.reference import load_stages
 from orchestrator.engine.torch_engine import load_engine
+from orchestrator.fault.client import ControllerClient, NodeSpec
 from orchestrator.pipeline.node import PipelineConfig, StageNode
 from orchestrator.pipeline.pipeline import TokenPipeline
 from orchestrator.serving.metrics import Metrics
@@ -67,3 +70,20 @@ def load_token_service(params: dict[str, str], metrics: Metrics | None = None) -
     if depth == 1:  # nothing to connect: serve at once (also where no launcher bootstraps)
         node.start()
     return TokenService(node.engine, node=node, metrics=metrics)
+
+
+def connect_controller(params: dict[str, str], role: str) -> ControllerClient | None:
+    """Register with the fault controller and heartbeat (``role``: prompt | token); None
+    when the node has no controller. Stop the client when the model is unloaded."""
+    if not params.get("controller"):
+        return None
+    token = role == "token"
+    spec = NodeSpec(
+        pipeline=f"{'decode' if token else 'prefill'}{params.get('pipeline', '0')}",
+        stage=int(params.get("stage", "0")) if token else 0,
+        depth=int(params.get("depth", "1")) if token else 1,  # a P-node's stages: one process
+        role=role,
+        address=params.get("address", ""),
+    )
+    return ControllerClient(params["controller"], spec, heartbeat_s=0.5,
+                            node_id=params.get("name") or None).start()

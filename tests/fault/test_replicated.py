@@ -28,10 +28,12 @@ def reference(model, prompts) -> list[list[int]]:
 
 
 def run(controller: str, model, depth: int, kills: list[Kill], name: str, swap: str = "off",
-        replicate: bool = True):
-    """Returns (outputs, finish events per request, the wrapper) after every request ended."""
+        replicate: bool = True, mode: str = "colocated"):
+    """Returns (outputs, finish events per request, the wrapper, replicas left) once every
+    request ended. Disaggregated, an in-process P-worker prefills."""
     engines = load_stages(str(model), depth, max_seq_len=MAX_SEQ)
-    pipeline = TokenPipeline(engines, 2, mode="colocated", swap=swap)
+    prompt = load_stages(str(model), 1, max_seq_len=MAX_SEQ) if mode != "colocated" else None
+    pipeline = TokenPipeline(engines, 2, mode=mode, swap=swap, prompt_engines=prompt)
     ft = ReplicatedPipeline(pipeline, controller, name, replicate=replicate, kills=kills,
                             heartbeat_s=0.03)
     finishes: dict[str, int] = {}
@@ -53,21 +55,27 @@ def run(controller: str, model, depth: int, kills: list[Kill], name: str, swap: 
 
 
 @pytest.mark.parametrize(
-    ("arch", "depth", "swap", "kill"),
-    [("gpt2", 3, "off", Kill(stage=1, microbatch=0, step=6)),
-     ("llama", 2, "off", Kill(stage=0, microbatch=1, step=5)),  # stage 0's holder is stage 1
-     ("opt", 3, "on", Kill(stage=2, microbatch=2, step=4))],  # the last stage, swapping
+    ("arch", "depth", "swap", "mode", "kill"),
+    [("gpt2", 3, "off", "colocated", Kill(stage=1, microbatch=0, step=6)),
+     # stage 0's holder is stage 1; prompts prefilled by a P-worker
+     ("llama", 2, "off", "disaggregated", Kill(stage=0, microbatch=1, step=5)),
+     ("opt", 3, "on", "colocated", Kill(stage=2, microbatch=2, step=4)),  # last stage, swap
+     ("gpt2", 3, "on", "disaggregated", Kill(stage=1, microbatch=1, step=8))],
 )
 def test_recovery_on_the_token_pipeline_is_token_exact(controller, tiny_model, arch, depth,
-                                                       swap, kill) -> None:
+                                                       swap, mode, kill) -> None:
     model = tiny_model(arch)
-    outputs, finishes, ft, held = run(controller, model, depth, [kill], f"tp-{arch}", swap)
+    outputs, finishes, ft, held = run(controller, model, depth, [kill], f"tp-{arch}-{mode}",
+                                      swap, mode=mode)
     assert outputs == reference(model, make_prompts())
     assert finishes == {f"r{i}": 1 for i in range(len(LIMITS))}  # none lost, none twice
     (recovery,) = ft.recoveries
     assert recovery.stages == [kill.stage] and not recovery.recompute
     # Settled: every step before the kill was replicated, so exactly the killed one is redone.
     assert recovery.resume[kill.microbatch] == kill.step
+    # The last stage ran every step of that microbatch once: no prompt ran again.
+    steps = [step for mb, step, _ in ft.steps_done if mb == kill.microbatch]
+    assert kill.step in steps and len(steps) == len(set(steps))
     assert held == 0  # every replica freed as its request ended
 
 
@@ -78,13 +86,17 @@ def test_unsettled_kill_redoes_no_later_step_and_stays_exact(controller, tiny_mo
     assert outputs == reference(model, make_prompts())
     assert set(finishes.values()) == {1}
     (recovery,) = ft.recoveries
-    assert 1 <= recovery.resume[1] <= 7 and held == 0
+    assert recovery.resume[1] <= 7 and held == 0  # never past the kill
 
 
-def test_holder_also_lost_falls_back_to_recompute(controller, tiny_model) -> None:
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+def test_holder_also_lost_falls_back_to_recompute(controller, tiny_model, mode) -> None:
+    """Colocated, the prompts run again in the pipeline; disaggregated, the P-worker
+    prefills them again."""
     model = tiny_model("gpt2")
     kill = Kill(stage=1, microbatch=0, step=4, also=(2,))  # stage 2 holds stage 1's replicas
-    outputs, finishes, ft, held = run(controller, model, 3, [kill], "tp-fallback")
+    outputs, finishes, ft, held = run(controller, model, 3, [kill], f"tp-fallback-{mode}",
+                                      mode=mode)
     assert outputs == reference(model, make_prompts())
     assert set(finishes.values()) == {1}
     (recovery,) = ft.recoveries
@@ -101,6 +113,8 @@ def test_restart_from_scratch_baseline_is_token_exact(controller, tiny_model) ->
     assert set(finishes.values()) == {1}
     (recovery,) = ft.recoveries
     assert recovery.recompute and recovery.restarted > 0 and held == 0
+    steps = [step for mb, step, _ in ft.steps_done if mb == 0]
+    assert steps.count(0) == 2  # microbatch 0 started over from its prompts
 
 
 def test_bad_setups_are_named(controller, tiny_model) -> None:

@@ -3,7 +3,7 @@ request and stream each token as it is made (stage 0); else a control request (b
 KV reservation) answered with one final ``reply``."""
 
 from orchestrator.serving import pb
-from orchestrator.serving.node import load_token_service
+from orchestrator.serving.node import connect_controller, load_token_service
 from orchestrator.serving.params import PARAM_TENSORS, GenerationParams
 
 
@@ -11,6 +11,7 @@ class TritonPythonModel:
     def initialize(self, args):
         params = pb.parameters(args)
         self.service = load_token_service(params, pb.TritonMetrics(params["name"]))
+        self.controller = connect_controller(params, "token")
 
     def execute(self, requests):
         for request in requests:
@@ -50,4 +51,6 @@ class TritonPythonModel:
         return None
 
     def finalize(self):
+        if self.controller is not None:
+            self.controller.stop()
         self.service.stop()

@@ -12,7 +12,8 @@ class TritonPythonModel:
     def initialize(self, args):
         params = pb.parameters(args)
         prefill_urls = [url for url in params.get("prefill_urls", "").split(",") if url]
-        self.frontend = Frontend(prefill_urls, parse_pipelines(params.get("decode_urls", "")))
+        self.frontend = Frontend(prefill_urls, parse_pipelines(params.get("decode_urls", "")),
+                                 controller=params.get("controller", ""))
         self.metrics = pb.TritonMetrics(params.get("name", "frontend"))
         self.held, self.lock = 0, threading.Lock()
         self.pool = ThreadPoolExecutor(max_workers=int(params.get("max_requests", "64")))
@@ -51,4 +52,5 @@ class TritonPythonModel:
             self.metrics.queue_length(self.held)
 
     def finalize(self):
+        self.frontend.close()
         self.pool.shutdown(wait=False, cancel_futures=True)

@@ -2,7 +2,7 @@
 (``kv_ticket``: one per stage of the chosen token pipeline), return the first token."""
 
 from orchestrator.serving import pb
-from orchestrator.serving.node import load_prefill_worker
+from orchestrator.serving.node import connect_controller, load_prefill_worker
 from orchestrator.serving.params import PARAM_TENSORS, GenerationParams
 from orchestrator.serving.prefill_worker import PrefillJob
 
@@ -11,6 +11,7 @@ class TritonPythonModel:
     def initialize(self, args):
         params = pb.parameters(args)
         self.worker = load_prefill_worker(params, pb.TritonMetrics(params["name"]))
+        self.controller = connect_controller(params, "prompt")
 
     def execute(self, requests):
         jobs, responses = [], [None] * len(requests)
@@ -30,3 +31,7 @@ class TritonPythonModel:
             else:
                 responses[i] = pb.response(output_ids=pb.ids([result]))
         return responses
+
+    def finalize(self):
+        if self.controller is not None:
+            self.controller.stop()

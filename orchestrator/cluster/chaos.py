@@ -1,0 +1,87 @@
+"""Fault injection on a local cluster: ``dejavu chaos list`` and ``dejavu chaos kill NODE``.
+
+Reads the state file that ``dejavu up`` wrote. ``kill`` signals a node's whole
+process group (the tritonserver and its Python-backend stubs: the launcher
+starts each node in a session of its own), waits until it is gone and removes
+the shared-memory regions a killed node leaves in /dev/shm. ``controller``
+names the fault controller.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import sys
+import time
+
+from orchestrator.cluster.launcher import STATE_FILE, read_state
+from orchestrator.cluster.tritonserver import clean_shm
+
+SIGNALS = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM}
+
+
+def targets(state: dict) -> dict[str, dict]:
+    """Every process that can be killed, by name: the nodes and the controller."""
+    found = {node["name"]: node for node in state["nodes"]}
+    if (state.get("controller") or {}).get("pid"):
+        found["controller"] = {"name": "controller", "role": "controller",
+                               **state["controller"]}
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with contextlib.suppress(ChildProcessError):  # our own child: a zombie until reaped
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return False
+    return True
+
+
+def kill(target: dict, sig: signal.Signals, timeout_s: float = 15.0) -> None:
+    """Signal ``target``'s process group; raise TimeoutError if it outlives ``timeout_s``."""
+    pid = target["pid"]
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, sig)  # pgid == pid: started with start_new_session
+    deadline = time.monotonic() + timeout_s
+    while alive(pid):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{target['name']} (pid {pid}) still alive {timeout_s:.0f} s "
+                               f"after {sig.name}")
+        time.sleep(0.05)
+    if target.get("shm_prefix"):
+        clean_shm(target["shm_prefix"])
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="dejavu chaos", description=__doc__.splitlines()[0])
+    parser.add_argument("action", choices=["list", "kill"])
+    parser.add_argument("node", nargs="?", help="kill: a node's name (see list) or controller")
+    parser.add_argument("--signal", choices=list(SIGNALS), default="KILL")
+    parser.add_argument("--dir", default="runs/local", help="the cluster's folder")
+    args = parser.parse_args(argv)
+    try:
+        found = targets(read_state(args.dir))
+    except FileNotFoundError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    if args.action == "list":
+        for name, t in found.items():
+            state = "alive" if t.get("pid") and alive(t["pid"]) else "gone"
+            print(f"{name:<12} {t['role']:<10} pid {t.get('pid')}  {state}")
+        return 0
+    if args.node not in found:
+        print(f"dejavu chaos kill: no node {args.node!r} in {args.dir}/{STATE_FILE}; "
+              f"choose from {', '.join(found)}", file=sys.stderr)
+        return 2
+    try:
+        kill(found[args.node], SIGNALS[args.signal])
+    except TimeoutError as exc:
+        print(f"dejavu chaos kill: {exc}", file=sys.stderr)
+        return 1
+    print(f"killed {args.node} (pid {found[args.node]['pid']}, SIG{args.signal})")
+    return 0

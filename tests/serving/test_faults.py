@@ -1,0 +1,102 @@
+"""Faults on real tritonservers: the controller watches every node, a P-node killed with
+kill -9 costs its prompts a pause (they re-run on the other P-node, token-exact), and
+serving goes on while the controller itself is gone."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from cluster_helpers import MAX_SEQ_LEN, PROMPTS, ids_of, reference, run_concurrently
+
+from clients.generate import stream_grpc
+from orchestrator.cluster import chaos
+from orchestrator.cluster.launcher import Cluster, read_state, status_main
+
+pytestmark = pytest.mark.slow
+MAX_TOKENS = 8
+CONTROLLER_TIMEOUT_S = 3.0
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def cluster(model, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("faults")
+    with Cluster.up(model, prefill=2, decode=1, run_dir=run_dir, max_seq_len=MAX_SEQ_LEN,
+                    controller_timeout_s=CONTROLLER_TIMEOUT_S) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def expected(model):
+    return reference(model, PROMPTS * 2, MAX_TOKENS)
+
+
+def status(cluster, capsys) -> tuple[int, dict]:
+    code = status_main(["--json", "--dir", str(cluster.run_dir)])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def wait_for_view(cluster, capsys, want: dict[str, str], timeout_s: float) -> dict:
+    """Poll ``dejavu status --json`` until the controller's view of each named node is
+    ``want[name]``; the last state seen."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        _, state = status(cluster, capsys)
+        seen = {n["name"]: n["controller"] for n in state["nodes"]}
+        if all(seen[name] == view for name, view in want.items()) or time.monotonic() > deadline:
+            return state
+        time.sleep(0.2)
+
+
+def chaos_kill(cluster, name: str, capsys) -> None:
+    assert chaos.main(["kill", name, "--dir", str(cluster.run_dir)]) == 0
+    assert f"killed {name}" in capsys.readouterr().out
+
+
+def test_every_node_registers_and_status_shows_the_controller_view(cluster, capsys):
+    workers = {n.server.name: "alive" for n in cluster.nodes if n.role != "frontend"}
+    state = wait_for_view(cluster, capsys, workers, timeout_s=30)
+    assert {n["name"]: n["controller"] for n in state["nodes"]} == {**workers, "frontend": "-"}
+    assert state["controller"]["view"]["timeout_s"] == CONTROLLER_TIMEOUT_S
+    assert status(cluster, capsys)[0] == 0
+    assert chaos.main(["list", "--dir", str(cluster.run_dir)]) == 0
+    listed = capsys.readouterr().out
+    assert all(f"{name} " in listed for name in [*workers, "frontend", "controller"])
+
+
+def test_a_killed_prefill_node_costs_a_pause_not_an_error(cluster, expected, capsys):
+    prompts = PROMPTS * 2
+    dead = cluster.role("prefill")[0].server
+    # Killed just before a burst: the router has not seen it fail, so JSQ sends it some.
+    chaos_kill(cluster, dead.name, capsys)
+    results = run_concurrently("grpc", cluster.frontend.grpc_url, prompts, max_tokens=MAX_TOKENS)
+    assert [ids_of(chunks) for chunks in results] == expected
+    retried = cluster.frontend.log_path.read_text().count("running the prompt again")
+    assert retried >= 1  # the burst did meet the dead node
+
+    state = wait_for_view(cluster, capsys, {dead.name: "dead"}, CONTROLLER_TIMEOUT_S + 10)
+    assert {n["name"]: n["controller"] for n in state["nodes"]}[dead.name] == "dead"
+    assert status(cluster, capsys)[0] == 1
+    # Past the router's own memory of the failure (5 s) the controller's view keeps the
+    # dead node out: no more reruns.
+    time.sleep(6)
+    results = run_concurrently("grpc", cluster.frontend.grpc_url, prompts[:4],
+                               max_tokens=MAX_TOKENS)
+    assert [ids_of(chunks) for chunks in results] == expected[:4]
+    assert cluster.frontend.log_path.read_text().count("running the prompt again") == retried
+
+
+def test_serving_goes_on_without_the_controller(cluster, expected, capsys):
+    chaos_kill(cluster, "controller", capsys)
+    chunks = list(stream_grpc(cluster.frontend.grpc_url, PROMPTS[1], max_tokens=MAX_TOKENS))
+    assert ids_of(chunks) == expected[1]
+    code, state = status(cluster, capsys)
+    assert code == 1
+    assert state["controller"]["view"]["error"].startswith("unreachable")
+    assert read_state(cluster.run_dir)["controller"]["pid"] == cluster.controller.process.pid
