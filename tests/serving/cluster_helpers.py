@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import queue
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import tritonclient.grpc as grpcclient
 
 from clients.generate import stream_grpc, stream_http
 from orchestrator.engine.reference import generate
 from orchestrator.engine.tokenizer import load_tokenizer
 from orchestrator.engine.torch_engine import load_engine
+from orchestrator.serving.frontend import request_tensors
+from orchestrator.serving.params import GenerationParams
 
 MAX_SEQ_LEN = 256  # the tiny models' positions: room for a long stream to cancel
 PROMPTS = [
@@ -34,6 +39,23 @@ def run_concurrently(protocol: str, url: str, prompts: list[str], **params) -> l
     with ThreadPoolExecutor(len(prompts)) as pool:
         futures = [pool.submit(lambda p=p: list(run(url, p, **params))) for p in prompts]
         return [f.result(timeout=120) for f in futures]
+
+
+def stream_orchestrator(url: str, prompt_ids: list[int], max_tokens: int):
+    """Tokens straight from the frontend's orchestrator model, one response at a time."""
+    client = grpcclient.InferenceServerClient(url)
+    responses: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    tensors = request_tensors(prompt_ids, GenerationParams(max_tokens, stream=True))
+    client.async_stream_infer("orchestrator", tensors)
+    try:
+        while True:
+            result, error = responses.get(timeout=30)
+            assert error is None, error
+            yield result.as_numpy("output_ids").tolist()
+    finally:
+        client.stop_stream(cancel_requests=True)
+        client.close()
 
 
 def ids_of(chunks) -> list[int]:

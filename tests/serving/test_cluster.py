@@ -8,7 +8,7 @@ and the cluster serves the next one.
 
 from __future__ import annotations
 
-import queue
+import glob
 import time
 
 import numpy as np
@@ -21,6 +21,7 @@ from cluster_helpers import (
     metric,
     reference,
     run_concurrently,
+    stream_orchestrator,
     text_of,
 )
 from tritonclient.utils import InferenceServerException
@@ -29,8 +30,6 @@ from clients.generate import GenerateError, stream_grpc, stream_http
 from orchestrator.cluster.launcher import Cluster
 from orchestrator.engine.tokenizer import load_tokenizer
 from orchestrator.engine.torch_engine import load_engine
-from orchestrator.serving.frontend import request_tensors
-from orchestrator.serving.params import GenerationParams
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 12
@@ -148,23 +147,6 @@ def test_wrong_dtype_shape_or_model(cluster, expected, model_name, max_tokens, m
     good_request_works(cluster, expected)
 
 
-def _stream_orchestrator(url: str, prompt_ids: list[int], max_tokens: int):
-    """Tokens straight from the frontend's orchestrator model, one response at a time."""
-    client = grpcclient.InferenceServerClient(url)
-    responses: queue.Queue = queue.Queue()
-    client.start_stream(callback=lambda result, error: responses.put((result, error)))
-    tensors = request_tensors(prompt_ids, GenerationParams(max_tokens, stream=True))
-    client.async_stream_infer("orchestrator", tensors)
-    try:
-        while True:
-            result, error = responses.get(timeout=30)
-            assert error is None, error
-            yield result.as_numpy("output_ids").tolist()
-    finally:
-        client.stop_stream(cancel_requests=True)
-        client.close()
-
-
 def test_client_that_leaves_mid_stream_cancels_downstream(cluster, model, expected):
     prompt_ids = load_tokenizer(model).encode(PROMPTS[0]).ids
     long = MAX_SEQ_LEN - len(prompt_ids)
@@ -175,7 +157,7 @@ def test_client_that_leaves_mid_stream_cancels_downstream(cluster, model, expect
 
     decode = cluster.role("decode")[0].server
     before = metric(decode, "dejavu_requests", outcome="cancelled")
-    stream = _stream_orchestrator(cluster.frontend.grpc_url, prompt_ids, long)
+    stream = stream_orchestrator(cluster.frontend.grpc_url, prompt_ids, long)
     assert [next(stream) for _ in range(3)] == [[t] for t in expected[0][:3]]
     stream.close()  # the client goes away: stop_stream(cancel_requests=True)
     # The frontend cancels its stream to the T-node, which drops the request and
@@ -222,3 +204,37 @@ def test_http_infer_on_the_decoupled_ensemble_says_so(cluster):
     text.set_data_from_numpy(np.array([b"hello"], dtype=np.object_))
     with pytest.raises(InferenceServerException, match="decoupled"):
         client.infer("ensemble", [text])
+
+
+def test_a_hundred_failed_or_cancelled_requests_leave_nothing_behind(cluster, model, expected):
+    """50 rejected + 50 cancelled mid-stream, then more concurrent requests than KV slots.
+
+    The T-node has 16 prompt-KV slots: had each cancelled request leaked one, the
+    17th cancelled stream and the final burst of 18 would fail; a leaked microbatch
+    seat keeps the queue non-empty; a leaked Python-backend region shows in /dev/shm.
+    """
+    servers = [node.server for node in cluster.nodes]
+    regions_before = {s.name: len(glob.glob(f"/dev/shm/{s.shm_prefix}*")) for s in servers}
+    long_prompt = "word " * MAX_SEQ_LEN
+    bad = [("", MAX_TOKENS), (PROMPTS[0], 0), (PROMPTS[0], -1), (PROMPTS[0], MAX_SEQ_LEN + 1),
+           (long_prompt, MAX_TOKENS)]
+    for i in range(50):
+        prompt, max_tokens = bad[i % len(bad)]
+        with pytest.raises(GenerateError):
+            list(stream_grpc(cluster.frontend.grpc_url, prompt, max_tokens=max_tokens))
+    prompt_ids = load_tokenizer(model).encode(PROMPTS[1]).ids
+    for _ in range(50):
+        stream = stream_orchestrator(cluster.frontend.grpc_url, prompt_ids, MAX_SEQ_LEN - 16)
+        assert next(stream) == [expected[1][0]]
+        stream.close()
+
+    decode = cluster.role("decode")[0].server
+    deadline = time.monotonic() + 30
+    while metric(decode, "dejavu_queue_length") > 0:
+        assert time.monotonic() < deadline, "the T-node still holds cancelled requests"
+        time.sleep(0.1)
+    regions_after = {s.name: len(glob.glob(f"/dev/shm/{s.shm_prefix}*")) for s in servers}
+    assert regions_after == regions_before
+    burst = PROMPTS * 3  # 18 requests at once > 16 KV slots
+    results = run_concurrently("grpc", cluster.frontend.grpc_url, burst, max_tokens=MAX_TOKENS)
+    assert [ids_of(r) for r in results] == expected * 3
