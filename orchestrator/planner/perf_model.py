@@ -78,11 +78,6 @@ class Profile:
     def from_dict(cls, d: dict) -> Profile:
         return cls(**{**d, "workload": Workload(**d["workload"])})
 
-    def with_times(self, Y: float, t: float, m: float, how: str = "typed") -> Profile:
-        """A what-if copy with other timings (the byte sizes stay)."""
-        check_times(Y, t, m)
-        return replace(self, Y=Y, t=t, m=m, source={**self.source, "Y": how, "t": how, "m": how})
-
 
 def check_times(Y: float, t: float, m: float) -> None:
     if Y <= 0 or t <= 0:

@@ -68,14 +68,6 @@ class TransferHandle:
         self.error = error
 
 
-class PreparedPairs:
-    """Descriptor lists prepared once for many transfers to one peer."""
-
-    def __init__(self, peer: str, pairs: Sequence[Pair]) -> None:
-        self.peer = peer
-        self.pairs = list(pairs)
-
-
 class Transport(ABC):
     """One node's endpoint. ``name`` is what peers see in notifications."""
 
@@ -106,16 +98,6 @@ class Transport(ABC):
     @abstractmethod
     def read(self, peer: str, pairs: Sequence[Pair], notify: bytes = b"") -> TransferHandle:
         """Post remote -> local copies; ``notify`` reaches the peer after the data."""
-
-    @abstractmethod
-    def prepare(self, peer: str, pairs: Sequence[Pair]) -> PreparedPairs:
-        """Prepare descriptor lists once, for repeated ``write_prepared`` calls."""
-
-    @abstractmethod
-    def write_prepared(
-        self, prepared: PreparedPairs, indices: Sequence[int], notify: bytes = b""
-    ) -> TransferHandle:
-        """Post the prepared pairs at ``indices`` as one transfer."""
 
     @abstractmethod
     def poll(self, handle: TransferHandle) -> KVPoll:

@@ -19,7 +19,6 @@ import torch
 from orchestrator.kv.transport.base import (
     KVPoll,
     Pair,
-    PreparedPairs,
     Region,
     TransferHandle,
     Transport,
@@ -114,15 +113,6 @@ class LocalTransport(Transport):
 
     def read(self, peer: str, pairs: Sequence[Pair], notify: bytes = b"") -> TransferHandle:
         return self._copy(peer, pairs, notify, "READ")
-
-    def prepare(self, peer: str, pairs: Sequence[Pair]) -> PreparedPairs:
-        check_pairs(pairs)
-        return PreparedPairs(peer, pairs)
-
-    def write_prepared(
-        self, prepared: PreparedPairs, indices: Sequence[int], notify: bytes = b""
-    ) -> TransferHandle:
-        return self.write(prepared.peer, [prepared.pairs[i] for i in indices], notify)
 
     def poll(self, handle: TransferHandle) -> KVPoll:
         return handle.state

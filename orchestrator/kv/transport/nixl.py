@@ -24,7 +24,6 @@ import torch
 from orchestrator.kv.transport.base import (
     KVPoll,
     Pair,
-    PreparedPairs,
     Region,
     TransferHandle,
     Transport,
@@ -81,12 +80,6 @@ class NixlHandle(TransferHandle):
     def __init__(self, peer: str, nbytes: int) -> None:
         super().__init__(peer, nbytes)
         self.request: nixl_api.nixl_xfer_handle | None = None
-
-
-class NixlPrepared(PreparedPairs):
-    def __init__(self, peer: str, pairs: Sequence[Pair], local, remote) -> None:
-        super().__init__(peer, pairs)
-        self.local, self.remote = local, remote
 
 
 class NixlTransport(Transport):
@@ -169,29 +162,6 @@ class NixlTransport(Transport):
 
     def read(self, peer: str, pairs: Sequence[Pair], notify: bytes = b"") -> TransferHandle:
         return self._transfer("READ", peer, pairs, notify)
-
-    def prepare(self, peer: str, pairs: Sequence[Pair]) -> PreparedPairs:
-        check_pairs(pairs)
-        with self._lock:
-            local = self._agent.prep_xfer_dlist(
-                "NIXL_INIT_AGENT", _descs([p[0] for p in pairs]), "DRAM"
-            )
-            remote = self._agent.prep_xfer_dlist(peer, _descs([p[1] for p in pairs]), "DRAM")
-        return NixlPrepared(peer, pairs, local, remote)
-
-    def write_prepared(
-        self, prepared: PreparedPairs, indices: Sequence[int], notify: bytes = b""
-    ) -> TransferHandle:
-        assert isinstance(prepared, NixlPrepared)
-        index = np.asarray(indices, dtype=np.int32)
-        nbytes = sum(prepared.pairs[i][0].nbytes for i in indices)
-        handle = NixlHandle(prepared.peer, nbytes)
-        return self._post(
-            handle,
-            lambda: self._agent.make_prepped_xfer(
-                "WRITE", prepared.local, index, prepared.remote, index, notify
-            ),
-        )
 
     def _finish(self, handle: NixlHandle) -> None:
         handle.state = KVPoll.SUCCESS
