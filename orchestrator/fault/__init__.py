@@ -3,6 +3,8 @@
 - ``controller``: registration, heartbeats, acks, failure detection, recovery plans.
 - ``client``: the node side of the controller (heartbeat thread, acks, plans).
 - ``replication``: stage x streams its KV to stage (x+1)%D's host memory (or disk).
+- ``node_replication``: the same replicas across processes, for a ``StageNode``
+  (holder's control calls over gRPC, KV over the node's own NIXL endpoint).
 - ``recovery``: the four recovery steps (step 1, restoring a stage from its replica).
 - ``replicated``: a ``TokenPipeline`` with replicas, kills, detection and recovery; the
   recompute fallback and the restart-from-scratch baseline.

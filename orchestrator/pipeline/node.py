@@ -41,7 +41,8 @@ Liveness: nodes 1..D-1 send node 0 a heartbeat every ``heartbeat_s``; a node
 silent for ``dead_after_s``, or a node reporting that it cannot reach its
 successor, breaks the pipeline: every request in it fails with an error naming
 the stage, and ``submit_prefilled`` refuses new ones. (Recovery is the fault
-layer's job.) Only ``mode="disaggregated"`` spans processes.
+layer's job; ``reconnect`` points a node at a replaced successor.) Only
+``mode="disaggregated"`` spans processes.
 """
 
 from __future__ import annotations
@@ -223,20 +224,42 @@ class StageNode:
         0's (heartbeats and failure reports go to the head)."""
         if self.config.depth == 1:
             return
-        succ, first = json.loads(next), json.loads(head)
-        want = (self.index + 1) % self.config.depth
-        for what, got, expected in (("next", succ, want), ("head", first, 0)):
-            if got["stage"] != expected or got["depth"] != self.config.depth:
-                raise ValueError(f"stage {self.index}: {what} endpoints are of stage "
-                                 f"{got['stage']}/{got['depth']}, expected "
-                                 f"{expected}/{self.config.depth}")
+        succ, first = self._successor(next), self._endpoints_of("head", head, 0)
         assert self.link_transport is not None
-        self._make_worker(TransportSender(self.link_transport,
-                                          LinkTicket.from_dict(succ["ring"])))
+        self._make_worker(TransportSender(self.link_transport, succ))
         if self.index > 0:
             ticket = LinkTicket.from_dict(first["ring"])
             self.link_transport.add_peer(ticket.node, ticket.metadata)
             self._head_node = ticket.node
+
+    def reconnect(self, next: bytes) -> None:  # noqa: A002  (the API's word)
+        """Fault recovery: the successor was replaced (a new process, new endpoints); steps
+        go there from now on. Call it between steps (a paused, drained pipeline): a message
+        in flight to the old successor is lost with it."""
+        if self.worker is None or self.config.depth == 1:
+            raise RuntimeError(f"stage {self.index}: nothing to reconnect (connect() first)")
+        if self.index == self.config.depth - 1:
+            raise ValueError("the last stage's successor is node 0, which holds the head: "
+                             "it cannot be replaced")
+        succ = self._successor(next)
+        old = self.worker.outbox
+        assert isinstance(old, TransportSender) and self.link_transport is not None
+        self.worker.outbox = TransportSender(self.link_transport, succ)
+        self.link_transport.deregister(old.staging)
+        if old.ticket.node != succ.node:
+            self.link_transport.remove_peer(old.ticket.node)
+
+    def _successor(self, endpoints: bytes) -> LinkTicket:
+        want = (self.index + 1) % self.config.depth
+        return LinkTicket.from_dict(self._endpoints_of("next", endpoints, want)["ring"])
+
+    def _endpoints_of(self, what: str, endpoints: bytes, expected: int) -> dict:
+        got = json.loads(endpoints)
+        if got["stage"] != expected or got["depth"] != self.config.depth:
+            raise ValueError(f"stage {self.index}: {what} endpoints are of stage "
+                             f"{got['stage']}/{got['depth']}, expected "
+                             f"{expected}/{self.config.depth}")
+        return got
 
     def start(self) -> StageNode:
         if self.worker is None:

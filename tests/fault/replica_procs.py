@@ -1,0 +1,94 @@
+"""A spawned stage node with KV replication, for the cross-process replication tests.
+
+The test plays node 0 (head and stage 0) and the coordinator carrying endpoints
+between processes, as ``tests/pipeline/stage_procs.py`` does for plain pipelines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import traceback
+from pathlib import Path
+
+SECRET = b"replica-test-secret"
+COMMAND_TIMEOUT_S = 60.0
+
+
+def replicated_stage(model_dir: Path, stage_index: int, config: dict, inbox: mp.Queue,
+                     outbox: mp.Queue) -> None:
+    """Answers ``(ok, value)`` to: ``("connect", next, head)`` (returns its replication
+    endpoints), ``("replicate", next, previous)``, ``("start",)``, ``("reserve", rid, n)``,
+    ``("flush",)``, ``("own",)``, ``("replicas", lengths)``, ``("held",)``, ``("landed",)``,
+    ``("adopt", lengths, sampling)``, ``("close",)``."""
+    import torch
+
+    from orchestrator.engine.sampling import SamplingParams
+    from orchestrator.fault.node_replication import NodeReplication
+    from orchestrator.pipeline.node import PipelineConfig, StageNode
+
+    torch.set_num_threads(1)
+    node = StageNode(model_dir, stage_index, PipelineConfig(**config), secret=SECRET)
+    replication: list[NodeReplication] = []
+
+    def connect(next_: bytes, head: bytes) -> bytes:
+        node.connect(next_, head)
+        replication.append(NodeReplication(node, SECRET))
+        return replication[0].endpoints()
+
+    handlers = {
+        "connect": connect,
+        "replicate": lambda n, p: replication[0].connect(n, p),
+        "start": lambda: node.start() and None,
+        "reserve": node.reserve_prompt,
+        "flush": lambda: replication[0].flush(),
+        "own": lambda: replication[0].own_digests(),
+        "replicas": lambda lengths: replication[0].replica_digests(lengths),
+        "held": lambda: (len(node.kv), replication[0].held()),
+        "landed": lambda: dict(replication[0].landed),
+        "adopt": lambda lengths, sampling: replication[0].adopt(
+            lengths, {s: SamplingParams(**p) for s, p in sampling.items()}),
+    }
+    outbox.put((True, node.endpoints()))
+    while True:
+        command, *args = inbox.get(timeout=COMMAND_TIMEOUT_S)
+        if command == "close":
+            for r in replication:
+                r.close()
+            node.close()
+            outbox.put((True, None))
+            return
+        try:
+            outbox.put((True, handlers[command](*args)))
+        except Exception:
+            outbox.put((False, traceback.format_exc()))
+
+
+class Child:
+    """A spawned role and its command queues."""
+
+    def __init__(self, target, *args) -> None:
+        ctx = mp.get_context("spawn")
+        self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
+        self.process = ctx.Process(target=target, args=(*args, self.inbox, self.outbox),
+                                   daemon=True)
+        self.process.start()
+
+    def answer(self, timeout_s: float = COMMAND_TIMEOUT_S):
+        ok, value = self.outbox.get(timeout=timeout_s)
+        if not ok:
+            raise RuntimeError(f"child {self.process.pid} failed:\n{value}")
+        return value
+
+    def call(self, *command, timeout_s: float = COMMAND_TIMEOUT_S):
+        self.inbox.put(command)
+        return self.answer(timeout_s)
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            with contextlib.suppress(Exception):  # a dead or stuck child is killed below
+                self.call("close", timeout_s=10)
+        self.process.join(5)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
