@@ -15,7 +15,8 @@ from dataclasses import asdict
 
 import pytest
 import torch
-from replica_procs import SECRET, Child, replicated_stage
+from replica_procs import SECRET, replicated_stage
+from spawned import Child
 
 from orchestrator.engine.reference import generate, load_stages
 from orchestrator.fault.node_replication import NodeReplication

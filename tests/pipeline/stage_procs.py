@@ -7,13 +7,13 @@ carries endpoints and tickets between processes as opaque bytes.
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing as mp
 import traceback
 from pathlib import Path
 
+from spawned import COMMAND_TIMEOUT_S
+
 SECRET = b"pipeline-test-secret"
-COMMAND_TIMEOUT_S = 60.0
 
 
 def stage_node(model_dir: Path, stage_index: int, config: dict, inbox: mp.Queue,
@@ -74,33 +74,3 @@ def prompt_node(model_dir: Path, depth: int, max_seq_len: int, inbox: mp.Queue,
             outbox.put((True, stream_prefill(engines, senders, *args)))
         except Exception:
             outbox.put((False, traceback.format_exc()))
-
-
-class Child:
-    """A spawned role and its command queues."""
-
-    def __init__(self, target, *args) -> None:
-        ctx = mp.get_context("spawn")
-        self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
-        self.process = ctx.Process(target=target, args=(*args, self.inbox, self.outbox),
-                                   daemon=True)
-        self.process.start()
-
-    def answer(self, timeout_s: float = COMMAND_TIMEOUT_S):
-        ok, value = self.outbox.get(timeout=timeout_s)
-        if not ok:
-            raise RuntimeError(f"child {self.process.pid} failed:\n{value}")
-        return value
-
-    def call(self, *command, timeout_s: float = COMMAND_TIMEOUT_S):
-        self.inbox.put(command)
-        return self.answer(timeout_s)
-
-    def close(self) -> None:
-        if self.process.is_alive():
-            with contextlib.suppress(Exception):  # a dead or stuck child is killed below
-                self.call("close", timeout_s=10)
-        self.process.join(5)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(5)

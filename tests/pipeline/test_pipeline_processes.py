@@ -14,7 +14,8 @@ from dataclasses import asdict
 
 import pytest
 import torch
-from stage_procs import SECRET, Child, prompt_node, stage_node
+from spawned import Child
+from stage_procs import SECRET, prompt_node, stage_node
 
 from orchestrator.engine.reference import generate, load_stages
 from orchestrator.pipeline.node import PipelineConfig, StageNode
