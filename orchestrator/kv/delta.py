@@ -134,10 +134,7 @@ class DeltaStreamer:
         peer = tickets[0].node
         if any(t.node != peer for t in tickets):
             raise ValueError("one submit sends to one peer; split the batch by target node")
-        try:
-            index = self._free.get(timeout=self.timeout_s)
-        except queue.Empty:
-            raise KVTransferError(peer, f"staging ring full for {self.timeout_s}s") from None
+        index = self._free_block(peer)
         packed = gather_step(caches, positions, self.buffer.ring[index])
         step = self.layout.step_bytes()
         pairs = [
@@ -171,6 +168,20 @@ class DeltaStreamer:
             list(positions),
         )
         self._posts.put(post)
+
+    def _free_block(self, peer: str) -> int:
+        """A free staging block. The thread may hold one for a wait for room plus a
+        transfer (each bounded by ``timeout_s``); if it fails meanwhile, say why."""
+        deadline = time.monotonic() + 2 * self.timeout_s
+        while True:
+            self._raise_if_failed()
+            try:
+                return self._free.get(timeout=0.01)
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise KVTransferError(
+                        peer, f"staging ring full for {2 * self.timeout_s}s"
+                    ) from None
 
     def flush(self, timeout_s: float | None = None) -> None:
         """Block until every submitted delta has landed."""

@@ -120,9 +120,11 @@ def test_flow_control_waits_for_the_receiver_to_scatter() -> None:
     cache = KVCache(LAYOUT, torch.randn(LAYOUT.shape), 4)
     ticket, _ = send_prompt(receiver, sender, "a", cache)
     streamer.add_target("a", ticket)
-    for position in range(4, 9):  # 5 steps into a 2-block landing ring, receiver idle
-        streamer.submit(["a"], [cache], [position])
+    # 5 steps into a 2-block landing ring, receiver idle: the streamer's thread gives up
+    # waiting for room, and the next submit or the flush reports why.
     with pytest.raises(KVTransferError, match="it must call progress"):
+        for position in range(4, 9):
+            streamer.submit(["a"], [cache], [position])
         streamer.flush()
     assert receiver.cache("a").length == 6  # only what fit; nothing overwritten
     streamer.close()
