@@ -5,8 +5,26 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import traceback
+from collections.abc import Callable
 
 COMMAND_TIMEOUT_S = 60.0
+
+
+def serve(handlers: dict[str, Callable], close: Callable[[], None], inbox: mp.Queue,
+          outbox: mp.Queue) -> None:
+    """The child's side: answer each ``(command, *args)`` with ``(ok, value)`` until
+    ``("close",)``, which runs ``close`` and returns."""
+    while True:
+        command, *args = inbox.get(timeout=COMMAND_TIMEOUT_S)
+        if command == "close":
+            close()
+            outbox.put((True, None))
+            return
+        try:
+            outbox.put((True, handlers[command](*args)))
+        except Exception:
+            outbox.put((False, traceback.format_exc()))
 
 
 class Child:

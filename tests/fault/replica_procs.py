@@ -7,10 +7,9 @@ between processes, as ``tests/pipeline/stage_procs.py`` does for plain pipelines
 from __future__ import annotations
 
 import multiprocessing as mp
-import traceback
 from pathlib import Path
 
-from spawned import COMMAND_TIMEOUT_S
+from spawned import serve
 
 SECRET = b"replica-test-secret"
 
@@ -50,15 +49,9 @@ def replicated_stage(model_dir: Path, stage_index: int, config: dict, inbox: mp.
             lengths, {s: SamplingParams(**p) for s, p in sampling.items()}),
     }
     outbox.put((True, node.endpoints()))
-    while True:
-        command, *args = inbox.get(timeout=COMMAND_TIMEOUT_S)
-        if command == "close":
-            for r in replication:
-                r.close()
-            node.close()
-            outbox.put((True, None))
-            return
-        try:
-            outbox.put((True, handlers[command](*args)))
-        except Exception:
-            outbox.put((False, traceback.format_exc()))
+    def close() -> None:
+        for r in replication:
+            r.close()
+        node.close()
+
+    serve(handlers, close, inbox, outbox)

@@ -8,10 +8,9 @@ carries endpoints and tickets between processes as opaque bytes.
 from __future__ import annotations
 
 import multiprocessing as mp
-import traceback
 from pathlib import Path
 
-from spawned import COMMAND_TIMEOUT_S
+from spawned import serve
 
 SECRET = b"pipeline-test-secret"
 
@@ -36,16 +35,7 @@ def stage_node(model_dir: Path, stage_index: int, config: dict, inbox: mp.Queue,
     handlers = {"connect": node.connect, "start": start, "reserve": node.reserve_prompt,
                 "release": node.release_prompt, "held": held}
     outbox.put((True, node.endpoints()))
-    while True:
-        command, *args = inbox.get(timeout=COMMAND_TIMEOUT_S)
-        if command == "close":
-            node.close()
-            outbox.put((True, None))
-            return
-        try:
-            outbox.put((True, handlers[command](*args)))
-        except Exception:
-            outbox.put((False, traceback.format_exc()))
+    serve(handlers, node.close, inbox, outbox)
 
 
 def prompt_node(model_dir: Path, depth: int, max_seq_len: int, inbox: mp.Queue,
@@ -64,13 +54,5 @@ def prompt_node(model_dir: Path, depth: int, max_seq_len: int, inbox: mp.Queue,
     transport = NixlTransport("pnode")
     senders = [KVSender(transport, e.kv_layout, SECRET, max_inflight=16) for e in engines]
     outbox.put((True, None))
-    while True:
-        command, *args = inbox.get(timeout=COMMAND_TIMEOUT_S)
-        if command == "close":
-            transport.close()
-            outbox.put((True, None))
-            return
-        try:
-            outbox.put((True, stream_prefill(engines, senders, *args)))
-        except Exception:
-            outbox.put((False, traceback.format_exc()))
+    serve({"prefill": lambda *args: stream_prefill(engines, senders, *args)}, transport.close,
+          inbox, outbox)
