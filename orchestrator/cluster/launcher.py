@@ -24,6 +24,11 @@ and ``dejavu status`` shows its view. If the controller dies, serving goes on:
 the nodes keep serving and re-register when it returns, but a node that fails
 while it is away is not declared dead until it is back (the library's
 behaviour, see :mod:`orchestrator.fault.client`).
+
+With ``replicate`` (the default for pipelines deeper than 1) every T-stage
+streams its KV replicas to the next stage, and a supervisor process
+(:mod:`orchestrator.cluster.supervisor`) starts a lost stage again and has it
+recovered from them; its requests pause instead of failing.
 """
 
 from __future__ import annotations
@@ -78,10 +83,13 @@ class Node:
     pipeline: int | None = None  # which P- or T-pipeline
     stage: int | None = None  # T-nodes: its stage in the pipeline (P-nodes run all theirs)
     depth: int | None = None  # the pipeline's depth
+    params: dict[str, str] | None = None  # its models' parameters (to start it again)
 
     def describe(self) -> dict:
         s = self.server
         return {
+            "repo": str(s.repo),
+            "params": self.params,
             "name": s.name,
             "role": self.role,
             "pipeline": self.pipeline,
@@ -111,10 +119,13 @@ class Cluster:
         swap: str = "off",
         dead_after_s: float = 10.0,
         controller_timeout_s: float = 5.0,
+        replicate: bool = True,
     ) -> None:
         """``prefill``/``decode``: how many P- and T-pipelines, of depths ``prefill_depth``
         and ``decode_depth``; ``max_batch``: sequences per microbatch of a T-pipeline;
-        ``controller_timeout_s``: the fault controller declares a node silent this long dead."""
+        ``controller_timeout_s``: the fault controller declares a node silent this long dead;
+        ``replicate``: T-stages (of pipelines deeper than 1) stream KV replicas to their
+        successor, and the supervisor replaces a lost stage from them."""
         if decode < 1:
             raise ValueError("a cluster needs at least one decode node")
         if not colocated and prefill < 1:
@@ -131,7 +142,9 @@ class Cluster:
         if not (self.model_dir / "config.json").is_file():
             raise ValueError(f"{self.model_dir} is not a model folder (no config.json)")
         self.colocated = colocated
+        self.replicate = replicate and decode_depth > 1
         self.run_dir = Path(run_dir).resolve()
+        self.supervisor: subprocess.Popen | None = None
         self.secret = secrets.token_hex(16)
         self.controller = Controller(free_port(), controller_timeout_s,
                                      self.run_dir / "logs" / "controller.log")
@@ -143,6 +156,7 @@ class Cluster:
             "swap": swap,
             "dead_after_s": str(dead_after_s),
             "prefill_depth": str(prefill_depth),
+            "replicate": "on" if self.replicate else "off",
         }
         self.backend_dir = make_backend_dir(self.run_dir / "backends")
         self.nodes: list[Node] = []
@@ -195,6 +209,7 @@ class Cluster:
                                     for stages in self.decode_pipelines()),
         }
         write_node_repo(repo, node.role, params)
+        node.params = params
         self.nodes.append(node)
 
     def decode_pipelines(self) -> list[list[Node]]:
@@ -220,16 +235,36 @@ class Cluster:
                 node.server.wait_ready(timeout_s)
             for stages in self.decode_pipelines():
                 if len(stages) > 1:
-                    connect_pipeline([n.server.grpc_url for n in stages], timeout_s)
+                    connect_pipeline([n.server.grpc_url for n in stages], timeout_s,
+                                     self.replicate)
+            self.write_state()
+            if self.replicate:
+                self.start_supervisor()
         except BaseException:
             self.stop()
             raise
         self.write_state()
 
+    def start_supervisor(self) -> None:
+        log_path = self.run_dir / "logs" / "supervisor.log"
+        with open(log_path, "ab") as log:
+            self.supervisor = subprocess.Popen(
+                [sys.executable, "-m", "orchestrator.cluster.supervisor", "--dir",
+                 str(self.run_dir)], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                start_new_session=True)
+
     def stop(self) -> None:
+        """Stop the supervisor (it restarts nothing more), every node as the state file
+        knows it (the supervisor may have started some again), then the controller."""
+        if self.supervisor is not None:
+            stop_processes([self.supervisor.pid], timeout_s=5.0)
+            self.supervisor.wait(timeout=5)
+        path = self.run_dir / STATE_FILE
+        described = json.loads(path.read_text())["nodes"] if path.is_file() else []
+        stop_processes([n["pid"] for n in described if n["pid"]])
         stop_servers([node.server for node in self.nodes])
         self.controller.stop()
-        (self.run_dir / STATE_FILE).unlink(missing_ok=True)
+        path.unlink(missing_ok=True)
 
     def write_state(self) -> None:
         state = {
@@ -237,6 +272,9 @@ class Cluster:
             "model_dir": str(self.model_dir),
             "frontend": {"http": self.frontend.http_url, "grpc": self.frontend.grpc_url},
             "controller": self.controller.describe(),
+            "supervisor": {"pid": self.supervisor.pid if self.supervisor else None,
+                           "log": str(self.run_dir / "logs" / "supervisor.log")},
+            "backends": str(self.backend_dir),
             "nodes": [n.describe() for n in self.nodes],
         }
         (self.run_dir / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
@@ -268,6 +306,7 @@ class Controller:
     def start(self, timeout_s: float = 30.0) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
+            seen = log.tell()  # started again: only this run's lines count
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "orchestrator.fault.controller", "--port", str(self.port),
                  "--timeout-s", str(self.timeout_s)],
@@ -280,7 +319,7 @@ class Controller:
                 raise ServerError(f"the controller exited with {self.process.returncode}; "
                                   f"log {self.log_path}")
             if re.search(rf"controller listening on {re.escape(self.address)}",
-                         self.log_path.read_text(errors="replace")):
+                         self.log_path.read_bytes()[seen:].decode(errors="replace")):
                 return
             time.sleep(0.1)
         self.stop()
@@ -297,8 +336,9 @@ class Controller:
                 "timeout_s": self.timeout_s, "log": str(self.log_path)}
 
 
-def connect_pipeline(urls: list[str], timeout_s: float) -> None:
-    """Wire the stages of one token pipeline (gRPC urls, stage 0 first), then start them."""
+def connect_pipeline(urls: list[str], timeout_s: float, replicate: bool = False) -> None:
+    """Wire the stages of one token pipeline (gRPC urls, stage 0 first; with ``replicate``
+    each one's KV replicas to the next), then start them."""
     from orchestrator.serving.frontend import control  # tritonclient: only where needed
 
     try:
@@ -306,6 +346,11 @@ def connect_pipeline(urls: list[str], timeout_s: float) -> None:
         for i, url in enumerate(urls):
             peers = [endpoints[(i + 1) % len(urls)], endpoints[0]]
             control(url, "connect", timeout_s, peers=peers)
+        if replicate:
+            replicas = [control(url, "replica_endpoints", timeout_s) for url in urls]
+            for i, url in enumerate(urls):
+                peers = [replicas[(i + 1) % len(urls)], replicas[i - 1]]
+                control(url, "replicate", timeout_s, peers=peers)
         for url in [*urls[1:], urls[0]]:  # the head last: it starts counting heartbeats
             control(url, "start", timeout_s)
     except Exception as exc:
@@ -343,6 +388,9 @@ def up_main(argv: list[str]) -> int:
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for ready")
     parser.add_argument("--controller-timeout", type=float, default=5.0,
                         help="the fault controller declares a node silent this long dead")
+    parser.add_argument("--replicate", choices=["on", "off"], default="on",
+                        help="T-stages stream KV replicas to the next stage; a lost stage is "
+                        "started again and resumes from them (pipelines deeper than 1)")
     _dir_argument(parser)
     args = parser.parse_args(argv)
     if (Path(args.dir) / STATE_FILE).exists():
@@ -351,7 +399,7 @@ def up_main(argv: list[str]) -> int:
             return 1
         (Path(args.dir) / STATE_FILE).unlink()  # left by a cluster that died
     common = dict(run_dir=args.dir, max_seq_len=args.max_seq_len, swap=args.swap,
-                  controller_timeout_s=args.controller_timeout)
+                  controller_timeout_s=args.controller_timeout, replicate=args.replicate == "on")
     try:
         if args.spec is not None:
             cluster = Cluster.from_spec(json.loads(args.spec.read_text()), **common)
@@ -453,6 +501,8 @@ def down_main(argv: list[str]) -> int:
     except FileNotFoundError as exc:
         print(exc, file=sys.stderr)
         return 1
+    if (state.get("supervisor") or {}).get("pid"):  # first: it would start nodes again
+        stop_processes([state["supervisor"]["pid"]], timeout_s=5.0)
     stop_processes([node["pid"] for node in state["nodes"] if node["pid"]])
     for node in state["nodes"]:
         clean_shm(node["shm_prefix"])

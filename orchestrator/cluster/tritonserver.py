@@ -86,11 +86,13 @@ class TritonServer:
     metrics_port: int = field(default_factory=free_port)
     env: dict[str, str] = field(default_factory=dict)
     process: subprocess.Popen | None = None
+    incarnation: int = 0  # started again after a failure this many times
 
     @property
     def shm_prefix(self) -> str:
-        # Our own prefix, so cleanup after a crash removes this node's regions only.
-        return f"dejavu_{self.name}_{self.grpc_port}_"
+        # Our own prefix, so cleanup after a crash removes this incarnation's regions only.
+        again = f"r{self.incarnation}_" if self.incarnation else ""
+        return f"dejavu_{self.name}_{self.grpc_port}_{again}"
 
     @property
     def http_url(self) -> str:

@@ -247,17 +247,19 @@ def make_plan(name: str, pipeline: Pipeline, live: dict[int, Node]) -> dict:
 
     Step 1: stage (x+1)%D holds x's replica and sends it to the new x.
     Step 2: stage (x-1)%D re-sends its own KV, the replica the old x held.
-    Steps 3-4: microbatch j resumes at the first step some stage's replica
-    lacks, ``min_s ack(s, j) + 1``: every stage holds KV (own or restored)
-    before it, and redoing a step rewrites identical values. If a lost stage's
-    holder is lost too (or D == 1), no replica survives: recompute (step 0).
+    Steps 3-4: microbatch j resumes at the first step a lost stage's replica
+    lacks, ``min_x ack(x, j) + 1``, or earlier: the head goes back no further
+    than its first unanswered step, which every surviving stage has computed
+    (its own KV, cut back there). Redoing a step rewrites identical values. If
+    a lost stage's holder is lost too (or D == 1), no replica survives:
+    recompute (step 0).
     """
     depth, failed = pipeline.depth, pipeline.failed
     recompute = depth == 1 or any((x + 1) % depth in failed for x in failed)
     microbatches = sorted({j for (_, j) in pipeline.acks})
     resume = {}
     for j in microbatches:
-        steps = [pipeline.acks.get((s, j)) for s in range(depth)]
+        steps = [pipeline.acks.get((x, j)) for x in failed]
         resume[j] = 0 if recompute or None in steps else min(steps) + 1
     first = min(((t, j) for j, t in resume.items()), default=None)
     return {

@@ -30,8 +30,9 @@ Replacing a lost stage x (x > 0: node 0 holds the head), between steps::
     new.adopt(lengths, sampling)                    # into the stage (samplers: last stage)
     new_node.start()                                # its replicas are seeded at its next step
 
-Not here yet: the head cannot lose steps in flight (pause and drain first), and
-prompt KV of requests not admitted yet is lost with the stage.
+Across Triton nodes these calls are control requests, and
+:func:`orchestrator.fault.stage_recovery.recover_stage` puts them in order
+(with the head's rewind, every stage's ``rollback`` and ``reseed``).
 """
 
 from __future__ import annotations
@@ -143,8 +144,6 @@ class NodeReplication:
         pipeline can run, plus its prompt slots)."""
         if node.config.depth < 2:
             raise ValueError("replication needs a pipeline of depth >= 2")
-        if node.worker is None:
-            raise RuntimeError(f"stage {node.index}: node.connect() before replicating")
         if make_transport is None:
             from orchestrator.kv.transport.nixl import NixlTransport
 
@@ -178,7 +177,10 @@ class NodeReplication:
         }).encode()
 
     def connect(self, next: bytes, previous: bytes) -> None:  # noqa: A002  (StageNode's word)
-        """Replicate to the successor's endpoints; hold the predecessor's replicas."""
+        """Replicate to the successor's endpoints; hold the predecessor's replicas (after
+        ``node.connect``)."""
+        if self.node.worker is None:
+            raise RuntimeError(f"stage {self.node.index}: node.connect() before replicating")
         succ = self._endpoints_of("next", next, 1)
         pred = self._endpoints_of("previous", previous, -1)
         self.server.store = ReplicaStore(self.transport, KVLayout(**pred["layout"]), self.slots,
@@ -214,9 +216,12 @@ class NodeReplication:
         self.transport.add_peer(succ["node"], base64.b64decode(succ["metadata"]))
         self._holder_node = succ["node"]
         self._peer = RemoteReplicaPeer(succ["address"], self.timeout_s)
-        self.replicator = Replicator(self.node.index, self.transport,
-                                     self.node.engine.kv_layout, self.secret, self._peer,
-                                     self.node.config.batch_size, self.timeout_s)
+        self.replicator = self._new_replicator()
+
+    def _new_replicator(self) -> Replicator:
+        assert self._peer is not None
+        return Replicator(self.node.index, self.transport, self.node.engine.kv_layout,
+                          self.secret, self._peer, self.node.config.batch_size, self.timeout_s)
 
     # -- recovery ------------------------------------------------------------------------
 
@@ -250,6 +255,24 @@ class NodeReplication:
             self.node.kv.add(int(rid), cache)
         if worker.is_last:
             worker.samplers.update({s: Sampler(p) for s, p in (sampling or {}).items()})
+
+    def rollback(self, lengths: dict[int, int]) -> None:
+        """Recovery step 4 on a surviving stage, paused: cut its KV back to ``lengths`` (the
+        rest is dropped) and forget the replicas held here, which :meth:`reseed` replaces."""
+        self.node.kv.rollback(lengths)
+        if self.store is not None:
+            for rid in self.store.held:
+                self.store.free(rid)
+
+    def reseed(self) -> None:
+        """After every stage's :meth:`rollback`: replicate this stage's KV whole to its
+        holder (recovery step 2 for the predecessor of a replaced stage, and how every
+        other replica loses the steps cut back), then stream deltas on from there."""
+        assert self.replicator is not None
+        self.replicator.close()
+        self.replicator = self._new_replicator()
+        held = self.node.kv.held()
+        self.replicator.seed([str(s) for s in held], list(held.values()))
 
     # -- the stage hooks (on the stage worker's thread) -----------------------------------
 

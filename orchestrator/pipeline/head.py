@@ -69,9 +69,12 @@ class PipelineHead:
         probe_interval_s: float = 0.005,
         poll_s: float = 0.005,
         health: Callable[[], str | None] | None = None,
+        recover_timeout_s: float | None = None,
     ) -> None:
         """``health()``: None while every stage is alive, else what is wrong (checked each loop).
-        ``kv_timeout_s``: how long a prefilled request may wait for its KV on every stage."""
+        ``kv_timeout_s``: how long a prefilled request may wait for its KV on every stage.
+        ``recover_timeout_s``: a stage failure pauses the head (requests stay) for a repair
+        to ``resume`` it within this long, else it breaks; None: it breaks at once."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.to_first, self.from_last, self.mode = to_first, from_last, mode
@@ -81,6 +84,7 @@ class PipelineHead:
         self.step_timeout_s, self.kv_timeout_s = step_timeout_s, kv_timeout_s
         self.probe_interval_s, self.poll_s = probe_interval_s, poll_s
         self.health = health
+        self.recover_timeout_s = recover_timeout_s
 
         self._lock = threading.RLock()
         self._done = threading.Condition(self._lock)
@@ -96,6 +100,8 @@ class PipelineHead:
         self._last_probe = 0.0
         self.errors: list[str] = []
         self.broken: str | None = None
+        self.fault: str | None = None  # paused for a repair since ``_fault_at``
+        self._fault_at = 0.0
         self._paused = False
         self._markers: dict[str, bool] = {}  # drain marker sent -> came back
         self._stopping = threading.Event()
@@ -212,9 +218,10 @@ class PipelineHead:
         return [s.output_ids for s in seqs]
 
     def report_failure(self, error: str) -> None:
-        """A stage cannot go on (its next stage is gone): fail everything, refuse new work."""
+        """A stage cannot go on (its next stage is gone): wait for a repair (with
+        ``recover_timeout_s``), else fail everything and refuse new work."""
         with self._lock:
-            self._break(error)
+            self._fault(error)
 
     # -- fault recovery ---------------------------------------------------------------
 
@@ -260,7 +267,7 @@ class PipelineHead:
     def resume(self) -> None:
         """Go on: every microbatch not in flight takes its next step now."""
         with self._lock:
-            self._paused = False
+            self._paused, self.fault = False, None
             for mb, busy in enumerate(self._in_flight):
                 if not busy and self.broken is None:
                     self._issue(mb)
@@ -360,6 +367,10 @@ class PipelineHead:
             log.warning("dropping a late answer for microbatch %d step %d", mb, message.step)
             return
         self._in_flight[mb] = False
+        if message.error is not None and self.fault is not None:
+            log.warning("microbatch %d step %d failed while the pipeline waits for a repair: "
+                        "%s (redone after it)", mb, message.step, message.error)
+            return  # still in flight to the head: ``rewind`` redoes it
         if message.error is not None:
             self.errors.append(message.error)
             self.scheduler.fail(mb, message.error)
@@ -417,7 +428,18 @@ class PipelineHead:
     def _check_health(self) -> None:
         problem = self.health() if self.health is not None else None
         if problem is not None:
-            self._break(problem)
+            self._fault(problem)
+        if self.fault is not None and time.monotonic() - self._fault_at > self.recover_timeout_s:
+            self._break(f"{self.fault}; not repaired within {self.recover_timeout_s} s")
+
+    def _fault(self, error: str) -> None:
+        """A stage is lost: pause for a repair if one may come, else break."""
+        if self.recover_timeout_s is None or self.broken is not None:
+            self._break(error)
+        elif self.fault is None:
+            log.error("pipeline paused, waiting for a repair: %s", error)
+            self.fault, self._fault_at, self._paused = error, time.monotonic(), True
+            self.errors.append(error)
 
     def _fail_stalled(self) -> None:
         now = time.monotonic()

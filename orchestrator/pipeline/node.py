@@ -40,9 +40,11 @@ error: ``seq.error`` says which stage). ``reserve_prompt`` raises when all
 Liveness: nodes 1..D-1 send node 0 a heartbeat every ``heartbeat_s``; a node
 silent for ``dead_after_s``, or a node reporting that it cannot reach its
 successor, breaks the pipeline: every request in it fails with an error naming
-the stage, and ``submit_prefilled`` refuses new ones. (Recovery is the fault
-layer's job; ``reconnect`` points a node at a replaced successor.) Only
-``mode="disaggregated"`` spans processes.
+the stage, and ``submit_prefilled`` refuses new ones. With ``recover_timeout_s``
+the head pauses instead and its requests wait for the fault layer to replace
+the stage (:mod:`orchestrator.fault.stage_recovery`; ``reconnect`` points a
+node at a replaced successor, ``repaired`` resets node 0's liveness view).
+Only ``mode="disaggregated"`` spans processes.
 """
 
 from __future__ import annotations
@@ -92,6 +94,8 @@ class PipelineConfig:
     kv_timeout_s: float = 30.0
     heartbeat_s: float = 0.25
     dead_after_s: float = 3.0
+    recover_timeout_s: float | None = None  # a lost stage pauses the head this long for a
+    # repair (the fault layer's ``recover_stage``); None: the pipeline breaks at once
 
     @property
     def microbatches(self) -> int:
@@ -199,6 +203,7 @@ class StageNode:
                 self._head_link, results, num_microbatches=mbs, batch_size=batch,
                 max_seq_len=engine.kv_layout.max_seq_len, step_timeout_s=config.step_timeout_s,
                 kv_timeout_s=config.kv_timeout_s, health=self._health,
+                recover_timeout_s=config.recover_timeout_s,
             )
         self.worker: StageWorker | None = None
         self._head_node: str | None = None  # the head's transport name (nodes 1..D-1)
@@ -248,6 +253,18 @@ class StageNode:
         self.link_transport.deregister(old.staging)
         if old.ticket.node != succ.node:
             self.link_transport.remove_peer(old.ticket.node)
+
+    def quiet(self, for_s: float = 0.3) -> bool:
+        """This stage handled nothing for ``for_s`` seconds (recovery: a paused pipeline has
+        settled here)."""
+        return self.worker is not None and self.worker.quiet(for_s)
+
+    def repaired(self) -> None:
+        """Node 0, after a repair: forget the failures seen and the lost stage's heartbeats
+        (its replacement beats under a new name)."""
+        self._reported.clear()
+        self._beats.clear()
+        self._started_at = time.monotonic()
 
     def _successor(self, endpoints: bytes) -> LinkTicket:
         want = (self.index + 1) % self.config.depth

@@ -32,6 +32,7 @@ from orchestrator.pipeline.link import (
     Link,
     LinkError,
     LinkTimeout,
+    Message,
     Shutdown,
     StepMessage,
     TokenMessage,
@@ -111,6 +112,8 @@ class StageWorker:
         self._followed_by: dict[int, int] = {}  # microbatch -> the one that came after it
         self._previous: int | None = None
         self.timeline: list[Interval] = []
+        self._handling = False  # a message taken and not yet passed on
+        self._last_handled = time.monotonic()
         self._retired = threading.Event()
         self.thread = threading.Thread(target=self._run, name=f"stage-{index}", daemon=True)
 
@@ -129,30 +132,46 @@ class StageWorker:
             message = self.inbox.recv(self.poll_s)
             if message is None:
                 continue
-            if isinstance(message, Shutdown):
-                out: Shutdown | StepMessage | TokenMessage | KVProbe = message
-            elif isinstance(message, KVProbe):
-                out = self._probe_safely(message)
-            else:
-                try:
-                    out = self._process_safely(message)
-                except StageLost:
-                    log.warning("stage %d lost at microbatch %d step %d", self.index,
-                                message.microbatch, message.step)
-                    return
+            self._handling = True
             try:
-                self.outbox.send(out, self.send_timeout_s)
-            except (LinkTimeout, LinkError) as exc:
-                # Keep serving: the head hears of it and stops sending; a repaired link
-                # (fault recovery) finds this stage still running.
-                peer = "the head" if self.is_last else f"stage {self.index + 1}"
-                error = f"stage {self.index} cannot send to {peer}: {exc}"
-                log.error("%s", error)
-                if self.report is not None and not isinstance(message, Shutdown):
-                    self.report(error)
-            if isinstance(message, Shutdown):
-                self.kv.shutdown()
+                go_on = self._handle(message)
+            finally:
+                self._handling, self._last_handled = False, time.monotonic()
+            if not go_on:
                 return
+
+    def quiet(self, for_s: float) -> bool:
+        """Nothing handled for ``for_s`` seconds: with no new work coming in (a paused
+        head), nothing waits in its inbox either (it is polled every ``poll_s``)."""
+        return not self._handling and time.monotonic() - self._last_handled > for_s
+
+    def _handle(self, message: Message) -> bool:
+        """Compute and pass on one message; False when the thread must end."""
+        if isinstance(message, Shutdown):
+            out: Shutdown | StepMessage | TokenMessage | KVProbe = message
+        elif isinstance(message, KVProbe):
+            out = self._probe_safely(message)
+        else:
+            try:
+                out = self._process_safely(message)
+            except StageLost:
+                log.warning("stage %d lost at microbatch %d step %d", self.index,
+                            message.microbatch, message.step)
+                return False
+        try:
+            self.outbox.send(out, self.send_timeout_s)
+        except (LinkTimeout, LinkError) as exc:
+            # Keep serving: the head hears of it and stops sending; a repaired link
+            # (fault recovery) finds this stage still running.
+            peer = "the head" if self.is_last else f"stage {self.index + 1}"
+            error = f"stage {self.index} cannot send to {peer}: {exc}"
+            log.error("%s", error)
+            if self.report is not None and not isinstance(message, Shutdown):
+                self.report(error)
+        if isinstance(message, Shutdown):
+            self.kv.shutdown()
+            return False
+        return True
 
     def _probe_safely(self, probe: KVProbe) -> KVProbe:
         try:

@@ -14,6 +14,11 @@ the T-side admission (the head frees every stage's slot), reserves afresh and
 runs the prompt once more on another P-node; the router leaves the lost node
 out for a while. Prefill is deterministic, so the tokens do not change.
 
+A request the token pipeline fails after admitting it (a stage lost with no
+replica to resume from, a lost head; a stage that recovers from its replicas
+fails nothing) runs again from its prompt on a pipeline that serves, and the
+client never sees a token twice.
+
 With a fault controller (``controller``), a watcher thread asks it every
 ``watch_s`` which nodes it has declared dead and keeps them (and every token
 pipeline with a dead stage) out of the routers. While the controller is away
@@ -36,7 +41,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from orchestrator.serving.params import GenerationParams
-from orchestrator.serving.router import Router
+from orchestrator.serving.router import NoNodeError, Router
 from orchestrator.serving.text import CONTEXT_TOKENS
 
 log = logging.getLogger(__name__)
@@ -51,6 +56,10 @@ class ServingError(RuntimeError):
 
 class PrefillLost(ServingError):
     """The P-node went away or its KV never landed: the prompt may run on another P-node."""
+
+
+class PipelineLost(ServingError):
+    """The token pipeline failed a request it had admitted: it may run again from its prompt."""
 
 
 class Cancelled(Exception):
@@ -164,13 +173,14 @@ class Frontend:
     def __init__(
         self, prefill_urls: list[str], decode_pipelines: list[list[str]],
         timeout_s: float = 60.0, controller: str = "", watch_s: float = 0.5,
+        rerun_wait_s: float = 1.0,
     ) -> None:
         """``decode_pipelines``: each token pipeline's stage urls, stage 0 (its head) first;
         ``controller``: the fault controller's address (empty: none)."""
         self.prefill = Router(prefill_urls) if prefill_urls else None
         self.decode = Router([stages[0] for stages in decode_pipelines])
         self.later_stages = {stages[0]: stages[1:] for stages in decode_pipelines}
-        self.timeout_s = timeout_s
+        self.timeout_s, self.rerun_wait_s = timeout_s, rerun_wait_s
         self.prefill_clients = {url: grpcclient.InferenceServerClient(url) for url in prefill_urls}
         self.stopped = threading.Event()
         self.watcher = None
@@ -198,6 +208,8 @@ class Frontend:
             for head, later in self.later_stages.items():
                 if dead & {head, *later}:
                     self.decode.mark_down(head)
+                elif all(alive.get(url) for url in (head, *later)):
+                    self.decode.mark_up(head)  # e.g. a lost stage was replaced
 
     def close(self) -> None:
         self.stopped.set()
@@ -215,59 +227,104 @@ class Frontend:
         emit: Emit,
         is_cancelled: Callable[[], bool],
     ) -> None:
-        """Relay tokens through ``emit`` until the last; raises ServingError or Cancelled."""
-        request_id = uuid.uuid4().hex
-        url = self.decode.pick(params.max_tokens)
-        left = params.max_tokens  # pending tokens this request holds on the T-node
+        """Relay tokens through ``emit`` until the last; raises ServingError or Cancelled.
+
+        A request whose token pipeline failed it after admission (a lost stage with no
+        replica to resume from, a lost head) runs again from its prompt, on a pipeline
+        that serves, until ``timeout_s`` after the first failure: the client sees a pause
+        and no token twice (greedy and seeded decoding make the same tokens again)."""
         sent: list[int] = []
         held: list[int] = []  # without streaming, everything goes out in the last response
+        made = 0  # tokens this attempt made so far
 
         def relay(tokens: list[int], final: bool) -> None:
-            nonlocal left
-            self.decode.done(url, min(left, len(tokens)))
-            left -= min(left, len(tokens))
-            held.extend(tokens)
+            nonlocal made
+            fresh = tokens[max(0, len(sent) + len(held) - made):]  # a rerun's repeats go
+            made += len(tokens)
+            held.extend(fresh)
             if params.stream or final:
                 emit(list(held), sent[-CONTEXT_TOKENS:], final)
                 sent.extend(held)
                 held.clear()
 
+        lost_at: float | None = None
+        while True:
+            made = 0
+            try:
+                return self._generate_once(prompt_ids, params, relay, is_cancelled)
+            except (PipelineLost, NoNodeError, ServingError) as exc:
+                if lost_at is None and isinstance(exc, ServingError) and not isinstance(
+                        exc, PipelineLost):
+                    raise  # refused before any pipeline took it: not a fault
+                lost_at = lost_at or time.monotonic()
+                if time.monotonic() - lost_at > self.timeout_s:
+                    raise ServingError(f"{exc} (and still failing {self.timeout_s:.0f} s "
+                                       "after the first failure)") from exc
+                log.warning("%s; running the request again from its prompt", exc)
+                time.sleep(self.rerun_wait_s)
+
+    def _generate_once(
+        self,
+        prompt_ids: list[int],
+        params: GenerationParams,
+        relay: Callable[[list[int], bool], None],
+        is_cancelled: Callable[[], bool],
+    ) -> None:
+        """One try: route, hand the prompt from P to T, relay tokens. Raises PipelineLost
+        if the pipeline fails the request after admitting it."""
+        request_id = uuid.uuid4().hex
+        url = self.decode.pick(params.max_tokens)
+        left = params.max_tokens  # pending tokens this request holds on the T-node
+
+        def counted(tokens: list[int], final: bool) -> None:
+            nonlocal left
+            self.decode.done(url, min(left, len(tokens)))
+            left -= min(left, len(tokens))
+            relay(tokens, final)
+
         stream = None
         cancel = True
+        admitted = False
         reserved: list[str] = []  # later stages holding a slot stage 0 has not taken over
 
         def admit(rid: str) -> tuple[DecodeStream, np.ndarray | None]:
             return self._admit(url, rid, prompt_ids, params, reserved, is_cancelled)
 
         try:
-            try:
-                stream, tickets = admit(request_id)
-                if not self.colocated:
-                    try:
-                        first = self._prefill(request_id, prompt_ids, params, tickets)
-                    except PrefillLost as lost:
-                        log.warning("%s; running the prompt again on another P-node", lost)
-                        stream.close(cancel=True)  # the head frees the slot on every stage
-                        stream = None
-                        request_id = uuid.uuid4().hex
-                        stream, tickets = admit(request_id)
-                        first = self._prefill(request_id, prompt_ids, params, tickets)
-                    relay([first], False)
-                result, final = stream.next(is_cancelled)
-            except InferenceServerException as exc:
-                if _is_unreachable(exc):
-                    self.decode.mark_down(url)
-                    raise ServingError(f"decode node {url} is down: {exc.message()}") from exc
-                raise ServingError(f"decode node {url}: {exc.message()}") from exc
+            stream, tickets = admit(request_id)
+            admitted = True
+            if not self.colocated:
+                try:
+                    first = self._prefill(request_id, prompt_ids, params, tickets)
+                except PrefillLost as lost:
+                    log.warning("%s; running the prompt again on another P-node", lost)
+                    stream.close(cancel=True)  # the head frees the slot on every stage
+                    stream, admitted = None, False
+                    request_id = uuid.uuid4().hex
+                    stream, tickets = admit(request_id)
+                    admitted = True
+                    first = self._prefill(request_id, prompt_ids, params, tickets)
+                counted([first], False)
             while True:
+                result, final = stream.next(is_cancelled)
                 tokens = result.as_numpy("output_ids")
-                relay([] if tokens is None else tokens.tolist(), final)
+                counted([] if tokens is None else tokens.tolist(), final)
                 if final:
                     cancel = False
                     return
-                result, final = stream.next(is_cancelled)
         except InferenceServerException as exc:
-            raise ServingError(f"decode node {url}: {exc.message()}") from exc
+            lost = admitted or _is_unreachable(exc)  # not the request's fault: run it again
+            if _is_unreachable(exc):
+                self.decode.mark_down(url)
+            error = f"decode node {url}: {exc.message()}"
+            raise (PipelineLost if lost else ServingError)(error) from exc
+        except PipelineLost:
+            raise
+        except ServingError as exc:
+            if admitted or isinstance(exc.__cause__, InferenceServerException) and _is_unreachable(
+                    exc.__cause__):
+                raise PipelineLost(str(exc)) from exc
+            raise
         finally:
             self.decode.done(url, left)
             if stream is not None:

@@ -6,8 +6,10 @@ it), ``name`` (the node's transport name); on a P-node ``prefill_depth`` (prompt
 stages, all in this process); on a T-node ``mode`` (``disaggregated`` or
 ``colocated``), ``depth`` and ``stage`` (its place in its token pipeline),
 ``max_batch`` (sequences per microbatch), ``swap`` (on | off | auto),
-``num_slots`` (prompt KVs it can hold before their requests are admitted) and
-``dead_after_s`` (a silent stage breaks the pipeline after this long). Every
+``num_slots`` (prompt KVs it can hold before their requests are admitted),
+``dead_after_s`` (a stage silent this long is lost), ``replicate`` (on: stream
+KV replicas to the next stage, and a lost stage pauses the pipeline for up to
+``recover_timeout_s`` until it is replaced; off: it breaks the pipeline). Every
 node: ``controller`` (the fault controller's address; empty: none), ``address``
 (its own gRPC url) and ``pipeline`` (the index of its P- or T-pipeline).
 """
@@ -19,6 +21,8 @@ import torch
 from orchestrator.engine.reference import load_stages
 from orchestrator.engine.torch_engine import load_engine
 from orchestrator.fault.client import ControllerClient, NodeSpec
+from orchestrator.fault.node_replication import NodeReplication
+from orchestrator.fault.stage_recovery import RecoveryOps
 from orchestrator.pipeline.node import PipelineConfig, StageNode
 from orchestrator.pipeline.pipeline import TokenPipeline
 from orchestrator.serving.metrics import Metrics
@@ -47,7 +51,9 @@ def load_prefill_worker(params: dict[str, str], metrics: Metrics | None = None) 
     return PrefillWorker(engines, senders, metrics=metrics)
 
 
-def load_token_service(params: dict[str, str], metrics: Metrics | None = None) -> TokenService:
+def load_token_service(params: dict[str, str], metrics: Metrics | None = None,
+                       controller: ControllerClient | None = None) -> TokenService:
+    """``controller``: the node's controller client (replication acks go through it)."""
     _set_threads(params)
     mode, depth = params.get("mode", "disaggregated"), int(params.get("depth", "1"))
     batch, swap = int(params.get("max_batch", "16")), params.get("swap", "off")
@@ -61,15 +67,23 @@ def load_token_service(params: dict[str, str], metrics: Metrics | None = None) -
     if mode != "disaggregated":
         raise ValueError(f"mode must be 'disaggregated' or 'colocated', got {mode!r}")
     slots = {"prompt_slots": int(params["num_slots"])} if params.get("num_slots") else {}
+    replicate = params.get("replicate", "off") == "on" and depth > 1
     config = PipelineConfig(
         depth=depth, batch_size=batch, swap=swap, max_seq_len=_max_seq_len(params),
-        dead_after_s=float(params.get("dead_after_s", "10")), **slots,
+        dead_after_s=float(params.get("dead_after_s", "10")),
+        recover_timeout_s=float(params.get("recover_timeout_s", "120")) if replicate else None,
+        **slots,
     )
+    secret = bytes.fromhex(params["secret"])
     node = StageNode(params["model_dir"], int(params.get("stage", "0")), config,
-                     secret=bytes.fromhex(params["secret"]), name=params.get("name") or None)
+                     secret=secret, name=params.get("name") or None)
     if depth == 1:  # nothing to connect: serve at once (also where no launcher bootstraps)
         node.start()
-    return TokenService(node.engine, node=node, metrics=metrics)
+    recovery = None
+    if replicate:
+        ack = None if controller is None else controller.ack
+        recovery = RecoveryOps(node, NodeReplication(node, secret, ack=ack), controller)
+    return TokenService(node.engine, node=node, recovery=recovery, metrics=metrics)
 
 
 def connect_controller(params: dict[str, str], role: str) -> ControllerClient | None:

@@ -46,6 +46,10 @@ class Router:
         with self.lock:
             self.down_until[node] = time.monotonic() + self.down_s
 
+    def mark_up(self, node: str) -> None:
+        with self.lock:
+            self.down_until[node] = 0.0
+
     @contextmanager
     def assign(self, tokens: int) -> Iterator[str]:
         node = self.pick(tokens)

@@ -9,7 +9,9 @@ the first (the P-node's, which the client already has). Colocated: a depth-1
 itself. Either way the token loop is the pipeline library's.
 
 Control requests bootstrap a pipeline (``endpoints``, ``connect``, ``start``)
-and reserve or release prompt KV (``reserve``, ``release``) on any stage.
+and reserve or release prompt KV (``reserve``, ``release``) on any stage; with
+KV replication on, the fault layer's operations (``RecoveryOps.OPS``) wire the
+replicas and replace a lost stage.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from orchestrator.engine.base import Engine
+from orchestrator.fault.stage_recovery import RecoveryOps
 from orchestrator.pipeline.head import PipelineHead
 from orchestrator.pipeline.node import StageNode
 from orchestrator.pipeline.pipeline import TokenPipeline
@@ -52,12 +55,15 @@ class TokenService:
         *,
         node: StageNode | None = None,
         pipeline: TokenPipeline | None = None,
+        recovery: RecoveryOps | None = None,
         metrics: Metrics | None = None,
         cancel_poll_s: float = 0.05,
     ) -> None:
+        """``recovery``: the node's replication and recovery operations (replication on)."""
         if (node is None) == (pipeline is None):
             raise ValueError("give a StageNode (disaggregated) or a TokenPipeline (colocated)")
         self.engine, self.node, self.pipeline = engine, node, pipeline
+        self.recovery = recovery
         self.head: PipelineHead | None = pipeline if pipeline is not None else node.head
         self.metrics = metrics or Metrics()
         self.clients: dict[str, _Client] = {}
@@ -77,9 +83,14 @@ class TokenService:
 
     def control(self, op: str, request_id: str = "", prompt_len: int = 0,
                 peers: list[bytes] | None = None) -> bytes:
-        """Bootstrap and reservations; the bytes to answer with (empty when none)."""
+        """Bootstrap, reservations, recovery; the bytes to answer with (empty when none)."""
+        if op in RecoveryOps.OPS:
+            if self.recovery is None:
+                raise RequestError(f"op {op!r}: this node does not replicate its KV")
+            return self.recovery(op, peers or [])
         if op not in CONTROL_OPS:
-            raise RequestError(f"unknown op {op!r}: expected generate or one of {CONTROL_OPS}")
+            raise RequestError(f"unknown op {op!r}: expected generate or one of "
+                               f"{CONTROL_OPS + RecoveryOps.OPS}")
         if self.node is None:
             raise RequestError(f"op {op!r}: a colocated node has no pipeline to control")
         if op == "endpoints":
@@ -197,3 +208,5 @@ class TokenService:
             self.pipeline.stop(timeout_s)
         else:
             self.node.close(timeout_s)
+        if self.recovery is not None:
+            self.recovery.close()

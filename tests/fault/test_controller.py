@@ -106,8 +106,9 @@ def test_acks_pick_the_step_to_redo_and_a_replacement_gets_the_plan(controller: 
     nodes = clients(controller, "acks", 3)
     try:
         wait_until("registration", lambda: all(c.connected for c in nodes))
-        # Holder (x+1)%3 acks stage x. Microbatch 0: stages at 7, 6, 7 -> redo step 7.
-        # Microbatch 1: stage 2's replica has no ack yet -> redo from the prompt (0).
+        # Holder (x+1)%3 acks stage x; stage 1 is lost. Microbatch 0: its replica holds
+        # step 6 -> redo step 7. Microbatch 1: step 3 -> redo step 4. (The head goes back
+        # further if it has no answer for those steps.)
         for holder, source, j, t in [(1, 0, 0, 7), (2, 1, 0, 5), (2, 1, 0, 6), (0, 2, 0, 7),
                                      (1, 0, 1, 3), (2, 1, 1, 3)]:
             nodes[holder].ack(source, j, t)
@@ -117,15 +118,16 @@ def test_acks_pick_the_step_to_redo_and_a_replacement_gets_the_plan(controller: 
         plan = spare.wait_for_recovery_plan(after_epoch=0, timeout_s=10)
         assert plan["failed"] == [1] and not plan["recompute"]
         assert plan["restore"] == [[2, 1]] and plan["rereplicate"] == [[0, 1]]
-        assert plan["resume"] == {"0": 7, "1": 0} and plan["first"] == [1, 0]
+        assert plan["resume"] == {"0": 7, "1": 4} and plan["first"] == [1, 4]
         assert plan["nodes"]["1"]["node_id"] == spare.node_id
         for c in (nodes[0], spare, nodes[2]):
             assert c.wait_for_recovery_plan(0, timeout_s=5)["epoch"] == plan["epoch"]
             c.recovered(plan["epoch"])
         assert nodes[0].status()["pipelines"]["acks"]["state"] == "serving"
-        # Everyone rolled back to step 6 of microbatch 0; microbatch 1 starts over.
+        # Everyone rolled back to step 6 of microbatch 0, step 3 of microbatch 1.
         acks = nodes[0].status()["pipelines"]["acks"]["acks"]
-        assert sorted(acks) == [[0, 0, 6], [1, 0, 6], [2, 0, 6]]
+        assert sorted(acks) == [[0, 0, 6], [0, 1, 3], [1, 0, 6], [1, 1, 3], [2, 0, 6],
+                                [2, 1, 3]]
     finally:
         for c in nodes:
             c.stop()
@@ -203,6 +205,6 @@ def test_plan_rule_with_a_fake_clock() -> None:
     assert state.plan({"pipeline": "p"})["plan"] is None  # no replacement yet
     state.register({"node_id": "n0b", "pipeline": "p", "stage": 0, "depth": 2})
     plan = state.plan({"pipeline": "p"})["plan"]
-    assert plan["resume"] == {"0": 9, "1": 3} and plan["restore"] == [[1, 0]]
+    assert plan["resume"] == {"0": 10, "1": 3} and plan["restore"] == [[1, 0]]
     with pytest.raises(ValueError, match="timeout_s must be > 0"):
         ControllerState(0)

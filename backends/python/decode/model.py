@@ -10,8 +10,9 @@ from orchestrator.serving.params import PARAM_TENSORS, GenerationParams
 class TritonPythonModel:
     def initialize(self, args):
         params = pb.parameters(args)
-        self.service = load_token_service(params, pb.TritonMetrics(params["name"]))
         self.controller = connect_controller(params, "token")
+        self.service = load_token_service(params, pb.TritonMetrics(params["name"]),
+                                          self.controller)
 
     def execute(self, requests):
         for request in requests:

@@ -1,0 +1,175 @@
+"""Replacing a lost T-stage of a token pipeline whose stages are processes (Triton T-nodes).
+
+Two halves, as in DejaVu §4.3:
+
+- :class:`RecoveryOps`, on every T-node: the node's part of each step, as
+  control operations (bytes in, bytes out) that the node's service answers;
+- :func:`recover_stage`, on whoever coordinates (the cluster supervisor): once
+  the controller has a plan (a replacement registered in every lost slot), it
+  calls each node's operations in order through ``call(url, op, args)``.
+
+The order, for lost stages X (not 0: stage 0 holds the head and the clients'
+streams)::
+
+    head: pause; every survivor: quiet        nothing moves (steps to a lost stage died)
+    new x: connect, replicate                 its ring and replicas point at its neighbours
+    x-1: reconnect                            ring and replicas now go to the new x
+    head: rewind(resume)                      step 3: microbatch j redoes from step t
+    x+1: restore -> new x: adopt              step 1: x's KV from the replica x+1 held
+    survivors: rollback; everyone: reseed     step 4, and step 2 (x-1 re-sends x's replicas)
+    new x: start; everyone: recovered; head: resume
+
+When the plan says ``recompute`` (a lost stage's replica holder is lost too),
+every microbatch redoes from step 0: the head ends its running requests with
+an error saying their prompt KV was lost, and the frontend runs them again
+from the prompt (the log says so). Requests whose prompt KV was still on its
+way to a lost stage fail their KV probe the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+
+from orchestrator.engine.sampling import SamplingParams
+from orchestrator.fault.client import ControllerClient
+from orchestrator.fault.node_replication import NodeReplication
+from orchestrator.pipeline.node import StageNode
+
+log = logging.getLogger("dejavu.fault.recovery")
+
+Call = Callable[[str, str, list[bytes]], bytes]  # (node url, op, args) -> reply
+
+
+class RecoveryOps:
+    """A T-node's replication and recovery operations (its service dispatches ``OPS``)."""
+
+    OPS = ("replica_endpoints", "replicate", "reconnect", "pause", "quiet", "rewind",
+           "restore", "adopt", "rollback", "reseed", "recovered", "resume", "held")
+
+    def __init__(self, node: StageNode, replication: NodeReplication,
+                 controller: ControllerClient | None = None) -> None:
+        self.node, self.replication, self.controller = node, replication, controller
+
+    def close(self) -> None:
+        self.replication.close()
+
+    def __call__(self, op: str, args: list[bytes]) -> bytes:
+        if op not in self.OPS:
+            raise ValueError(f"unknown recovery op {op!r}")
+        answer = getattr(self, f"_{op}")(*args)
+        return b"" if answer is None else answer
+
+    def _head(self):  # noqa: ANN202  (a PipelineHead; only node 0 has one)
+        if self.node.head is None:
+            raise ValueError(f"stage {self.node.index} holds no head (stage 0 does)")
+        return self.node.head
+
+    def _replica_endpoints(self) -> bytes:
+        return self.replication.endpoints()
+
+    def _replicate(self, next_: bytes, previous: bytes) -> None:
+        self.replication.connect(next_, previous)
+
+    def _reconnect(self, ring: bytes, replication: bytes) -> None:
+        self.node.reconnect(ring)
+        self.replication.reconnect(replication)
+
+    def _pause(self) -> None:
+        self._head().pause()
+
+    def _quiet(self) -> bytes:
+        return b"1" if self.node.quiet() else b"0"
+
+    def _rewind(self, resume: bytes) -> bytes:
+        head = self._head()
+        lengths = head.rewind({int(j): int(t) for j, t in json.loads(resume).items()})
+        sampling = {s.seq_id: asdict(s.sampling) for s in head.running() if s.seq_id in lengths}
+        return json.dumps({"lengths": lengths, "sampling": sampling}).encode()
+
+    def _restore(self, to: bytes, lengths: bytes) -> None:
+        self.replication.restore(to, {str(s): n for s, n in json.loads(lengths).items()})
+
+    def _adopt(self, lengths: bytes, sampling: bytes) -> None:
+        self.replication.adopt(
+            {str(s): n for s, n in json.loads(lengths).items()},
+            {int(s): SamplingParams(**p) for s, p in json.loads(sampling).items()})
+
+    def _rollback(self, lengths: bytes) -> None:
+        self.replication.rollback({int(s): n for s, n in json.loads(lengths).items()})
+
+    def _reseed(self) -> None:
+        self.replication.reseed()
+
+    def _recovered(self, epoch: bytes) -> None:
+        if self.controller is not None:
+            self.controller.recovered(int(epoch))
+
+    def _held(self) -> bytes:
+        """What the node holds: sequences' KV, replicas of its predecessor's, restored KV
+        not yet adopted (all 0 once every request ended)."""
+        return json.dumps({"kv": len(self.node.kv), "replicas": len(self.replication.held()),
+                           "landing": len(self.replication.landing.held)}).encode()
+
+    def _resume(self) -> None:
+        self.node.repaired()
+        self._head().resume()
+
+
+def recover_stage(call: Call, urls: list[str], plan: dict, quiet_timeout_s: float = 30.0
+                  ) -> dict[int, int]:
+    """Carry out the controller's ``plan`` on a pipeline whose stages are at ``urls`` (stage
+    0 first; a replacement's url in each lost slot). Returns the resume step per microbatch.
+    Raises on any failed call (the head then breaks at its ``recover_timeout_s``)."""
+    failed, depth = [int(x) for x in plan["failed"]], len(urls)
+    if 0 in failed:
+        raise ValueError("stage 0 is lost: its head and its clients' streams went with it "
+                         "(the frontend runs those requests again elsewhere)")
+    survivors = [i for i in range(depth) if i not in failed]
+    recompute = bool(plan["recompute"])
+    resume = {} if recompute else dict(plan["resume"])  # a microbatch not named: step 0
+    if recompute:
+        log.warning("stages %s and their replica holders are lost: recomputing, every "
+                    "running request starts over from its prompt", failed)
+
+    head = urls[0]
+    call(head, "pause", [])
+    for i in survivors:  # upstream first: what a stage passes on has reached the next
+        _wait_quiet(call, urls[i], i, quiet_timeout_s)
+    ring = {i: call(url, "endpoints", []) for i, url in enumerate(urls)}
+    replicas = {i: call(url, "replica_endpoints", []) for i, url in enumerate(urls)}
+    for x in failed:
+        call(urls[x], "connect", [ring[(x + 1) % depth], ring[0]])
+        call(urls[x], "replicate", [replicas[(x + 1) % depth], replicas[x - 1]])
+        if x - 1 not in failed:
+            call(urls[x - 1], "reconnect", [ring[x], replicas[x]])
+
+    rewound = json.loads(call(head, "rewind", [json.dumps(resume).encode()]))
+    lengths = json.dumps(rewound["lengths"]).encode()
+    for holder, x in [] if recompute else plan["restore"]:
+        call(urls[holder], "restore", [replicas[x], lengths])
+        call(urls[x], "adopt", [lengths, json.dumps(rewound["sampling"]).encode()])
+    for i in survivors:
+        call(urls[i], "rollback", [lengths])
+    for url in urls:
+        call(url, "reseed", [])
+    for x in failed:
+        call(urls[x], "start", [])
+    for url in urls:
+        call(url, "recovered", [str(plan["epoch"]).encode()])
+    call(head, "resume", [])
+    log.warning("stages %s recovered: %s", failed, "recomputed from prompts" if recompute
+                else f"resumed at {resume} with {len(rewound['lengths'])} requests kept")
+    return {int(j): int(t) for j, t in resume.items()}
+
+
+def _wait_quiet(call: Call, url: str, stage: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while call(url, "quiet", []) != b"1":
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"stage {stage} ({url}) still busy {timeout_s} s after the "
+                               "pause")
+        time.sleep(0.05)
