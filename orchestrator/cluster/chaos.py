@@ -1,10 +1,11 @@
-"""Fault injection on a local cluster: ``dejavu chaos list`` and ``dejavu chaos kill NODE``.
+"""Fault injection on a local cluster: ``dejavu chaos list``, ``kill NODE``, ``drop NODE``.
 
 Reads the state file that ``dejavu up`` wrote. ``kill`` signals a node's whole
 process group (the tritonserver and its Python-backend stubs: the launcher
 starts each node in a session of its own), waits until it is gone and removes
 the shared-memory regions a killed node leaves in /dev/shm. ``controller``
-names the fault controller.
+names the fault controller. ``drop`` makes a T-node of a replicating pipeline
+lose its transport connection to the next stage (the process lives on).
 """
 
 from __future__ import annotations
@@ -57,10 +58,28 @@ def kill(target: dict, sig: signal.Signals, timeout_s: float = 15.0) -> None:
         clean_shm(target["shm_prefix"])
 
 
+def drop(target: dict) -> int:
+    from tritonclient.utils import InferenceServerException
+
+    from orchestrator.serving.frontend import control  # tritonclient: only where needed
+
+    if target["role"] != "decode":
+        print(f"dejavu chaos drop: {target['name']} is a {target['role']} node; only T-nodes "
+              "have a connection to a next stage", file=sys.stderr)
+        return 2
+    try:
+        control(target["grpc"], "drop_link", 10.0)
+    except InferenceServerException as exc:
+        print(f"dejavu chaos drop: {exc.message()}", file=sys.stderr)
+        return 1
+    print(f"dropped {target['name']}'s connection to its next stage")
+    return 0
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="dejavu chaos", description=__doc__.splitlines()[0])
-    parser.add_argument("action", choices=["list", "kill"])
-    parser.add_argument("node", nargs="?", help="kill: a node's name (see list) or controller")
+    parser.add_argument("action", choices=["list", "kill", "drop"])
+    parser.add_argument("node", nargs="?", help="a node's name (see list); kill: or controller")
     parser.add_argument("--signal", choices=list(SIGNALS), default="KILL")
     parser.add_argument("--dir", default="runs/local", help="the cluster's folder")
     args = parser.parse_args(argv)
@@ -75,9 +94,11 @@ def main(argv: list[str]) -> int:
             print(f"{name:<12} {t['role']:<10} pid {t.get('pid')}  {state}")
         return 0
     if args.node not in found:
-        print(f"dejavu chaos kill: no node {args.node!r} in {args.dir}/{STATE_FILE}; "
+        print(f"dejavu chaos {args.action}: no node {args.node!r} in {args.dir}/{STATE_FILE}; "
               f"choose from {', '.join(found)}", file=sys.stderr)
         return 2
+    if args.action == "drop":
+        return drop(found[args.node])
     try:
         kill(found[args.node], SIGNALS[args.signal])
     except TimeoutError as exc:

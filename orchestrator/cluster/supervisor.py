@@ -7,9 +7,12 @@ stages it has declared dead. For a lost stage x > 0 it starts the node's
 tritonserver again (same ports and repository, a new incarnation name, so the
 controller and the KV transports see a new node), waits for the controller's
 recovery plan, and carries it out (:func:`orchestrator.fault.stage_recovery.recover_stage`).
-A lost stage 0 took its head and its clients' streams with it: the frontend
-runs those requests again on another pipeline, and the supervisor leaves that
-pipeline down (it says so in its log).
+A head paused while every stage is alive (a connection between two stages
+dropped) has every stage connect to its successor again
+(:func:`orchestrator.fault.stage_recovery.repair_links`). A lost stage 0 took
+its head and its clients' streams with it: the frontend runs those requests
+again on another pipeline, and the supervisor leaves that pipeline down (it
+says so in its log).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from orchestrator.cluster.launcher import STATE_FILE, read_state, write_node_rep
 from orchestrator.cluster.tritonserver import TritonServer, clean_shm
 from orchestrator.fault.client import query_status
 from orchestrator.fault.rpc import Stub
-from orchestrator.fault.stage_recovery import recover_stage
+from orchestrator.fault.stage_recovery import recover_stage, repair_links
 
 log = logging.getLogger("dejavu.supervisor")
 
@@ -41,6 +44,8 @@ class Supervisor:
         self.ready_timeout_s, self.call_timeout_s = ready_timeout_s, call_timeout_s
         self.given_up: set[str] = set()  # pipelines that cannot be recovered
         self.children: list[subprocess.Popen] = []  # the nodes it started, reaped when they end
+        self.link_check_s, self.next_link_check = 1.0, 0.0
+        self.paused_since: dict[str, float] = {}  # pipeline -> first seen paused, all alive
         self.stopping = threading.Event()
 
     def run(self) -> None:
@@ -55,26 +60,77 @@ class Supervisor:
                 return  # the cluster is down
             for name, pipeline in view["pipelines"].items():
                 if pipeline["failed"] and name.startswith("decode") and name not in self.given_up:
-                    self.recover(state, name, pipeline)
+                    self.recover(state, name)
+            if time.monotonic() >= self.next_link_check:
+                self.next_link_check = time.monotonic() + self.link_check_s
+                self.check_links(state, view)
 
-    def recover(self, state: dict, name: str, pipeline: dict) -> None:
-        index, failed = int(name.removeprefix("decode")), pipeline["failed"]
-        if 0 in failed:
-            log.error("%s: stage 0 is lost with its head; the pipeline stays down (the "
-                      "frontend runs its requests again elsewhere)", name)
-            self.given_up.add(name)
-            return
-        log.warning("%s: stages %s lost; starting them again", name, failed)
+    def check_links(self, state: dict, view: dict) -> None:
+        """A head paused for a repair while the controller sees every stage alive (for
+        longer than it takes to declare one dead): a connection dropped; repair it."""
+        grace_s = float(view["timeout_s"]) + 2 * self.link_check_s
+        alive = {(n["pipeline"], n["stage"]) for n in view["nodes"] if n["alive"]}
+        for index in sorted({n["pipeline"] for n in state["nodes"] if n["role"] == "decode"}):
+            name, urls = f"decode{index}", [n["grpc"] for n in _stages(state, index)]
+            # A controller started again does not know yet of a stage that died meanwhile.
+            all_alive = all((name, stage) in alive for stage in range(len(urls)))
+            if len(urls) < 2 or name in self.given_up or not all_alive:
+                self.paused_since.pop(name, None)
+                continue
+            try:
+                fault = self.call(urls[0], "fault", []).decode()
+            except Exception:  # its head is gone: the controller will say so
+                continue
+            if not fault:
+                self.paused_since.pop(name, None)
+            elif time.monotonic() - self.paused_since.setdefault(name, time.monotonic()) > grace_s:
+                log.warning("%s: every stage alive but the head waits for a repair (%s); "
+                            "connecting the stages again", name, fault)
+                try:
+                    repair_links(self.call, urls)
+                except Exception:
+                    log.exception("%s: repairing its connections failed; trying again",
+                                  name)
+                self.paused_since.pop(name, None)
+
+    def recover(self, state: dict, name: str) -> None:
+        index = int(name.removeprefix("decode"))
         try:
-            for x in failed:
-                self.restart(state, index, x)
-            plan = self.wait_for_plan(state["controller"]["address"], name, failed)
-            urls = [n["grpc"] for n in _stages(state, index)]
-            recover_stage(self.call, urls, plan)
+            plan = self.replace(state, name, index)
+            if plan is None:
+                return
+            recover_stage(self.call, [n["grpc"] for n in _stages(state, index)], plan)
         except Exception:
-            log.exception("%s: recovery of stages %s failed; its head gives up at its "
-                          "recover timeout", name, failed)
+            log.exception("%s: recovery failed; its head gives up at its recover timeout",
+                          name)
             self.given_up.add(name)
+
+    def replace(self, state: dict, name: str, index: int) -> dict | None:
+        """Start every lost stage again, including those declared while others restart,
+        until the controller's plan covers them all; None if stage 0 is lost."""
+        controller = state["controller"]["address"]
+        restarted: set[int] = set()
+        stub = Stub(controller)
+        deadline = time.monotonic() + self.ready_timeout_s
+        try:
+            while time.monotonic() < deadline:
+                failed = set(query_status(controller)["pipelines"][name]["failed"])
+                if 0 in failed:
+                    log.error("%s: stage 0 is lost with its head; the pipeline stays down "
+                              "(the frontend runs its requests again elsewhere)", name)
+                    self.given_up.add(name)
+                    return None
+                for x in sorted(failed - restarted):
+                    log.warning("%s: stage %d lost; starting it again", name, x)
+                    self.restart(state, index, x)
+                    restarted.add(x)
+                plan = stub.call("Plan", {"pipeline": name}, 2.0)["plan"]
+                if plan is not None and set(plan["failed"]) == failed:
+                    return plan
+                time.sleep(self.poll_s)
+        finally:
+            stub.close()
+        raise TimeoutError(f"no recovery plan for {name} in {self.ready_timeout_s} s")
 
     def restart(self, state: dict, pipeline: int, stage: int) -> None:
         """The lost node's tritonserver again, as a new incarnation; updates the state file."""
@@ -98,19 +154,6 @@ class Supervisor:
         path.with_suffix(".tmp").replace(path)
         log.warning("%s is back (pid %d, incarnation %d)", node["name"], server.process.pid,
                     incarnation)
-
-    def wait_for_plan(self, controller: str, pipeline: str, failed: list[int]) -> dict:
-        stub = Stub(controller)
-        deadline = time.monotonic() + self.ready_timeout_s
-        try:
-            while time.monotonic() < deadline:
-                with_plan = stub.call("Plan", {"pipeline": pipeline}, 2.0)["plan"]
-                if with_plan is not None and set(failed) <= set(with_plan["failed"]):
-                    return with_plan
-                time.sleep(self.poll_s)
-        finally:
-            stub.close()
-        raise TimeoutError(f"no recovery plan for {pipeline} in {self.ready_timeout_s} s")
 
     def call(self, url: str, op: str, args: list[bytes]) -> bytes:
         from orchestrator.serving.frontend import control  # tritonclient: only where needed

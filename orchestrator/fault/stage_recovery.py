@@ -19,6 +19,9 @@ streams)::
     survivors: rollback; everyone: reseed     step 4, and step 2 (x-1 re-sends x's replicas)
     new x: start; everyone: recovered; head: resume
 
+:func:`repair_links` is the same without a lost stage: a dropped connection
+(``drop_link`` is its drill) made a stage report that it cannot send on.
+
 When the plan says ``recompute`` (a lost stage's replica holder is lost too),
 every microbatch redoes from step 0: the head ends its running requests with
 an error saying their prompt KV was lost, and the frontend runs them again
@@ -48,7 +51,8 @@ class RecoveryOps:
     """A T-node's replication and recovery operations (its service dispatches ``OPS``)."""
 
     OPS = ("replica_endpoints", "replicate", "reconnect", "pause", "quiet", "rewind",
-           "restore", "adopt", "rollback", "reseed", "recovered", "resume", "held")
+           "restore", "adopt", "rollback", "reseed", "recovered", "resume", "held", "fault",
+           "drop_link")
 
     def __init__(self, node: StageNode, replication: NodeReplication,
                  controller: ControllerClient | None = None) -> None:
@@ -85,8 +89,12 @@ class RecoveryOps:
         return b"1" if self.node.quiet() else b"0"
 
     def _rewind(self, resume: bytes) -> bytes:
+        """``resume``: JSON {microbatch: step}, or ``answered``: each microbatch's first
+        step the head has no answer for."""
         head = self._head()
-        lengths = head.rewind({int(j): int(t) for j, t in json.loads(resume).items()})
+        steps = (dict.fromkeys(range(head.num_microbatches), 1 << 62) if resume == b"answered"
+                 else {int(j): int(t) for j, t in json.loads(resume).items()})
+        lengths = head.rewind(steps)
         sampling = {s.seq_id: asdict(s.sampling) for s in head.running() if s.seq_id in lengths}
         return json.dumps({"lengths": lengths, "sampling": sampling}).encode()
 
@@ -107,6 +115,13 @@ class RecoveryOps:
     def _recovered(self, epoch: bytes) -> None:
         if self.controller is not None:
             self.controller.recovered(int(epoch))
+
+    def _fault(self) -> bytes:
+        """The head's: why it is paused waiting for a repair (empty: it is not)."""
+        return (self._head().fault or "").encode()
+
+    def _drop_link(self) -> None:
+        self.node.drop_link()
 
     def _held(self) -> bytes:
         """What the node holds: sequences' KV, replicas of its predecessor's, restored KV
@@ -135,41 +150,65 @@ def recover_stage(call: Call, urls: list[str], plan: dict, quiet_timeout_s: floa
         log.warning("stages %s and their replica holders are lost: recomputing, every "
                     "running request starts over from its prompt", failed)
 
-    head = urls[0]
-    call(head, "pause", [])
-    for i in survivors:  # upstream first: what a stage passes on has reached the next
-        _wait_quiet(call, urls[i], i, quiet_timeout_s)
-    ring = {i: call(url, "endpoints", []) for i, url in enumerate(urls)}
-    replicas = {i: call(url, "replica_endpoints", []) for i, url in enumerate(urls)}
+    ring, replicas = _settle(call, urls, survivors, quiet_timeout_s)
     for x in failed:
         call(urls[x], "connect", [ring[(x + 1) % depth], ring[0]])
         call(urls[x], "replicate", [replicas[(x + 1) % depth], replicas[x - 1]])
         if x - 1 not in failed:
             call(urls[x - 1], "reconnect", [ring[x], replicas[x]])
 
-    rewound = json.loads(call(head, "rewind", [json.dumps(resume).encode()]))
+    rewound = json.loads(call(urls[0], "rewind", [json.dumps(resume).encode()]))
     lengths = json.dumps(rewound["lengths"]).encode()
     for holder, x in [] if recompute else plan["restore"]:
         call(urls[holder], "restore", [replicas[x], lengths])
         call(urls[x], "adopt", [lengths, json.dumps(rewound["sampling"]).encode()])
-    for i in survivors:
-        call(urls[i], "rollback", [lengths])
-    for url in urls:
-        call(url, "reseed", [])
-    for x in failed:
-        call(urls[x], "start", [])
+    _resume(call, urls, survivors, lengths, failed)
     for url in urls:
         call(url, "recovered", [str(plan["epoch"]).encode()])
-    call(head, "resume", [])
     log.warning("stages %s recovered: %s", failed, "recomputed from prompts" if recompute
                 else f"resumed at {resume} with {len(rewound['lengths'])} requests kept")
     return {int(j): int(t) for j, t in resume.items()}
 
 
-def _wait_quiet(call: Call, url: str, stage: int, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while call(url, "quiet", []) != b"1":
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"stage {stage} ({url}) still busy {timeout_s} s after the "
-                               "pause")
-        time.sleep(0.05)
+def repair_links(call: Call, urls: list[str], quiet_timeout_s: float = 30.0) -> None:
+    """Every stage alive, but a connection between two dropped (the head paused on a
+    stage's report): every stage connects to its successor again, and each microbatch
+    redoes its first step the head has no answer for (the step lost on the way)."""
+    survivors = list(range(len(urls)))
+    ring, replicas = _settle(call, urls, survivors, quiet_timeout_s)
+    for i, url in enumerate(urls):
+        call(url, "reconnect", [ring[(i + 1) % len(urls)], replicas[(i + 1) % len(urls)]])
+    rewound = json.loads(call(urls[0], "rewind", [b"answered"]))
+    _resume(call, urls, survivors, json.dumps(rewound["lengths"]).encode(), [])
+    log.warning("pipeline %s: connections restored, %d requests kept", urls[0],
+                len(rewound["lengths"]))
+
+
+def _settle(call: Call, urls: list[str], survivors: list[int], timeout_s: float
+            ) -> tuple[dict[int, bytes], dict[int, bytes]]:
+    """Pause the head and wait until nothing moves (a step sent to a lost stage or over a
+    lost connection is gone); every stage's ring and replica endpoints."""
+    call(urls[0], "pause", [])
+    for i in survivors:  # upstream first: what a stage passes on has reached the next
+        deadline = time.monotonic() + timeout_s
+        while call(urls[i], "quiet", []) != b"1":
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"stage {i} ({urls[i]}) still busy {timeout_s} s after "
+                                   "the pause")
+            time.sleep(0.05)
+    ring = {i: call(url, "endpoints", []) for i, url in enumerate(urls)}
+    replicas = {i: call(url, "replica_endpoints", []) for i, url in enumerate(urls)}
+    return ring, replicas
+
+
+def _resume(call: Call, urls: list[str], survivors: list[int], lengths: bytes,
+            new: list[int]) -> None:
+    """Step 4 (survivors cut their KV back), step 2 (every stage seeds its replicas again),
+    then the new stages start and the head goes on."""
+    for i in survivors:
+        call(urls[i], "rollback", [lengths])
+    for url in urls:
+        call(url, "reseed", [])
+    for x in new:
+        call(urls[x], "start", [])
+    call(urls[0], "resume", [])

@@ -238,14 +238,12 @@ class StageNode:
             self._head_node = ticket.node
 
     def reconnect(self, next: bytes) -> None:  # noqa: A002  (the API's word)
-        """Fault recovery: the successor was replaced (a new process, new endpoints); steps
-        go there from now on. Call it between steps (a paused, drained pipeline): a message
-        in flight to the old successor is lost with it."""
+        """Fault recovery: the successor was replaced (a new process, new endpoints), or the
+        connection to it dropped (its same endpoints); steps go there from now on. Call it
+        between steps (a paused, drained pipeline): a message in flight to the old
+        successor is lost with it."""
         if self.worker is None or self.config.depth == 1:
             raise RuntimeError(f"stage {self.index}: nothing to reconnect (connect() first)")
-        if self.index == self.config.depth - 1:
-            raise ValueError("the last stage's successor is node 0, which holds the head: "
-                             "it cannot be replaced")
         succ = self._successor(next)
         old = self.worker.outbox
         assert isinstance(old, TransportSender) and self.link_transport is not None
@@ -253,6 +251,12 @@ class StageNode:
         self.link_transport.deregister(old.staging)
         if old.ticket.node != succ.node:
             self.link_transport.remove_peer(old.ticket.node)
+
+    def drop_link(self) -> None:
+        """Fault drill: lose the connection to the successor (its process lives on); the
+        next step this stage sends fails, as over a broken network link."""
+        assert isinstance(self.worker.outbox, TransportSender) and self.link_transport
+        self.link_transport.remove_peer(self.worker.outbox.ticket.node)
 
     def quiet(self, for_s: float = 0.3) -> bool:
         """This stage handled nothing for ``for_s`` seconds (recovery: a paused pipeline has

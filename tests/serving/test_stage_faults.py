@@ -137,3 +137,26 @@ def test_a_stage_lost_with_its_replica_holder_reruns_its_requests(model, expecte
         assert "recomputing" in (tmp_path / "logs" / "supervisor.log").read_text()
         assert RERUN in cluster.frontend.log_path.read_text()
         assert_all_freed(cluster)
+
+
+def test_a_dropped_connection_between_stages_is_made_again(depth2, expected):
+    """Stage 0 loses its connection to stage 1 (both live on): it reports it cannot send,
+    the head pauses, and with every stage alive the supervisor connects the stages again;
+    the step lost on the way is redone."""
+    requests = [Streaming(depth2.frontend.grpc_url, p) for p in PROMPTS[:4]]
+    for r in requests:
+        r.start()
+    deadline = time.monotonic() + 60
+    while not all(len(ids_of(r.chunks)) >= 8 for r in requests):
+        assert time.monotonic() < deadline, "no tokens before the drop"
+        time.sleep(0.05)
+    assert chaos.main(["drop", "decode0s0", "--dir", str(depth2.run_dir)]) == 0
+    for r in requests:
+        r.join(150)
+        assert not r.is_alive()
+    assert [r.error for r in requests] == [None] * 4
+    assert [ids_of(r.chunks) for r in requests] == expected
+    log = (depth2.run_dir / "logs" / "supervisor.log").read_text()
+    assert "connections restored, 4 requests kept" in log
+    assert RERUN not in depth2.frontend.log_path.read_text()
+    assert_all_freed(depth2)
