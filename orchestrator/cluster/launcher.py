@@ -459,6 +459,12 @@ def status_main(argv: list[str]) -> int:
         print(f"{where}: {view['error']}" if "error" in view else
               f"{where}: {len(view['nodes'])} nodes registered, declares dead after "
               f"{view['timeout_s']} s")
+        supervisor = (state.get("supervisor") or {}).get("pid")
+        if supervisor:
+            from orchestrator.cluster.chaos import alive  # chaos imports this module
+
+            print(f"supervisor pid {supervisor}: "
+                  f"{'replaces lost T-stages' if alive(supervisor) else 'GONE'}")
     healthy = "error" not in view and all(n["controller"] in ("alive", "-") for n in state["nodes"])
     return 0 if healthy and all(n["ready"] for n in state["nodes"]) else 1
 

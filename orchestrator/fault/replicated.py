@@ -29,7 +29,8 @@ ends it with an error saying so).
 Limits: redone steps are exact for greedy sampling (a seeded sampler's state is
 not rolled back); tokens cut by a rollback reach ``on_token`` again when redone
 (the same tokens; only after an unsettled failure); the stages are threads of
-this process (across processes the same hooks apply, the drain does not).
+this process. Across processes (Triton T-nodes) the same steps run as control
+requests: :mod:`orchestrator.fault.stage_recovery`.
 """
 
 from __future__ import annotations

@@ -160,3 +160,17 @@ def test_a_dropped_connection_between_stages_is_made_again(depth2, expected):
     assert "connections restored, 4 requests kept" in log
     assert RERUN not in depth2.frontend.log_path.read_text()
     assert_all_freed(depth2)
+
+
+def test_without_replicas_a_lost_pipelines_requests_rerun_on_another(model, expected, tmp_path):
+    """The restart-from-scratch baseline (``replicate=False``): a killed stage breaks its
+    pipeline; its requests run again from their prompts on the other pipeline."""
+    with Cluster.up(model, prefill=1, decode=2, decode_depth=2, run_dir=tmp_path,
+                    max_seq_len=MAX_SEQ_LEN, dead_after_s=DEAD_AFTER_S,
+                    controller_timeout_s=DEAD_AFTER_S, replicate=False) as cluster:
+        assert read_state(tmp_path)["supervisor"]["pid"] is None
+        requests = kill_mid_stream(cluster, PROMPTS[:4], ["decode0s1"])
+        assert [r.error for r in requests] == [None] * 4
+        assert [ids_of(r.chunks) for r in requests] == expected
+        # JSQ split them two and two: the killed pipeline's ran again on the other one.
+        assert cluster.frontend.log_path.read_text().count(RERUN) >= 1
