@@ -25,10 +25,10 @@ the nodes keep serving and re-register when it returns, but a node that fails
 while it is away is not declared dead until it is back (the library's
 behaviour, see :mod:`orchestrator.fault.client`).
 
-With ``replicate`` (the default for pipelines deeper than 1) every T-stage
-streams its KV replicas to the next stage, and a supervisor process
-(:mod:`orchestrator.cluster.supervisor`) starts a lost stage again and has it
-recovered from them; its requests pause instead of failing.
+A supervisor process (:mod:`orchestrator.cluster.supervisor`) starts lost
+nodes again. With ``replicate`` (the default for pipelines deeper than 1)
+every T-stage streams its KV replicas to the next stage, and a lost stage is
+recovered from them: its requests pause instead of starting over.
 """
 
 from __future__ import annotations
@@ -238,8 +238,7 @@ class Cluster:
                     connect_pipeline([n.server.grpc_url for n in stages], timeout_s,
                                      self.replicate)
             self.write_state()
-            if self.replicate:
-                self.start_supervisor()
+            self.start_supervisor()
         except BaseException:
             self.stop()
             raise

@@ -1,18 +1,19 @@
-"""The cluster's supervisor: restarts lost T-nodes and has them recovered from KV replicas.
+"""The cluster's supervisor: starts lost nodes again; T-stages recover from KV replicas.
 
-``dejavu up`` starts it (``python -m orchestrator.cluster.supervisor --dir DIR``)
-when some token pipeline replicates its KV; ``dejavu down`` stops it. It reads
-the cluster's state file and asks the fault controller, every ``poll_s``, which
-stages it has declared dead. For a lost stage x > 0 it starts the node's
-tritonserver again (same ports and repository, a new incarnation name, so the
-controller and the KV transports see a new node), waits for the controller's
-recovery plan, and carries it out (:func:`orchestrator.fault.stage_recovery.recover_stage`).
+``dejavu up`` starts it (``python -m orchestrator.cluster.supervisor --dir DIR``);
+``dejavu down`` stops it. It reads the cluster's state file and asks the fault
+controller, every ``poll_s``, which nodes it has declared dead, and starts each
+again: the same ports and repository under a new incarnation name, so the
+controller and the KV transports see a new node. A P-node just serves again
+(its prompts in flight ran again elsewhere). For a lost T-stage x > 0 of a
+replicating pipeline it waits for the controller's recovery plan and carries
+it out (:func:`orchestrator.fault.stage_recovery.recover_stage`).
 A head paused while every stage is alive (a connection between two stages
 dropped) has every stage connect to its successor again
 (:func:`orchestrator.fault.stage_recovery.repair_links`). A lost stage 0 took
-its head and its clients' streams with it: the frontend runs those requests
-again on another pipeline, and the supervisor leaves that pipeline down (it
-says so in its log).
+its head and its clients' streams with it, and a pipeline without replicas
+has nothing to resume from: the frontend runs those requests again from their
+prompts, and the supervisor starts the whole pipeline afresh.
 """
 
 from __future__ import annotations
@@ -28,8 +29,13 @@ from pathlib import Path
 
 import grpc
 
-from orchestrator.cluster.launcher import STATE_FILE, read_state, write_node_repo
-from orchestrator.cluster.tritonserver import TritonServer, clean_shm
+from orchestrator.cluster.launcher import (
+    STATE_FILE,
+    connect_pipeline,
+    read_state,
+    write_node_repo,
+)
+from orchestrator.cluster.tritonserver import TritonServer, clean_shm, stop_processes
 from orchestrator.fault.client import query_status
 from orchestrator.fault.rpc import Stub
 from orchestrator.fault.stage_recovery import recover_stage, repair_links
@@ -59,7 +65,7 @@ class Supervisor:
             except FileNotFoundError:
                 return  # the cluster is down
             for name, pipeline in view["pipelines"].items():
-                if pipeline["failed"] and name.startswith("decode") and name not in self.given_up:
+                if pipeline["failed"] and name not in self.given_up:
                     self.recover(state, name)
             if time.monotonic() >= self.next_link_check:
                 self.next_link_check = time.monotonic() + self.link_check_s
@@ -71,10 +77,12 @@ class Supervisor:
         grace_s = float(view["timeout_s"]) + 2 * self.link_check_s
         alive = {(n["pipeline"], n["stage"]) for n in view["nodes"] if n["alive"]}
         for index in sorted({n["pipeline"] for n in state["nodes"] if n["role"] == "decode"}):
-            name, urls = f"decode{index}", [n["grpc"] for n in _stages(state, index)]
+            stages = _stages(state, index)
+            name, urls = f"decode{index}", [n["grpc"] for n in stages]
             # A controller started again does not know yet of a stage that died meanwhile.
             all_alive = all((name, stage) in alive for stage in range(len(urls)))
-            if len(urls) < 2 or name in self.given_up or not all_alive:
+            replicating = stages[0]["params"].get("replicate") == "on"
+            if not replicating or name in self.given_up or not all_alive:
                 self.paused_since.pop(name, None)
                 continue
             try:
@@ -94,71 +102,114 @@ class Supervisor:
                 self.paused_since.pop(name, None)
 
     def recover(self, state: dict, name: str) -> None:
-        index = int(name.removeprefix("decode"))
         try:
-            plan = self.replace(state, name, index)
-            if plan is None:
+            if name.startswith("prefill"):
+                self.restart_nodes(state, name, [_prefill_node(state, name)])
                 return
-            recover_stage(self.call, [n["grpc"] for n in _stages(state, index)], plan)
+            index = int(name.removeprefix("decode"))
+            plan = self.replace(state, name, index)
+            if plan is not None:
+                recover_stage(self.call, [n["grpc"] for n in _stages(state, index)], plan)
         except Exception:
             log.exception("%s: recovery failed; its head gives up at its recover timeout",
                           name)
             self.given_up.add(name)
 
     def replace(self, state: dict, name: str, index: int) -> dict | None:
-        """Start every lost stage again, including those declared while others restart,
-        until the controller's plan covers them all; None if stage 0 is lost."""
+        """Start every lost stage again, including those declared while others restart;
+        the controller's plan once it covers them all. None if the whole pipeline was
+        started afresh instead (stage 0 lost, or no replicas)."""
         controller = state["controller"]["address"]
+        stages = _stages(state, index)
         restarted: set[int] = set()
-        stub = Stub(controller)
         deadline = time.monotonic() + self.ready_timeout_s
-        try:
-            while time.monotonic() < deadline:
-                failed = set(query_status(controller)["pipelines"][name]["failed"])
-                if 0 in failed:
-                    log.error("%s: stage 0 is lost with its head; the pipeline stays down "
-                              "(the frontend runs its requests again elsewhere)", name)
-                    self.given_up.add(name)
-                    return None
-                for x in sorted(failed - restarted):
-                    log.warning("%s: stage %d lost; starting it again", name, x)
-                    self.restart(state, index, x)
-                    restarted.add(x)
-                plan = stub.call("Plan", {"pipeline": name}, 2.0)["plan"]
-                if plan is not None and set(plan["failed"]) == failed:
-                    return plan
-                time.sleep(self.poll_s)
-        finally:
-            stub.close()
+        while time.monotonic() < deadline:
+            failed = set(query_status(controller)["pipelines"][name]["failed"])
+            if 0 in failed or stages[0]["params"].get("replicate") != "on":
+                log.warning("%s: stages %s lost, %s; starting the whole pipeline again",
+                            name, sorted(failed), "with the head" if 0 in failed else
+                            "no replicas to resume from")
+                self.restart_nodes(state, name, stages)
+                return None
+            for x in sorted(failed - restarted):
+                log.warning("%s: stage %d lost; starting it again", name, x)
+                self.ready(state, self.launch(state, stages[x]), stages[x])
+                restarted.add(x)
+            plan = self.plan(controller, name)
+            if plan is not None and set(plan["failed"]) == failed:
+                return plan
+            time.sleep(self.poll_s)
         raise TimeoutError(f"no recovery plan for {name} in {self.ready_timeout_s} s")
 
-    def restart(self, state: dict, pipeline: int, stage: int) -> None:
-        """The lost node's tritonserver again, as a new incarnation; updates the state file."""
-        node = _stages(state, pipeline)[stage]
+    def restart_nodes(self, state: dict, name: str, nodes: list[dict]) -> None:
+        """Start a P-node, or a token pipeline's every stage, afresh (what a lost head or a
+        pipeline without replicas comes to: the frontend ran its requests again)."""
+        stop_processes([n["pid"] for n in nodes])  # a pipeline's survivors: it is gone
+        servers = [self.launch(state, node) for node in nodes]
+        for server, node in zip(servers, nodes, strict=True):
+            self.ready(state, server, node)
+        if len(nodes) > 1:
+            connect_pipeline([n["grpc"] for n in nodes], self.call_timeout_s,
+                             nodes[0]["params"].get("replicate") == "on")
+        # Once the old nodes are declared dead and the new ones hold every slot, the
+        # controller has a plan with nothing to restore: the new nodes close it.
+        controller = state["controller"]["address"]
+        deadline = time.monotonic() + self.ready_timeout_s
+        while (plan := self.plan(controller, name)) is None or len(plan["failed"]) < len(nodes):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the controller did not take {name}'s new nodes")
+            time.sleep(self.poll_s)
+        stub = Stub(controller)
+        try:
+            for node in nodes:
+                stub.call("Recovered", {"node_id": node["params"]["name"],
+                                        "epoch": plan["epoch"]}, 2.0)
+        finally:
+            stub.close()
+        log.warning("%s: started afresh (incarnation %d)", name, nodes[0]["incarnation"])
+
+    def launch(self, state: dict, node: dict) -> TritonServer:
+        """A lost node's tritonserver again, as a new incarnation (same ports and repo)."""
         incarnation = int(node.get("incarnation", 0)) + 1
         params = node["params"] | {"name": f"{node['name']}-{node['grpc'].split(':')[1]}"
                                            f"-r{incarnation}"}
         repo = Path(node["repo"])
-        write_node_repo(repo, "decode", params)
+        write_node_repo(repo, node["role"], params)
         ports = (int(node[k].split(":")[1]) for k in ("http", "grpc", "metrics"))
         server = TritonServer(node["name"], repo, Path(state["backends"]), Path(node["log"]),
                               *ports, incarnation=incarnation)
         clean_shm(node["shm_prefix"])  # a node that died on its own left its regions
         server.launch()
         self.children.append(server.process)
+        node.update(params=params, incarnation=incarnation)
+        return server
+
+    def ready(self, state: dict, server: TritonServer, node: dict) -> None:
+        """Wait for a launched node; record it in the state file."""
         server.wait_ready(self.ready_timeout_s)
-        node.update(pid=server.process.pid, params=params, incarnation=incarnation,
-                    shm_prefix=server.shm_prefix)
+        node.update(pid=server.process.pid, shm_prefix=server.shm_prefix)
         path = self.run_dir / STATE_FILE
         path.with_suffix(".tmp").write_text(json.dumps(state, indent=2) + "\n")
         path.with_suffix(".tmp").replace(path)
         log.warning("%s is back (pid %d, incarnation %d)", node["name"], server.process.pid,
-                    incarnation)
+                    server.incarnation)
+
+    def plan(self, controller: str, pipeline: str) -> dict | None:
+        stub = Stub(controller)
+        try:
+            return stub.call("Plan", {"pipeline": pipeline}, 2.0)["plan"]
+        finally:
+            stub.close()
 
     def call(self, url: str, op: str, args: list[bytes]) -> bytes:
         from orchestrator.serving.frontend import control  # tritonclient: only where needed
 
         return control(url, op, self.call_timeout_s, peers=args or None)
+
+
+def _prefill_node(state: dict, name: str) -> dict:
+    index = int(name.removeprefix("prefill"))
+    return next(n for n in state["nodes"] if n["role"] == "prefill" and n["pipeline"] == index)
 
 
 def _stages(state: dict, pipeline: int) -> list[dict]:

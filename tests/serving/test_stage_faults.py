@@ -1,8 +1,8 @@
 """T-stages killed (kill -9) mid-stream on real tritonservers: the supervisor starts them
 again and the pipeline resumes from the KV replicas (the client sees a pause, not an
-error, and the failure-free tokens). Twice in a row; while the controller is away; and a
-stage lost together with the stage holding its replica, where the requests run again from
-their prompts."""
+error, and the failure-free tokens). Twice in a row; while the controller is away; over a
+dropped connection. A stage lost together with the stage holding its replica, or the head's
+stage, costs its requests a rerun from their prompts (still no error, the same tokens)."""
 
 from __future__ import annotations
 
@@ -71,6 +71,11 @@ def assert_all_freed(cluster: Cluster) -> None:
         time.sleep(0.2)
 
 
+def reruns(cluster: Cluster) -> int:
+    """Requests the frontend ran again from their prompts so far."""
+    return cluster.frontend.log_path.read_text().count(RERUN)
+
+
 def recoveries(cluster: Cluster) -> list[str]:
     log = (cluster.run_dir / "logs" / "supervisor.log").read_text()
     return [line for line in log.splitlines() if "recovered:" in line]
@@ -103,7 +108,7 @@ def test_a_killed_stage_resumes_from_its_replicas_twice_in_a_row(depth2, expecte
         assert node["incarnation"] == round_
         assert len(recoveries(depth2)) == round_ and "resumed at" in recoveries(depth2)[-1]
         # Resumed, not rerun: no request started over from its prompt.
-        assert RERUN not in depth2.frontend.log_path.read_text()
+        assert reruns(depth2) == 0
         assert_all_freed(depth2)
 
 
@@ -112,7 +117,7 @@ def test_a_stage_lost_while_the_controller_is_away_recovers_when_it_is_back(dept
     controller is back, then the lost stage, never re-registering, is; the nodes re-sent
     their acks, so the pipeline still resumes from the replicas."""
     assert chaos.main(["kill", "controller", "--dir", str(depth2.run_dir)]) == 0
-    before = len(recoveries(depth2))
+    before, rerun = len(recoveries(depth2)), reruns(depth2)
     restart = threading.Timer(DEAD_AFTER_S + 3, depth2.controller.start)
     restart.start()
     try:
@@ -122,7 +127,19 @@ def test_a_stage_lost_while_the_controller_is_away_recovers_when_it_is_back(dept
     assert [r.error for r in requests] == [None] * 4
     assert [ids_of(r.chunks) for r in requests] == expected
     assert len(recoveries(depth2)) == before + 1 and "resumed at" in recoveries(depth2)[-1]
-    assert RERUN not in depth2.frontend.log_path.read_text()
+    assert reruns(depth2) == rerun
+    assert_all_freed(depth2)
+
+
+def test_a_lost_head_stage_restarts_its_pipeline_and_the_requests_rerun(depth2, expected):
+    """Stage 0 holds the head and the clients' streams: its requests run again from their
+    prompts once the supervisor has started the whole pipeline afresh."""
+    rerun = reruns(depth2)
+    requests = kill_mid_stream(depth2, PROMPTS[:4], ["decode0s0"])
+    assert [r.error for r in requests] == [None] * 4
+    assert [ids_of(r.chunks) for r in requests] == expected
+    assert "decode0: started afresh" in (depth2.run_dir / "logs" / "supervisor.log").read_text()
+    assert reruns(depth2) >= rerun + 4
     assert_all_freed(depth2)
 
 
@@ -135,7 +152,7 @@ def test_a_stage_lost_with_its_replica_holder_reruns_its_requests(model, expecte
         assert [ids_of(r.chunks) for r in requests] == expected
         assert "recomputed from prompts" in recoveries(cluster)[-1]
         assert "recomputing" in (tmp_path / "logs" / "supervisor.log").read_text()
-        assert RERUN in cluster.frontend.log_path.read_text()
+        assert reruns(cluster) >= 1
         assert_all_freed(cluster)
 
 
@@ -143,6 +160,7 @@ def test_a_dropped_connection_between_stages_is_made_again(depth2, expected):
     """Stage 0 loses its connection to stage 1 (both live on): it reports it cannot send,
     the head pauses, and with every stage alive the supervisor connects the stages again;
     the step lost on the way is redone."""
+    rerun = reruns(depth2)
     requests = [Streaming(depth2.frontend.grpc_url, p) for p in PROMPTS[:4]]
     for r in requests:
         r.start()
@@ -158,19 +176,27 @@ def test_a_dropped_connection_between_stages_is_made_again(depth2, expected):
     assert [ids_of(r.chunks) for r in requests] == expected
     log = (depth2.run_dir / "logs" / "supervisor.log").read_text()
     assert "connections restored, 4 requests kept" in log
-    assert RERUN not in depth2.frontend.log_path.read_text()
+    assert reruns(depth2) == rerun
     assert_all_freed(depth2)
 
 
 def test_without_replicas_a_lost_pipelines_requests_rerun_on_another(model, expected, tmp_path):
     """The restart-from-scratch baseline (``replicate=False``): a killed stage breaks its
-    pipeline; its requests run again from their prompts on the other pipeline."""
+    pipeline; its requests run again from their prompts on the other pipeline, and the
+    supervisor starts the broken pipeline afresh, which then serves again."""
     with Cluster.up(model, prefill=1, decode=2, decode_depth=2, run_dir=tmp_path,
                     max_seq_len=MAX_SEQ_LEN, dead_after_s=DEAD_AFTER_S,
                     controller_timeout_s=DEAD_AFTER_S, replicate=False) as cluster:
-        assert read_state(tmp_path)["supervisor"]["pid"] is None
         requests = kill_mid_stream(cluster, PROMPTS[:4], ["decode0s1"])
         assert [r.error for r in requests] == [None] * 4
         assert [ids_of(r.chunks) for r in requests] == expected
         # JSQ split them two and two: the killed pipeline's ran again on the other one.
-        assert cluster.frontend.log_path.read_text().count(RERUN) >= 1
+        assert reruns(cluster) >= 1
+        log = tmp_path / "logs" / "supervisor.log"
+        deadline = time.monotonic() + 60
+        while "decode0: started afresh" not in log.read_text():
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.5)
+        assert {n["name"]: n.get("incarnation", 0) for n in read_state(tmp_path)["nodes"]
+                if n["role"] == "decode"} == {"decode0s0": 1, "decode0s1": 1,
+                                             "decode1s0": 0, "decode1s1": 0}
