@@ -18,7 +18,7 @@ import sys
 import time
 
 from orchestrator.cluster.launcher import STATE_FILE, read_state
-from orchestrator.cluster.tritonserver import clean_shm
+from orchestrator.cluster.tritonserver import alive, clean_shm
 
 SIGNALS = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM}
 
@@ -30,17 +30,6 @@ def targets(state: dict) -> dict[str, dict]:
         found["controller"] = {"name": "controller", "role": "controller",
                                **state["controller"]}
     return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with contextlib.suppress(ChildProcessError):  # our own child: a zombie until reaped
-        if os.waitpid(pid, os.WNOHANG)[0] == pid:
-            return False
-    return True
 
 
 def kill(target: dict, sig: signal.Signals, timeout_s: float = 15.0) -> None:

@@ -51,6 +51,7 @@ from orchestrator.cluster.tritonserver import (
     ServerError,
     TritonServer,
     add_model,
+    alive,
     clean_shm,
     free_port,
     is_ready,
@@ -58,6 +59,7 @@ from orchestrator.cluster.tritonserver import (
     stop_processes,
     stop_servers,
 )
+from orchestrator.fault import REPLICATE_MODES
 
 STATE_FILE = "cluster.json"
 SWAP_MODES = ("on", "off", "auto")
@@ -119,13 +121,14 @@ class Cluster:
         swap: str = "off",
         dead_after_s: float = 10.0,
         controller_timeout_s: float = 5.0,
-        replicate: bool = True,
+        replicate: str = "on",
     ) -> None:
         """``prefill``/``decode``: how many P- and T-pipelines, of depths ``prefill_depth``
         and ``decode_depth``; ``max_batch``: sequences per microbatch of a T-pipeline;
         ``controller_timeout_s``: the fault controller declares a node silent this long dead;
-        ``replicate``: T-stages (of pipelines deeper than 1) stream KV replicas to their
-        successor, and the supervisor replaces a lost stage from them."""
+        ``replicate``: on: T-stages (of pipelines deeper than 1) stream KV replicas to their
+        successor; disk: to their local disk; a lost stage is recovered from them; off:
+        none (a lost stage costs its pipeline's requests a rerun)."""
         if decode < 1:
             raise ValueError("a cluster needs at least one decode node")
         if not colocated and prefill < 1:
@@ -136,13 +139,15 @@ class Cluster:
         if colocated and decode_depth != 1:
             raise ValueError("colocated pipelines deeper than 1 are not supported on Triton "
                              "nodes (prompts enter a pipeline only within one process)")
+        if replicate not in REPLICATE_MODES:
+            raise ValueError(f"replicate must be one of {REPLICATE_MODES}, got {replicate!r}")
         if swap not in SWAP_MODES:
             raise ValueError(f"swap must be one of {SWAP_MODES}, got {swap!r}")
         self.model_dir = Path(model_dir).resolve()
         if not (self.model_dir / "config.json").is_file():
             raise ValueError(f"{self.model_dir} is not a model folder (no config.json)")
         self.colocated = colocated
-        self.replicate = replicate and decode_depth > 1
+        self.replicate = replicate if decode_depth > 1 else "off"
         self.run_dir = Path(run_dir).resolve()
         self.supervisor: subprocess.Popen | None = None
         self.secret = secrets.token_hex(16)
@@ -156,9 +161,10 @@ class Cluster:
             "swap": swap,
             "dead_after_s": str(dead_after_s),
             "prefill_depth": str(prefill_depth),
-            "replicate": "on" if self.replicate else "off",
+            "replicate": self.replicate,
         }
         self.backend_dir = make_backend_dir(self.run_dir / "backends")
+        shutil.rmtree(self.run_dir / "replicas", ignore_errors=True)  # a former cluster's
         self.nodes: list[Node] = []
         for p in range(0 if colocated else prefill):
             self._add_node(Node("prefill", None, p, None, prefill_depth), f"prefill{p}")
@@ -200,6 +206,7 @@ class Cluster:
             "secret": self.secret,
             "name": f"{name}-{node.server.grpc_port}",
             "address": node.server.grpc_url,
+            "replica_dir": str(self.run_dir / "replicas" / name),  # replicate=disk
             "pipeline": str(node.pipeline if node.pipeline is not None else ""),
             "mode": "colocated" if self.colocated else "disaggregated",
             "depth": str(node.depth or 1),
@@ -236,7 +243,7 @@ class Cluster:
             for stages in self.decode_pipelines():
                 if len(stages) > 1:
                     connect_pipeline([n.server.grpc_url for n in stages], timeout_s,
-                                     self.replicate)
+                                     self.replicate != "off")
             self.write_state()
             self.start_supervisor()
         except BaseException:
@@ -387,9 +394,10 @@ def up_main(argv: list[str]) -> int:
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for ready")
     parser.add_argument("--controller-timeout", type=float, default=5.0,
                         help="the fault controller declares a node silent this long dead")
-    parser.add_argument("--replicate", choices=["on", "off"], default="on",
-                        help="T-stages stream KV replicas to the next stage; a lost stage is "
-                        "started again and resumes from them (pipelines deeper than 1)")
+    parser.add_argument("--replicate", choices=REPLICATE_MODES, default="on",
+                        help="T-stages stream KV replicas to the next stage (disk: to local "
+                        "disk); a lost stage is started again and resumes from them "
+                        "(pipelines deeper than 1)")
     _dir_argument(parser)
     args = parser.parse_args(argv)
     if (Path(args.dir) / STATE_FILE).exists():
@@ -398,7 +406,7 @@ def up_main(argv: list[str]) -> int:
             return 1
         (Path(args.dir) / STATE_FILE).unlink()  # left by a cluster that died
     common = dict(run_dir=args.dir, max_seq_len=args.max_seq_len, swap=args.swap,
-                  controller_timeout_s=args.controller_timeout, replicate=args.replicate == "on")
+                  controller_timeout_s=args.controller_timeout, replicate=args.replicate)
     try:
         if args.spec is not None:
             cluster = Cluster.from_spec(json.loads(args.spec.read_text()), **common)
@@ -460,8 +468,6 @@ def status_main(argv: list[str]) -> int:
               f"{view['timeout_s']} s")
         supervisor = (state.get("supervisor") or {}).get("pid")
         if supervisor:
-            from orchestrator.cluster.chaos import alive  # chaos imports this module
-
             print(f"supervisor pid {supervisor}: "
                   f"{'replaces lost T-stages' if alive(supervisor) else 'GONE'}")
     healthy = "error" not in view and all(n["controller"] in ("alive", "-") for n in state["nodes"])

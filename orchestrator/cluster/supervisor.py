@@ -29,13 +29,14 @@ from pathlib import Path
 
 import grpc
 
+from orchestrator.cluster.chaos import kill
 from orchestrator.cluster.launcher import (
     STATE_FILE,
     connect_pipeline,
     read_state,
     write_node_repo,
 )
-from orchestrator.cluster.tritonserver import TritonServer, clean_shm, stop_processes
+from orchestrator.cluster.tritonserver import TritonServer, clean_shm
 from orchestrator.fault.client import query_status
 from orchestrator.fault.rpc import Stub
 from orchestrator.fault.stage_recovery import recover_stage, repair_links
@@ -81,7 +82,7 @@ class Supervisor:
             name, urls = f"decode{index}", [n["grpc"] for n in stages]
             # A controller started again does not know yet of a stage that died meanwhile.
             all_alive = all((name, stage) in alive for stage in range(len(urls)))
-            replicating = stages[0]["params"].get("replicate") == "on"
+            replicating = stages[0]["params"].get("replicate", "off") != "off"
             if not replicating or name in self.given_up or not all_alive:
                 self.paused_since.pop(name, None)
                 continue
@@ -102,14 +103,21 @@ class Supervisor:
                 self.paused_since.pop(name, None)
 
     def recover(self, state: dict, name: str) -> None:
+        """Start ``name``'s lost nodes again; a failure to do so is tried again at the next
+        poll, a failed recovery of a paused pipeline is not (its head breaks)."""
         try:
             if name.startswith("prefill"):
                 self.restart_nodes(state, name, [_prefill_node(state, name)])
                 return
             index = int(name.removeprefix("decode"))
             plan = self.replace(state, name, index)
-            if plan is not None:
-                recover_stage(self.call, [n["grpc"] for n in _stages(state, index)], plan)
+        except Exception:
+            log.exception("%s: starting its lost nodes failed; trying again", name)
+            return
+        if plan is None:
+            return
+        try:
+            recover_stage(self.call, [n["grpc"] for n in _stages(state, index)], plan)
         except Exception:
             log.exception("%s: recovery failed; its head gives up at its recover timeout",
                           name)
@@ -125,7 +133,7 @@ class Supervisor:
         deadline = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < deadline:
             failed = set(query_status(controller)["pipelines"][name]["failed"])
-            if 0 in failed or stages[0]["params"].get("replicate") != "on":
+            if 0 in failed or stages[0]["params"].get("replicate", "off") == "off":
                 log.warning("%s: stages %s lost, %s; starting the whole pipeline again",
                             name, sorted(failed), "with the head" if 0 in failed else
                             "no replicas to resume from")
@@ -144,13 +152,14 @@ class Supervisor:
     def restart_nodes(self, state: dict, name: str, nodes: list[dict]) -> None:
         """Start a P-node, or a token pipeline's every stage, afresh (what a lost head or a
         pipeline without replicas comes to: the frontend ran its requests again)."""
-        stop_processes([n["pid"] for n in nodes])  # a pipeline's survivors: it is gone
+        for node in nodes:  # a pipeline's survivors too: it is gone (their stubs with them)
+            kill(node, signal.SIGKILL)
         servers = [self.launch(state, node) for node in nodes]
         for server, node in zip(servers, nodes, strict=True):
             self.ready(state, server, node)
         if len(nodes) > 1:
             connect_pipeline([n["grpc"] for n in nodes], self.call_timeout_s,
-                             nodes[0]["params"].get("replicate") == "on")
+                             nodes[0]["params"].get("replicate", "off") != "off")
         # Once the old nodes are declared dead and the new ones hold every slot, the
         # controller has a plan with nothing to restore: the new nodes close it.
         controller = state["controller"]["address"]

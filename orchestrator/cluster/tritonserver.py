@@ -221,26 +221,24 @@ def stop_processes(pids: list[int], timeout_s: float = 15.0) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+    while time.monotonic() < deadline and any(alive(pid) for pid in pids):
         time.sleep(0.1)
     for pid in pids:
-        if _alive(pid):
+        if alive(pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        # A child we started is a zombie until reaped; waitpid reaps it here.
+def alive(pid: int) -> bool:
+    """Running (a zombie, killed and not yet reaped by its parent, is not)."""
+    with contextlib.suppress(ChildProcessError):  # our own child: reap it
         if os.waitpid(pid, os.WNOHANG)[0] == pid:
             return False
-    except ChildProcessError:
-        pass
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
         return False
-    return True
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def clean_shm(prefix: str) -> None:

@@ -2,11 +2,16 @@
 
 - ``controller``: registration, heartbeats, acks, failure detection, recovery plans.
 - ``client``: the node side of the controller (heartbeat thread, acks, plans).
-- ``replication``: stage x streams its KV to stage (x+1)%D's host memory (or disk).
+- ``replication``: stage x streams its KV to stage (x+1)%D's host memory.
 - ``node_replication``: the same replicas across processes, for a ``StageNode``
   (holder's control calls over gRPC, KV over the node's own NIXL endpoint).
+- ``disk_replication``: a ``StageNode``'s replicas on its own local disk instead.
+- ``stage_recovery``: the recovery steps as a T-node's operations, and their order
+  across nodes (a lost stage replaced; a dropped connection made again).
 - ``recovery``: the four recovery steps (step 1, restoring a stage from its replica).
 - ``replicated``: a ``TokenPipeline`` with replicas, kills, detection and recovery; the
   recompute fallback and the restart-from-scratch baseline.
 - ``bench``: ``dejavu bench recovery`` (Fig. 14, 15) on that pipeline.
 """
+
+REPLICATE_MODES = ("on", "disk", "off")  # to the next stage's memory, to local disk, none

@@ -194,7 +194,7 @@ class ControllerState:
                     pipeline.acks.pop((s, int(j)), None)
                 else:
                     pipeline.acks[(s, int(j))] = t - 1
-        if pipeline.plan["recompute"]:
+        if pipeline.plan["recompute"] and pipeline.depth > 1:
             log.warning("pipeline %s: replicas of stages %s lost too; recomputing from prompts",
                         name, sorted(pipeline.failed))
         log.info("pipeline %s: recovery plan epoch %d", name, pipeline.epoch)

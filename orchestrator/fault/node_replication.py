@@ -303,6 +303,10 @@ class NodeReplication:
         """Sequence ids (as strings) whose replicas this node holds."""
         return [] if self.store is None else self.store.held
 
+    def held_counts(self) -> dict[str, int]:
+        """Replicas held here, and restored KV not yet adopted."""
+        return {"replicas": len(self.held()), "landing": len(self.landing.held)}
+
     def replica_digests(self, lengths: dict[str, int]) -> dict[str, str]:
         """Digests of the predecessor's replicas held here, ``lengths`` positions each."""
         assert self.store is not None

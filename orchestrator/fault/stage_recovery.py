@@ -39,6 +39,7 @@ from dataclasses import asdict
 
 from orchestrator.engine.sampling import SamplingParams
 from orchestrator.fault.client import ControllerClient
+from orchestrator.fault.disk_replication import DiskReplication
 from orchestrator.fault.node_replication import NodeReplication
 from orchestrator.pipeline.node import StageNode
 
@@ -54,7 +55,7 @@ class RecoveryOps:
            "restore", "adopt", "rollback", "reseed", "recovered", "resume", "held", "fault",
            "drop_link")
 
-    def __init__(self, node: StageNode, replication: NodeReplication,
+    def __init__(self, node: StageNode, replication: NodeReplication | DiskReplication,
                  controller: ControllerClient | None = None) -> None:
         self.node, self.replication, self.controller = node, replication, controller
 
@@ -126,8 +127,7 @@ class RecoveryOps:
     def _held(self) -> bytes:
         """What the node holds: sequences' KV, replicas of its predecessor's, restored KV
         not yet adopted (all 0 once every request ended)."""
-        return json.dumps({"kv": len(self.node.kv), "replicas": len(self.replication.held()),
-                           "landing": len(self.replication.landing.held)}).encode()
+        return json.dumps({"kv": len(self.node.kv), **self.replication.held_counts()}).encode()
 
     def _resume(self) -> None:
         self.node.repaired()

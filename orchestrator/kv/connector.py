@@ -97,6 +97,8 @@ class _Incoming:
         default_factory=list
     )  # (peer, pos, crc)
 
+NO_FREE_SLOT = "no free KV slot"  # the words a full pool answers with (clients retry on them)
+
 
 class KVReceiver:
     """Decode-side endpoint: a pool of ``num_slots`` registered KV slots."""
@@ -148,7 +150,7 @@ class KVReceiver:
                 raise ValueError(f"request {request_id!r} already holds a slot")
             slot = self._take_slot()
             if slot is None:
-                raise RuntimeError(f"no free KV slot ({len(self.pool)} in use)")
+                raise RuntimeError(f"{NO_FREE_SLOT} ({len(self.pool)} in use)")
             self._requests[request_id] = _Incoming(slot, prompt_len, set(self.layout.layer_range))
             self.consumed[slot] = 0
         depth, step = self.landing.shape[1], self.layout.step_bytes()

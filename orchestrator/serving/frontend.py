@@ -40,6 +40,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from orchestrator.kv.connector import NO_FREE_SLOT
 from orchestrator.serving.params import GenerationParams
 from orchestrator.serving.router import NoNodeError, Router
 from orchestrator.serving.text import CONTEXT_TOKENS
@@ -56,6 +57,10 @@ class ServingError(RuntimeError):
 
 class PrefillLost(ServingError):
     """The P-node went away or its KV never landed: the prompt may run on another P-node."""
+
+
+class NodeBusy(ServingError):
+    """A T-node's prompt-KV slots are all taken: the request waits and tries again."""
 
 
 class PipelineLost(ServingError):
@@ -248,10 +253,15 @@ class Frontend:
                 held.clear()
 
         lost_at: float | None = None
+        busy_until = time.monotonic() + self.timeout_s
         while True:
             made = 0
             try:
                 return self._generate_once(prompt_ids, params, relay, is_cancelled)
+            except NodeBusy:
+                if time.monotonic() > busy_until:
+                    raise
+                time.sleep(0.05)  # admitted requests give their slots back within a step
             except (PipelineLost, NoNodeError, ServingError) as exc:
                 if lost_at is None and isinstance(exc, ServingError) and not isinstance(
                         exc, PipelineLost):
@@ -317,8 +327,9 @@ class Frontend:
             if _is_unreachable(exc):
                 self.decode.mark_down(url)
             error = f"decode node {url}: {exc.message()}"
-            raise (PipelineLost if lost else ServingError)(error) from exc
-        except PipelineLost:
+            busy = not lost and NO_FREE_SLOT in error
+            raise (PipelineLost if lost else NodeBusy if busy else ServingError)(error) from exc
+        except (PipelineLost, NodeBusy):
             raise
         except ServingError as exc:
             if admitted or isinstance(exc.__cause__, InferenceServerException) and _is_unreachable(
@@ -362,7 +373,8 @@ class Frontend:
         try:
             return control(url, "reserve", self.timeout_s, request_id, prompt_ids)
         except InferenceServerException as exc:
-            raise ServingError(f"decode node {url} (a later stage): {exc.message()}") from exc
+            error = f"decode node {url} (a later stage): {exc.message()}"
+            raise (NodeBusy if NO_FREE_SLOT in error else ServingError)(error) from exc
 
     def _release(self, url: str, request_id: str) -> None:
         with contextlib.suppress(InferenceServerException):  # a stage gone took its slot along

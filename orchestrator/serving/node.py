@@ -8,7 +8,8 @@ stages, all in this process); on a T-node ``mode`` (``disaggregated`` or
 ``max_batch`` (sequences per microbatch), ``swap`` (on | off | auto),
 ``num_slots`` (prompt KVs it can hold before their requests are admitted),
 ``dead_after_s`` (a stage silent this long is lost), ``replicate`` (on: stream
-KV replicas to the next stage, and a lost stage pauses the pipeline for up to
+KV replicas to the next stage; disk: write them to ``replica_dir`` on local
+disk; either way a lost stage pauses the pipeline for up to
 ``recover_timeout_s`` until it is replaced; off: it breaks the pipeline). Every
 node: ``controller`` (the fault controller's address; empty: none), ``address``
 (its own gRPC url) and ``pipeline`` (the index of its P- or T-pipeline).
@@ -20,7 +21,9 @@ import torch
 
 from orchestrator.engine.reference import load_stages
 from orchestrator.engine.torch_engine import load_engine
+from orchestrator.fault import REPLICATE_MODES
 from orchestrator.fault.client import ControllerClient, NodeSpec
+from orchestrator.fault.disk_replication import DiskReplication
 from orchestrator.fault.node_replication import NodeReplication
 from orchestrator.fault.stage_recovery import RecoveryOps
 from orchestrator.pipeline.node import PipelineConfig, StageNode
@@ -67,7 +70,7 @@ def load_token_service(params: dict[str, str], metrics: Metrics | None = None,
     if mode != "disaggregated":
         raise ValueError(f"mode must be 'disaggregated' or 'colocated', got {mode!r}")
     slots = {"prompt_slots": int(params["num_slots"])} if params.get("num_slots") else {}
-    replicate = params.get("replicate", "off") == "on" and depth > 1
+    replicate = params.get("replicate", "off") in REPLICATE_MODES[:2] and depth > 1
     config = PipelineConfig(
         depth=depth, batch_size=batch, swap=swap, max_seq_len=_max_seq_len(params),
         dead_after_s=float(params.get("dead_after_s", "10")),
@@ -82,7 +85,9 @@ def load_token_service(params: dict[str, str], metrics: Metrics | None = None,
     recovery = None
     if replicate:
         ack = None if controller is None else controller.ack
-        recovery = RecoveryOps(node, NodeReplication(node, secret, ack=ack), controller)
+        replication = (NodeReplication(node, secret, ack=ack) if params["replicate"] == "on"
+                       else DiskReplication(node, params["replica_dir"], ack=ack))
+        recovery = RecoveryOps(node, replication, controller)
     return TokenService(node.engine, node=node, recovery=recovery, metrics=metrics)
 
 

@@ -85,7 +85,11 @@ def test_a_killed_prefill_node_costs_a_pause_not_an_error(cluster, expected, cap
     # The supervisor starts it again (a new incarnation on the same ports): it serves.
     state = wait_for_view(cluster, capsys, {dead.name: "alive"}, 60)
     assert {n["name"]: n["controller"] for n in state["nodes"]}[dead.name] == "alive"
-    assert {n["name"]: n.get("incarnation") for n in state["nodes"]}[dead.name] == 1
+    deadline = time.monotonic() + 30  # the supervisor records it once it is ready
+    while {n["name"]: n.get("incarnation") for n in read_state(cluster.run_dir)["nodes"]}[
+            dead.name] != 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
     assert status(cluster, capsys)[0] == 0
     time.sleep(6)  # past the router's own memory of the failure (5 s)
     results = run_concurrently("grpc", cluster.frontend.grpc_url, prompts[:4],

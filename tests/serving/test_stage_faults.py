@@ -143,6 +143,21 @@ def test_a_lost_head_stage_restarts_its_pipeline_and_the_requests_rerun(depth2, 
     assert_all_freed(depth2)
 
 
+def test_with_replicas_on_local_disk_a_killed_stage_reads_them_back(model, expected, tmp_path):
+    """The SSD variant (``replicate="disk"``): each stage writes its KV deltas to its own
+    disk; the stage started again reads them back, and the pipeline resumes there."""
+    with Cluster.up(model, prefill=1, decode=1, decode_depth=2, run_dir=tmp_path,
+                    max_seq_len=MAX_SEQ_LEN, dead_after_s=DEAD_AFTER_S,
+                    controller_timeout_s=DEAD_AFTER_S, replicate="disk") as cluster:
+        requests = kill_mid_stream(cluster, PROMPTS[:4], ["decode0s1"])
+        assert [r.error for r in requests] == [None] * 4
+        assert [ids_of(r.chunks) for r in requests] == expected
+        assert "resumed at" in recoveries(cluster)[-1]
+        assert reruns(cluster) == 0
+        assert_all_freed(cluster)
+        assert not list((tmp_path / "replicas").rglob("*.kv"))
+
+
 def test_a_stage_lost_with_its_replica_holder_reruns_its_requests(model, expected, tmp_path):
     with Cluster.up(model, prefill=1, decode=1, decode_depth=3, run_dir=tmp_path,
                     max_seq_len=MAX_SEQ_LEN, dead_after_s=DEAD_AFTER_S,
@@ -181,12 +196,12 @@ def test_a_dropped_connection_between_stages_is_made_again(depth2, expected):
 
 
 def test_without_replicas_a_lost_pipelines_requests_rerun_on_another(model, expected, tmp_path):
-    """The restart-from-scratch baseline (``replicate=False``): a killed stage breaks its
+    """The restart-from-scratch baseline (``replicate="off"``): a killed stage breaks its
     pipeline; its requests run again from their prompts on the other pipeline, and the
     supervisor starts the broken pipeline afresh, which then serves again."""
     with Cluster.up(model, prefill=1, decode=2, decode_depth=2, run_dir=tmp_path,
                     max_seq_len=MAX_SEQ_LEN, dead_after_s=DEAD_AFTER_S,
-                    controller_timeout_s=DEAD_AFTER_S, replicate=False) as cluster:
+                    controller_timeout_s=DEAD_AFTER_S, replicate="off") as cluster:
         requests = kill_mid_stream(cluster, PROMPTS[:4], ["decode0s1"])
         assert [r.error for r in requests] == [None] * 4
         assert [ids_of(r.chunks) for r in requests] == expected
