@@ -256,6 +256,8 @@ class Frontend:
         busy_until = time.monotonic() + self.timeout_s
         while True:
             made = 0
+            if is_cancelled():
+                raise Cancelled()
             try:
                 return self._generate_once(prompt_ids, params, relay, is_cancelled)
             except NodeBusy:
