@@ -469,7 +469,7 @@ def status_main(argv: list[str]) -> int:
         supervisor = (state.get("supervisor") or {}).get("pid")
         if supervisor:
             print(f"supervisor pid {supervisor}: "
-                  f"{'replaces lost T-stages' if alive(supervisor) else 'GONE'}")
+                  f"{'starts lost nodes again' if alive(supervisor) else 'GONE'}")
     healthy = "error" not in view and all(n["controller"] in ("alive", "-") for n in state["nodes"])
     return 0 if healthy and all(n["ready"] for n in state["nodes"]) else 1
 
@@ -514,6 +514,7 @@ def down_main(argv: list[str]) -> int:
         return 1
     if (state.get("supervisor") or {}).get("pid"):  # first: it would start nodes again
         stop_processes([state["supervisor"]["pid"]], timeout_s=5.0)
+        print("stopped the supervisor")
     stop_processes([node["pid"] for node in state["nodes"] if node["pid"]])
     for node in state["nodes"]:
         clean_shm(node["shm_prefix"])

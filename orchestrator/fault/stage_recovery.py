@@ -135,10 +135,10 @@ class RecoveryOps:
 
 
 def recover_stage(call: Call, urls: list[str], plan: dict, quiet_timeout_s: float = 30.0
-                  ) -> dict[int, int]:
+                  ) -> None:
     """Carry out the controller's ``plan`` on a pipeline whose stages are at ``urls`` (stage
-    0 first; a replacement's url in each lost slot). Returns the resume step per microbatch.
-    Raises on any failed call (the head then breaks at its ``recover_timeout_s``)."""
+    0 first; a replacement's url in each lost slot). Raises on any failed call (the head
+    then breaks at its ``recover_timeout_s``)."""
     failed, depth = [int(x) for x in plan["failed"]], len(urls)
     if 0 in failed:
         raise ValueError("stage 0 is lost: its head and its clients' streams went with it "
@@ -162,12 +162,9 @@ def recover_stage(call: Call, urls: list[str], plan: dict, quiet_timeout_s: floa
     for holder, x in [] if recompute else plan["restore"]:
         call(urls[holder], "restore", [replicas[x], lengths])
         call(urls[x], "adopt", [lengths, json.dumps(rewound["sampling"]).encode()])
-    _resume(call, urls, survivors, lengths, failed)
-    for url in urls:
-        call(url, "recovered", [str(plan["epoch"]).encode()])
+    _resume(call, urls, survivors, lengths, failed, plan["epoch"])
     log.warning("stages %s recovered: %s", failed, "recomputed from prompts" if recompute
                 else f"resumed at {resume} with {len(rewound['lengths'])} requests kept")
-    return {int(j): int(t) for j, t in resume.items()}
 
 
 def repair_links(call: Call, urls: list[str], quiet_timeout_s: float = 30.0) -> None:
@@ -202,13 +199,17 @@ def _settle(call: Call, urls: list[str], survivors: list[int], timeout_s: float
 
 
 def _resume(call: Call, urls: list[str], survivors: list[int], lengths: bytes,
-            new: list[int]) -> None:
+            new: list[int], epoch: int | None = None) -> None:
     """Step 4 (survivors cut their KV back), step 2 (every stage seeds its replicas again),
-    then the new stages start and the head goes on."""
+    the new stages start, every node closes the controller's plan ``epoch`` (its acks
+    start over from the rollback), and the head goes on."""
     for i in survivors:
         call(urls[i], "rollback", [lengths])
     for url in urls:
         call(url, "reseed", [])
     for x in new:
         call(urls[x], "start", [])
+    if epoch is not None:
+        for url in urls:
+            call(url, "recovered", [str(epoch).encode()])
     call(urls[0], "resume", [])
