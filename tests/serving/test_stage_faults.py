@@ -81,6 +81,12 @@ def recoveries(cluster: Cluster) -> list[str]:
     return [line for line in log.splitlines() if "recovered:" in line]
 
 
+def fault_cluster(model, run_dir, **kwargs):
+    """A cluster of one P-node and token pipelines that notice a lost node in 3 s."""
+    return Cluster.up(model, prefill=1, run_dir=run_dir, max_seq_len=MAX_SEQ_LEN,
+                      dead_after_s=DEAD_AFTER_S, controller_timeout_s=DEAD_AFTER_S, **kwargs)
+
+
 @pytest.fixture(scope="module")
 def model(tiny_model):
     return tiny_model("llama")
@@ -93,9 +99,8 @@ def expected(model):
 
 @pytest.fixture(scope="module")
 def depth2(model, tmp_path_factory):
-    with Cluster.up(model, prefill=1, decode=1, decode_depth=2,
-                    run_dir=tmp_path_factory.mktemp("depth2"), max_seq_len=MAX_SEQ_LEN,
-                    dead_after_s=DEAD_AFTER_S, controller_timeout_s=DEAD_AFTER_S) as cluster:
+    with fault_cluster(model, tmp_path_factory.mktemp("depth2"), decode=1,
+                       decode_depth=2) as cluster:
         yield cluster
 
 
@@ -146,9 +151,8 @@ def test_a_lost_head_stage_restarts_its_pipeline_and_the_requests_rerun(depth2, 
 def test_with_replicas_on_local_disk_a_killed_stage_reads_them_back(model, expected, tmp_path):
     """The SSD variant (``replicate="disk"``): each stage writes its KV deltas to its own
     disk; the stage started again reads them back, and the pipeline resumes there."""
-    with Cluster.up(model, prefill=1, decode=1, decode_depth=2, run_dir=tmp_path,
-                    max_seq_len=MAX_SEQ_LEN, dead_after_s=DEAD_AFTER_S,
-                    controller_timeout_s=DEAD_AFTER_S, replicate="disk") as cluster:
+    with fault_cluster(model, tmp_path, decode=1, decode_depth=2,
+                       replicate="disk") as cluster:
         requests = kill_mid_stream(cluster, PROMPTS[:4], ["decode0s1"])
         assert [r.error for r in requests] == [None] * 4
         assert [ids_of(r.chunks) for r in requests] == expected
@@ -159,9 +163,7 @@ def test_with_replicas_on_local_disk_a_killed_stage_reads_them_back(model, expec
 
 
 def test_a_stage_lost_with_its_replica_holder_reruns_its_requests(model, expected, tmp_path):
-    with Cluster.up(model, prefill=1, decode=1, decode_depth=3, run_dir=tmp_path,
-                    max_seq_len=MAX_SEQ_LEN, dead_after_s=DEAD_AFTER_S,
-                    controller_timeout_s=DEAD_AFTER_S) as cluster:
+    with fault_cluster(model, tmp_path, decode=1, decode_depth=3) as cluster:
         requests = kill_mid_stream(cluster, PROMPTS[:4], ["decode0s1", "decode0s2"])
         assert [r.error for r in requests] == [None] * 4
         assert [ids_of(r.chunks) for r in requests] == expected
@@ -199,9 +201,8 @@ def test_without_replicas_a_lost_pipelines_requests_rerun_on_another(model, expe
     """The restart-from-scratch baseline (``replicate="off"``): a killed stage breaks its
     pipeline; its requests run again from their prompts on the other pipeline, and the
     supervisor starts the broken pipeline afresh, which then serves again."""
-    with Cluster.up(model, prefill=1, decode=2, decode_depth=2, run_dir=tmp_path,
-                    max_seq_len=MAX_SEQ_LEN, dead_after_s=DEAD_AFTER_S,
-                    controller_timeout_s=DEAD_AFTER_S, replicate="off") as cluster:
+    with fault_cluster(model, tmp_path, decode=2, decode_depth=2,
+                       replicate="off") as cluster:
         requests = kill_mid_stream(cluster, PROMPTS[:4], ["decode0s1"])
         assert [r.error for r in requests] == [None] * 4
         assert [ids_of(r.chunks) for r in requests] == expected
