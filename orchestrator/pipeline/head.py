@@ -366,11 +366,11 @@ class PipelineHead:
         if not self._in_flight[mb] or message.step != self._sent_step[mb]:
             log.warning("dropping a late answer for microbatch %d step %d", mb, message.step)
             return
-        self._in_flight[mb] = False
         if message.error is not None and self.fault is not None:
             log.warning("microbatch %d step %d failed while the pipeline waits for a repair: "
                         "%s (redone after it)", mb, message.step, message.error)
-            return  # still in flight to the head: ``rewind`` redoes it
+            return  # left in flight, unanswered: ``rewind`` redoes it
+        self._in_flight[mb] = False
         if message.error is not None:
             self.errors.append(message.error)
             self.scheduler.fail(mb, message.error)
