@@ -260,14 +260,14 @@ class Cluster:
                 start_new_session=True)
 
     def stop(self) -> None:
-        """Stop the supervisor (it restarts nothing more), every node as the state file
-        knows it (the supervisor may have started some again), then the controller."""
+        """Stop what the state file describes (the supervisor may have started nodes again),
+        then reap this process's own children."""
+        path = self.run_dir / STATE_FILE
+        if path.is_file():
+            stop_described(json.loads(path.read_text()))
         if self.supervisor is not None:
             stop_processes([self.supervisor.pid], timeout_s=5.0)
             self.supervisor.wait(timeout=5)
-        path = self.run_dir / STATE_FILE
-        described = json.loads(path.read_text())["nodes"] if path.is_file() else []
-        stop_processes([n["pid"] for n in described if n["pid"]])
         stop_servers([node.server for node in self.nodes])
         self.controller.stop()
         path.unlink(missing_ok=True)
@@ -512,18 +512,27 @@ def down_main(argv: list[str]) -> int:
     except FileNotFoundError as exc:
         print(exc, file=sys.stderr)
         return 1
-    if (state.get("supervisor") or {}).get("pid"):  # first: it would start nodes again
+    for what in stop_described(state):
+        print(f"stopped {what}")
+    (Path(args.dir) / STATE_FILE).unlink()
+    return 0
+
+
+def stop_described(state: dict) -> list[str]:
+    """Stop the processes of a state file: the supervisor first (it would start nodes
+    again), every node, then the controller. What was stopped, in that order."""
+    stopped = []
+    if (state.get("supervisor") or {}).get("pid"):
         stop_processes([state["supervisor"]["pid"]], timeout_s=5.0)
-        print("stopped the supervisor")
+        stopped.append("the supervisor")
     stop_processes([node["pid"] for node in state["nodes"] if node["pid"]])
     for node in state["nodes"]:
         clean_shm(node["shm_prefix"])
-        print(f"stopped {node['name']}")
+        stopped.append(node["name"])
     if (state.get("controller") or {}).get("pid"):
         stop_processes([state["controller"]["pid"]], timeout_s=5.0)
-        print("stopped the controller")
-    (Path(args.dir) / STATE_FILE).unlink()
-    return 0
+        stopped.append("the controller")
+    return stopped
 
 
 def repo_main(argv: list[str]) -> int:

@@ -82,8 +82,7 @@ class Supervisor:
             name, urls = f"decode{index}", [n["grpc"] for n in stages]
             # A controller started again does not know yet of a stage that died meanwhile.
             all_alive = all((name, stage) in alive for stage in range(len(urls)))
-            replicating = stages[0]["params"].get("replicate", "off") != "off"
-            if not replicating or name in self.given_up or not all_alive:
+            if not _replicates(stages) or name in self.given_up or not all_alive:
                 self.paused_since.pop(name, None)
                 continue
             try:
@@ -133,7 +132,7 @@ class Supervisor:
         deadline = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < deadline:
             failed = set(query_status(controller)["pipelines"][name]["failed"])
-            if 0 in failed or stages[0]["params"].get("replicate", "off") == "off":
+            if 0 in failed or not _replicates(stages):
                 log.warning("%s: stages %s lost, %s; starting the whole pipeline again",
                             name, sorted(failed), "with the head" if 0 in failed else
                             "no replicas to resume from")
@@ -159,7 +158,7 @@ class Supervisor:
             self.ready(state, server, node)
         if len(nodes) > 1:
             connect_pipeline([n["grpc"] for n in nodes], self.call_timeout_s,
-                             nodes[0]["params"].get("replicate", "off") != "off")
+                             _replicates(nodes))
         # Once the old nodes are declared dead and the new ones hold every slot, the
         # controller has a plan with nothing to restore: the new nodes close it.
         controller = state["controller"]["address"]
@@ -219,6 +218,11 @@ class Supervisor:
 def _prefill_node(state: dict, name: str) -> dict:
     index = int(name.removeprefix("prefill"))
     return next(n for n in state["nodes"] if n["role"] == "prefill" and n["pipeline"] == index)
+
+
+def _replicates(stages: list[dict]) -> bool:
+    """Whether a token pipeline's stages keep KV replicas (every stage has the same mode)."""
+    return stages[0]["params"].get("replicate", "off") != "off"
 
 
 def _stages(state: dict, pipeline: int) -> list[dict]:

@@ -95,6 +95,15 @@ def _is_unreachable(error: Exception) -> bool:
     return isinstance(error, InferenceServerException) and "UNAVAILABLE" in str(error.status())
 
 
+def _decode_error(message: str, error: InferenceServerException, admitted: bool
+                  ) -> ServingError:
+    """What a T-node's error means for the request: its pipeline lost it (after admission,
+    or the node is unreachable: run it again), the node is full (wait), or it refused."""
+    if admitted or _is_unreachable(error):
+        return PipelineLost(message)
+    return NodeBusy(message) if NO_FREE_SLOT in message else ServingError(message)
+
+
 def _prefill_lost(error: InferenceServerException) -> bool:
     """The node died (before or during the call) or its KV transfer failed: worth a rerun."""
     # A KV transfer error reaches us as the P-node's message (orchestrator.kv.errors).
@@ -264,7 +273,7 @@ class Frontend:
                 if time.monotonic() > busy_until:
                     raise
                 time.sleep(0.05)  # admitted requests give their slots back within a step
-            except (PipelineLost, NoNodeError, ServingError) as exc:
+            except (ServingError, NoNodeError) as exc:
                 if lost_at is None and isinstance(exc, ServingError) and not isinstance(
                         exc, PipelineLost):
                     raise  # refused before any pipeline took it: not a fault
@@ -325,17 +334,13 @@ class Frontend:
                     cancel = False
                     return
         except InferenceServerException as exc:
-            lost = admitted or _is_unreachable(exc)  # not the request's fault: run it again
             if _is_unreachable(exc):
                 self.decode.mark_down(url)
-            error = f"decode node {url}: {exc.message()}"
-            busy = not lost and NO_FREE_SLOT in error
-            raise (PipelineLost if lost else NodeBusy if busy else ServingError)(error) from exc
+            raise _decode_error(f"decode node {url}: {exc.message()}", exc, admitted) from exc
         except (PipelineLost, NodeBusy):
             raise
         except ServingError as exc:
-            if admitted or isinstance(exc.__cause__, InferenceServerException) and _is_unreachable(
-                    exc.__cause__):
+            if admitted:  # e.g. the P-node failed, or stage 0 went silent
                 raise PipelineLost(str(exc)) from exc
             raise
         finally:
@@ -375,8 +380,8 @@ class Frontend:
         try:
             return control(url, "reserve", self.timeout_s, request_id, prompt_ids)
         except InferenceServerException as exc:
-            error = f"decode node {url} (a later stage): {exc.message()}"
-            raise (NodeBusy if NO_FREE_SLOT in error else ServingError)(error) from exc
+            raise _decode_error(f"decode node {url} (a later stage): {exc.message()}", exc,
+                                admitted=False) from exc
 
     def _release(self, url: str, request_id: str) -> None:
         with contextlib.suppress(InferenceServerException):  # a stage gone took its slot along

@@ -70,7 +70,10 @@ def load_token_service(params: dict[str, str], metrics: Metrics | None = None,
     if mode != "disaggregated":
         raise ValueError(f"mode must be 'disaggregated' or 'colocated', got {mode!r}")
     slots = {"prompt_slots": int(params["num_slots"])} if params.get("num_slots") else {}
-    replicate = params.get("replicate", "off") in REPLICATE_MODES[:2] and depth > 1
+    replication_mode = params.get("replicate", "off")
+    if replication_mode not in REPLICATE_MODES:
+        raise ValueError(f"replicate must be one of {REPLICATE_MODES}, got {replication_mode!r}")
+    replicate = replication_mode != "off" and depth > 1
     config = PipelineConfig(
         depth=depth, batch_size=batch, swap=swap, max_seq_len=_max_seq_len(params),
         dead_after_s=float(params.get("dead_after_s", "10")),
@@ -85,7 +88,7 @@ def load_token_service(params: dict[str, str], metrics: Metrics | None = None,
     recovery = None
     if replicate:
         ack = None if controller is None else controller.ack
-        replication = (NodeReplication(node, secret, ack=ack) if params["replicate"] == "on"
+        replication = (NodeReplication(node, secret, ack=ack) if replication_mode == "on"
                        else DiskReplication(node, params["replica_dir"], ack=ack))
         recovery = RecoveryOps(node, replication, controller)
     return TokenService(node.engine, node=node, recovery=recovery, metrics=metrics)
