@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 # Debian's interpreter: the Triton Python-backend stub links its libpython.
 BASE_PYTHON := /usr/bin/python3
 
-.PHONY: install demo test lint
+.PHONY: install demo test test-fast lint
 
 install: $(VENV)/.installed
 
@@ -17,9 +17,13 @@ $(VENV)/.installed: pyproject.toml
 demo: install
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH bash scripts/demo.sh
 
-test: install
-	$(VENV)/bin/ruff check .
+test: lint
 	$(VENV)/bin/pytest -q -rs
+
+# Everyday tier: unit and in-process tests, no tritonserver.
+test-fast: lint
+	$(VENV)/bin/pytest -q -rs -m "not slow"
 
 lint: install
 	$(VENV)/bin/ruff check .
+	bash scripts/lint_repo.sh

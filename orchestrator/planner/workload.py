@@ -8,7 +8,6 @@ an *early stop*.
 from __future__ import annotations
 
 import csv
-import os
 import random
 from dataclasses import dataclass, replace
 from datetime import datetime
@@ -18,7 +17,8 @@ TRACES = {
     "conv": "AzureLLMInferenceTrace_conv.csv",
     "code": "AzureLLMInferenceTrace_code.csv",
 }
-TRACE_DIR = "data/azure-llm-inference-2023"
+# The Splitwise paper's Azure 2023 traces ship with the package (CC-BY 4.0, see README there).
+TRACE_DIR = Path(__file__).resolve().parent / "traces"
 
 
 @dataclass(frozen=True)
@@ -29,24 +29,11 @@ class Request:
     output_len: int
 
 
-def shared_dir() -> Path:
-    """The project's shared folder: ``$DEJAVU_SHARED``, else ``../shared`` beside the repo."""
-    override = os.environ.get("DEJAVU_SHARED")
-    path = Path(override) if override else Path(__file__).resolve().parents[2].parent / "shared"
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"shared folder {path} not found; set DEJAVU_SHARED to the folder holding {TRACE_DIR}"
-        )
-    return path
-
-
 def load_trace(name: str) -> list[Request]:
     """All requests of one Azure trace, arrivals relative to its first request."""
     if name not in TRACES:
         raise ValueError(f"unknown trace {name!r}; choose from {', '.join(TRACES)}")
-    path = shared_dir() / TRACE_DIR / TRACES[name]
-    if not path.is_file():
-        raise FileNotFoundError(f"trace file {path} is missing")
+    path = TRACE_DIR / TRACES[name]
     with path.open(newline="") as f:
         rows = list(csv.DictReader(f))
     stamps = [datetime.fromisoformat(r["TIMESTAMP"][:26]) for r in rows]

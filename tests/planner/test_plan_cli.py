@@ -12,7 +12,7 @@ from safetensors import safe_open
 from orchestrator.cli import main
 from orchestrator.engine.config import ModelConfig
 from orchestrator.planner.perf_model import Profile, layer_param_count
-from orchestrator.planner.workload import shared_dir
+from orchestrator.planner.workload import load_trace
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
@@ -92,14 +92,8 @@ def test_simulate_writes_table_csv_and_png(tmp_path, capsys):
     assert png.startswith(b"\x89PNG") and len(png) > 5000
 
 
-def test_shared_traces_are_present():
-    """CI must see ../shared (or DEJAVU_SHARED): fail loudly, never skip."""
-    traces = shared_dir() / "data/azure-llm-inference-2023"
-    assert (traces / "AzureLLMInferenceTrace_conv.csv").is_file()
-    assert (traces / "AzureLLMInferenceTrace_code.csv").is_file()
-
-
-def test_missing_shared_folder_fails_loudly(monkeypatch, tmp_path):
-    monkeypatch.setenv("DEJAVU_SHARED", str(tmp_path / "nowhere"))
-    with pytest.raises(FileNotFoundError, match="DEJAVU_SHARED"):
-        shared_dir()
+def test_shipped_traces_load():
+    """The traces ship inside the package: nothing beside the repository is needed."""
+    conv, code = load_trace("conv"), load_trace("code")
+    assert len(conv) == 19366 and len(code) == 8819
+    assert conv[0].arrival == 0.0 and all(r.prompt_len > 0 for r in code)
