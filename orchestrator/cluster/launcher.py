@@ -46,6 +46,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from orchestrator.cluster.devices import Devices, parse_assignments
 from orchestrator.cluster.tritonserver import (
     ROOT,
     ServerError,
@@ -101,6 +102,7 @@ class Node:
             "grpc": s.grpc_url,
             "metrics": f"127.0.0.1:{s.metrics_port}",
             "pid": s.process.pid if s.process else None,
+            "devices": None if s.devices is None else str(s.devices),
             "log": str(s.log_path),
             "shm_prefix": s.shm_prefix,
         }
@@ -122,13 +124,15 @@ class Cluster:
         dead_after_s: float = 10.0,
         controller_timeout_s: float = 5.0,
         replicate: str = "on",
+        devices: dict[str, Devices] | None = None,
     ) -> None:
         """``prefill``/``decode``: how many P- and T-pipelines, of depths ``prefill_depth``
         and ``decode_depth``; ``max_batch``: sequences per microbatch of a T-pipeline;
         ``controller_timeout_s``: the fault controller declares a node silent this long dead;
         ``replicate``: on: T-stages (of pipelines deeper than 1) stream KV replicas to their
         successor; disk: to their local disk; a lost stage is recovered from them; off:
-        none (a lost stage costs its pipeline's requests a rerun)."""
+        none (a lost stage costs its pipeline's requests a rerun); ``devices``: {node name:
+        its cores or GPUs} (nodes not named run anywhere, as by default)."""
         if decode < 1:
             raise ValueError("a cluster needs at least one decode node")
         if not colocated and prefill < 1:
@@ -165,14 +169,20 @@ class Cluster:
         }
         self.backend_dir = make_backend_dir(self.run_dir / "backends")
         shutil.rmtree(self.run_dir / "replicas", ignore_errors=True)  # a former cluster's
+        self.devices = dict(devices or {})
         self.nodes: list[Node] = []
         for p in range(0 if colocated else prefill):
             self._add_node(Node("prefill", None, p, None, prefill_depth), f"prefill{p}")
         for p in range(decode):
             for i in range(decode_depth):
-                name = f"decode{p}" if decode_depth == 1 else f"decode{p}s{i}"
-                self._add_node(Node("decode", None, p, i, decode_depth), name)
+                self._add_node(Node("decode", None, p, i, decode_depth),
+                               decode_name(p, i, decode_depth))
         self._add_node(Node("frontend", None), "frontend")
+        unknown = set(self.devices) - {n.server.name for n in self.nodes}
+        if unknown:
+            raise ValueError(f"devices for nodes this cluster does not have: "
+                             f"{', '.join(sorted(unknown))} (it has "
+                             f"{', '.join(n.server.name for n in self.nodes)})")
 
     @classmethod
     def from_spec(cls, spec: dict, **kwargs) -> Cluster:
@@ -188,6 +198,9 @@ class Cluster:
             raise ValueError("a disaggregated cluster spec needs prefill {pipelines, depth}")
         if spec.get("batch"):
             kwargs.setdefault("max_batch", int(spec["batch"]))
+        if spec.get("devices") and not kwargs.get("devices"):
+            kwargs["devices"] = parse_assignments(
+                [f"{name}={d}" for name, d in spec["devices"].items()])
         prefill = prefill or {"pipelines": 0, "depth": 1}
         return cls(
             spec["model_dir"], int(prefill["pipelines"]), int(decode["pipelines"]),
@@ -198,8 +211,10 @@ class Cluster:
     def _add_node(self, node: Node, name: str) -> None:
         repo = self.run_dir / "repos" / name
         shutil.rmtree(repo, ignore_errors=True)
+        devices = self.devices.get(name)
         node.server = TritonServer(
-            name, repo, self.backend_dir, self.run_dir / "logs" / f"{name}.log"
+            name, repo, self.backend_dir, self.run_dir / "logs" / f"{name}.log",
+            devices=devices,
         )
         params = {
             **self.common,
@@ -214,6 +229,7 @@ class Cluster:
             "prefill_urls": ",".join(n.server.grpc_url for n in self.role("prefill")),
             "decode_urls": ",".join("+".join(n.server.grpc_url for n in stages)
                                     for stages in self.decode_pipelines()),
+            **device_params(devices),
         }
         write_node_repo(repo, node.role, params)
         node.params = params
@@ -294,6 +310,39 @@ class Cluster:
             yield cluster
         finally:
             cluster.stop()
+
+
+def decode_name(pipeline: int, stage: int, depth: int) -> str:
+    return f"decode{pipeline}" if depth == 1 else f"decode{pipeline}s{stage}"
+
+
+def spread_devices(spec: dict, machines: list[Devices]) -> dict[str, str]:
+    """A planner spec's nodes on ``machines`` (one device set per machine, in order): a
+    P-node takes its D_p machines' devices (its stages run in one process), a T-stage one."""
+    prefill, decode = spec.get("prefill") or {"pipelines": 0, "depth": 1}, spec["decode"]
+    wants = [(f"prefill{p}", int(prefill["depth"])) for p in range(int(prefill["pipelines"]))]
+    depth = int(decode["depth"])
+    wants += [(decode_name(p, i, depth), 1)
+              for p in range(int(decode["pipelines"])) for i in range(depth)]
+    if sum(n for _, n in wants) > len(machines):
+        raise ValueError(f"the spec's nodes need {sum(n for _, n in wants)} machines, "
+                         f"{len(machines)} devices given")
+    out, at = {}, 0
+    for name, count in wants:
+        mine = machines[at:at + count]
+        if len({d.kind for d in mine}) != 1:
+            raise ValueError(f"{name} would get devices of mixed kinds: {mine}")
+        out[name] = str(Devices(mine[0].kind, tuple(sorted({i for d in mine for i in d.ids}))))
+        at += count
+    return out
+
+
+def device_params(devices: Devices | None) -> dict[str, str]:
+    """A pinned node's model parameters: its devices, and torch threads to match."""
+    if devices is None:
+        return {}
+    threads = {} if devices.threads is None else {"threads": str(devices.threads)}
+    return {"devices": str(devices), **threads}
 
 
 @dataclass
@@ -398,6 +447,9 @@ def up_main(argv: list[str]) -> int:
                         help="T-stages stream KV replicas to the next stage (disk: to local "
                         "disk); a lost stage is started again and resumes from them "
                         "(pipelines deeper than 1)")
+    parser.add_argument("--devices", nargs="+", default=[], metavar="NODE=DEVICES",
+                        help="pin nodes to devices, e.g. prefill0=cpu:0 decode0=cpu:1 "
+                        "(cores; cuda:0 sets CUDA_VISIBLE_DEVICES); replaces the spec's")
     _dir_argument(parser)
     args = parser.parse_args(argv)
     if (Path(args.dir) / STATE_FILE).exists():
@@ -405,9 +457,10 @@ def up_main(argv: list[str]) -> int:
             print(f"a cluster is up in {args.dir}: run `dejavu down` first", file=sys.stderr)
             return 1
         (Path(args.dir) / STATE_FILE).unlink()  # left by a cluster that died
-    common = dict(run_dir=args.dir, max_seq_len=args.max_seq_len, swap=args.swap,
-                  controller_timeout_s=args.controller_timeout, replicate=args.replicate)
     try:
+        common = dict(run_dir=args.dir, max_seq_len=args.max_seq_len, swap=args.swap,
+                      controller_timeout_s=args.controller_timeout, replicate=args.replicate,
+                      devices=parse_assignments(args.devices))
         if args.spec is not None:
             cluster = Cluster.from_spec(json.loads(args.spec.read_text()), **common)
         elif args.model is None:
@@ -424,10 +477,12 @@ def up_main(argv: list[str]) -> int:
         return 1
     for node in cluster.nodes:
         s = node.server
-        print(f"{s.name:<10} {node.role:<9} {_place(node.describe()):<14} http {s.http_url}  "
-              f"grpc {s.grpc_url}  log {s.log_path}")
+        print(f"{s.name:<10} {node.role:<9} {_place(node.describe()):<14} "
+              f"{_devices(node.describe()):<10} http {s.http_url}  grpc {s.grpc_url}  "
+              f"log {s.log_path}")
     c = cluster.controller
-    print(f"{'controller':<10} {'fault':<9} {'':<14} grpc {c.address}  log {c.log_path}")
+    print(f"{'controller':<10} {'fault':<9} {'':<14} {'':<10} grpc {c.address}  "
+          f"log {c.log_path}")
     print(f"ready: ensemble at http://{cluster.frontend.http_url} (state in {args.dir})")
     return 0
 
@@ -439,6 +494,10 @@ def _place(node: dict) -> str:
     if node.get("stage") is None:
         return f"pipeline {node['pipeline']} depth {node['depth']}"
     return f"pipeline {node['pipeline']} stage {node['stage']}/{node['depth']}"
+
+
+def _devices(node: dict) -> str:
+    return node.get("devices") or "any"
 
 
 def status_main(argv: list[str]) -> int:
@@ -460,7 +519,7 @@ def status_main(argv: list[str]) -> int:
         print(f"mode {state['mode']}, model {state['model_dir']}")
         for n in state["nodes"]:
             ready = "ready" if n["ready"] else "DOWN"
-            print(f"{n['name']:<10} {n['role']:<9} {_place(n):<22} {ready:<6} "
+            print(f"{n['name']:<10} {n['role']:<9} {_place(n):<22} {_devices(n):<10} {ready:<6} "
                   f"controller: {n['controller']:<12} http {n['http']}  pid {n['pid']}")
         where = f"controller {state['controller']['address']}"
         print(f"{where}: {view['error']}" if "error" in view else

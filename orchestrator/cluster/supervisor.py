@@ -30,6 +30,7 @@ from pathlib import Path
 import grpc
 
 from orchestrator.cluster.chaos import kill
+from orchestrator.cluster.devices import node_devices
 from orchestrator.cluster.launcher import (
     STATE_FILE,
     connect_pipeline,
@@ -185,7 +186,7 @@ class Supervisor:
         write_node_repo(repo, node["role"], params)
         ports = (int(node[k].split(":")[1]) for k in ("http", "grpc", "metrics"))
         server = TritonServer(node["name"], repo, Path(state["backends"]), Path(node["log"]),
-                              *ports, incarnation=incarnation)
+                              *ports, incarnation=incarnation, devices=node_devices(params))
         clean_shm(node["shm_prefix"])  # a node that died on its own left its regions
         server.launch()
         self.children.append(server.process)

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pytriton
 
+from orchestrator.cluster.devices import Devices
+
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "model_repository"
 MODEL_CODE = ROOT / "backends" / "python"
@@ -103,6 +105,7 @@ class TritonServer:
     env: dict[str, str] = field(default_factory=dict)
     process: subprocess.Popen | None = None
     incarnation: int = 0  # started again after a failure this many times
+    devices: Devices | None = None  # pinned to these cores / GPUs (None: anywhere)
 
     @property
     def shm_prefix(self) -> str:
@@ -144,6 +147,8 @@ class TritonServer:
         env["LD_LIBRARY_PATH"] = f"{WHEEL_LIBS}{os.pathsep}{env.get('LD_LIBRARY_PATH', '')}"
         env.setdefault("UCX_NET_DEVICES", "lo")
         env.setdefault("UCX_TLS", "tcp,sm")
+        if self.devices is not None:
+            env.update(self.devices.environment())
         env.update(self.env)
         return env
 
@@ -162,6 +167,7 @@ class TritonServer:
                 stderr=subprocess.STDOUT,
                 env=self.environment(),
                 start_new_session=True,  # Ctrl-C in a shell must not kill the nodes
+                preexec_fn=None if self.devices is None else self.devices.pin,
             )
 
     def is_ready(self) -> bool:

@@ -12,6 +12,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from orchestrator.cluster.devices import Devices
 from orchestrator.engine.config import ModelConfig
 from orchestrator.planner import workload as wl
 from orchestrator.planner.kv_sink import TRANSPORTS
@@ -46,16 +47,22 @@ def _plan_parser() -> argparse.ArgumentParser:
     ap.add_argument("--t", type=float, help="what-if: token step time (s)")
     ap.add_argument("--m", type=float, help="what-if: streaming overhead factor")
     ap.add_argument("--out", type=Path, help="write the cluster spec (JSON) here")
+    ap.add_argument("--devices", nargs="+", default=[], metavar="DEVICES",
+                    help="one device set per machine (cpu:0 cpu:1 or cuda:0 ...): the spec "
+                    "pins each node to its machines' devices")
     return ap
 
 
 def plan_main(argv: list[str]) -> int:
+    from orchestrator.cluster.launcher import spread_devices  # pytriton: only where needed
+
     ap = _plan_parser()
     args = ap.parse_args(argv)
     typed = [args.Y, args.t, args.m]
     if any(v is not None for v in typed) and None in typed:
         ap.error("what-if planning needs all of --Y, --t and --m")
     try:
+        machines = [Devices.parse(d) for d in args.devices]
         workload = Workload(args.prompt_len, args.new_tokens, args.batch)
         if args.machines < 1 or args.memory_gb <= 0:
             raise ValueError("--machines must be >= 1 and --memory-gb positive")
@@ -75,7 +82,13 @@ def plan_main(argv: list[str]) -> int:
         ap.exit(2, f"dejavu plan: error: {e}\n")
     show_plan(result, m_raw)
     if args.out:
-        result.write_spec(args.out, args.model)
+        spec = result.to_spec(args.model)
+        if machines:
+            try:
+                spec["devices"] = spread_devices(spec, machines)
+            except ValueError as e:
+                ap.exit(2, f"dejavu plan: error: {e}\n")
+        args.out.write_text(json.dumps(spec, indent=2) + "\n")
         Console().print(f"spec written to {args.out}")
     return 0
 

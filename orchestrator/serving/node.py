@@ -41,13 +41,19 @@ def _set_threads(params: dict[str, str]) -> None:
     torch.set_num_threads(int(params.get("threads", "1")))  # nodes share the machine's cores
 
 
+def _device(params: dict[str, str]) -> str:
+    """Where the engine runs: a node given GPUs (``devices`` cuda:...) sees only those."""
+    return "cuda" if params.get("devices", "").startswith("cuda") else "cpu"
+
+
 def load_prefill_worker(params: dict[str, str], metrics: Metrics | None = None) -> PrefillWorker:
     from orchestrator.kv.connector import KVSender
     from orchestrator.kv.transport.nixl import NixlTransport  # loads UCX: only where needed
 
     _set_threads(params)
     depth = int(params.get("prefill_depth", "1"))
-    engines = load_stages(params["model_dir"], depth, max_seq_len=_max_seq_len(params))
+    engines = load_stages(params["model_dir"], depth, device=_device(params),
+                          max_seq_len=_max_seq_len(params))
     transport = NixlTransport(name=params.get("name") or None)
     secret = bytes.fromhex(params["secret"])
     senders = [KVSender(transport, e.kv_layout, secret, max_inflight=16) for e in engines]
@@ -64,7 +70,8 @@ def load_token_service(params: dict[str, str], metrics: Metrics | None = None,
         if depth != 1:
             raise ValueError("colocated T-nodes run depth-1 pipelines only (got depth "
                              f"{depth}): prompts cannot yet enter a pipeline across nodes")
-        engine = load_engine(params["model_dir"], max_seq_len=_max_seq_len(params))
+        engine = load_engine(params["model_dir"], device=_device(params),
+                             max_seq_len=_max_seq_len(params))
         pipeline = TokenPipeline([engine], batch, mode="colocated", swap=swap).start()
         return TokenService(engine, pipeline=pipeline, metrics=metrics)
     if mode != "disaggregated":
@@ -82,7 +89,7 @@ def load_token_service(params: dict[str, str], metrics: Metrics | None = None,
     )
     secret = bytes.fromhex(params["secret"])
     node = StageNode(params["model_dir"], int(params.get("stage", "0")), config,
-                     secret=secret, name=params.get("name") or None)
+                     secret=secret, device=_device(params), name=params.get("name") or None)
     if depth == 1:  # nothing to connect: serve at once (also where no launcher bootstraps)
         node.start()
     recovery = None

@@ -66,6 +66,21 @@ def test_plan_what_if_decisions(tiny_model, capsys):
     assert "colocated" in capsys.readouterr().out.split("decision:")[1]
 
 
+def test_plan_pins_each_node_to_its_machines_devices(tiny_model, tmp_path):
+    out = tmp_path / "spec.json"
+    common = ["plan", "--model", str(tiny_model("gpt2")), "--machines", "8", "--new-tokens",
+              "16", "--prompt-len", "16", "--batch", "1", "--memory-gb", "0.0005",
+              "--Y", "1.0", "--t", "0.01", "--m", "1.05", "--out", str(out)]
+    gpus = [f"cuda:{i}" for i in range(8)]
+    assert main([*common, "--devices", *gpus]) == 0
+    spec = json.loads(out.read_text())  # P6+T2: the P-node's 6 stages share one process
+    assert spec["devices"] == {"prefill0": "cuda:0,1,2,3,4,5", "decode0s0": "cuda:6",
+                               "decode0s1": "cuda:7"}
+    with pytest.raises(SystemExit) as e:
+        main([*common, "--devices", *gpus[:3]])
+    assert e.value.code == 2
+
+
 def test_plan_rejects_bad_input(tiny_model, capsys):
     with pytest.raises(SystemExit) as e:
         main(["plan", "--model", str(tiny_model("gpt2")), "--Y", "1.0"])

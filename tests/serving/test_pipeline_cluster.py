@@ -12,13 +12,22 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from cluster_helpers import MAX_SEQ_LEN, PROMPTS, ids_of
 
 from clients.generate import stream_grpc
-from orchestrator.cluster.launcher import Cluster, down_main, status_main, up_main
+from orchestrator.cluster.devices import Devices
+from orchestrator.cluster.launcher import (
+    Cluster,
+    down_main,
+    spread_devices,
+    status_main,
+    up_main,
+)
 from orchestrator.engine.reference import generate
 from orchestrator.engine.tokenizer import load_tokenizer
 from orchestrator.engine.torch_engine import load_engine
@@ -66,13 +75,41 @@ def _cli(main, argv: list[str]) -> tuple[int, str]:
     return code, out.getvalue()
 
 
+def _descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it, from /proc."""
+    parents: dict[int, int] = {}
+    for stat in os.listdir("/proc"):
+        if stat.isdigit():
+            with contextlib.suppress(OSError):
+                text = Path(f"/proc/{stat}/stat").read_text()
+                parents[int(stat)] = int(text.rsplit(")", 1)[1].split()[1])
+    found, todo = [], [pid]
+    while todo:
+        found.append(todo.pop())
+        todo += [child for child, parent in parents.items() if parent == found[-1]]
+    return found
+
+
+def _allowed_cores(pid: int) -> set[frozenset[int]]:
+    """The CPU masks of every thread of every process from ``pid`` down."""
+    masks = set()
+    for proc in _descendants(pid):
+        for task in os.listdir(f"/proc/{proc}/task"):
+            masks.add(frozenset(os.sched_getaffinity(int(task))))
+    return masks
+
+
 def test_up_from_a_spec_prefill_depth_2_decode_depth_3(model, expected, tmp_path):
-    """A planner spec (the format of ``Plan.write_spec``): D_p=2 -> D_t=3, swap off."""
+    """A planner spec (the format of ``Plan.write_spec``): D_p=2 -> D_t=3, swap off, each
+    node pinned to its machines' cores (5 machines on this host's cores, round robin)."""
     spec = {
         "version": 1, "model_dir": str(model), "mode": "disaggregated",
         "prefill": {"pipelines": 1, "depth": 2}, "decode": {"pipelines": 1, "depth": 3},
         "machines": 5, "batch": 2, "prompt_len": 8, "new_tokens": 8, "planner": {},
     }
+    cores = sorted(os.sched_getaffinity(0))
+    spec["devices"] = spread_devices(spec, [Devices("cpu", (cores[i % len(cores)],))
+                                            for i in range(5)])
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     run_dir = str(tmp_path / "cluster")
     argv = ["--spec", str(tmp_path / "spec.json"), "--dir", run_dir,
@@ -88,6 +125,15 @@ def test_up_from_a_spec_prefill_depth_2_decode_depth_3(model, expected, tmp_path
         assert placed == [("decode", 0, 0, 3), ("decode", 0, 1, 3), ("decode", 0, 2, 3),
                           ("prefill", 0, None, 2)]
         assert run_all(state["frontend"]["grpc"]) == expected
+        for node in state["nodes"]:  # the tritonserver, its stubs, all their threads
+            want = (Devices.parse(node["devices"]).ids if node["role"] != "frontend"
+                    else os.sched_getaffinity(0))
+            assert node["devices"] == spec["devices"].get(node["name"])
+            assert _allowed_cores(node["pid"]) == {frozenset(want)}, node["name"]
+            assert len(_descendants(node["pid"])) > 1  # the Python-backend stubs are there
+        code, out = _cli(status_main, ["--dir", run_dir])
+        line = next(line for line in out.splitlines() if line.startswith("decode0s1 "))
+        assert f" {spec['devices']['decode0s1']} " in line
     finally:
         code, out = _cli(down_main, ["--dir", run_dir])
     assert code == 0, out
