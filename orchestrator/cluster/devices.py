@@ -75,6 +75,6 @@ def parse_assignments(items: list[str]) -> dict[str, Devices]:
     return out
 
 
-def node_devices(params: dict[str, str]) -> Devices | None:
-    """The devices a node's model parameters name (None: not pinned)."""
-    return Devices.parse(params["devices"]) if params.get("devices") else None
+def node_devices(devices: str) -> Devices | None:
+    """The devices a node's configuration names (None: not pinned)."""
+    return Devices.parse(devices) if devices else None

@@ -19,7 +19,7 @@ Colocated mode has no P-nodes: each T-node (depth 1) prefills its own prompts
 
 The fault controller (:mod:`orchestrator.fault.controller`) runs as a process of
 its own on loopback, started before the nodes and stopped after them; every P-
-and T-node registers with it and heartbeats (``controller`` model parameter),
+and T-node registers with it and heartbeats (the ``controller`` field of its NodeConfig),
 and ``dejavu status`` shows its view. If the controller dies, serving goes on:
 the nodes keep serving and re-register when it returns, but a node that fails
 while it is away is not declared dead until it is back (the library's
@@ -43,15 +43,15 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from orchestrator.cluster.devices import Devices, parse_assignments
+from orchestrator.cluster.topology import Topology, decode_name, node_configs, write_node_repo
 from orchestrator.cluster.tritonserver import (
     ROOT,
     ServerError,
     TritonServer,
-    add_model,
     alive,
     clean_shm,
     free_port,
@@ -60,44 +60,33 @@ from orchestrator.cluster.tritonserver import (
     stop_processes,
     stop_servers,
 )
-from orchestrator.fault import REPLICATE_MODES
+from orchestrator.fault import ReplicateMode
+from orchestrator.pipeline import DEAD_AFTER_S, SwapMode
+from orchestrator.serving.config import NodeConfig, Role
 
 STATE_FILE = "cluster.json"
-SWAP_MODES = ("on", "off", "auto")
-ROLE_MODELS = {
-    "frontend": ("preprocessing", "postprocessing", "orchestrator", "ensemble"),
-    "prefill": ("prefill",),
-    "decode": ("decode",),
-}
-
-
-def write_node_repo(repo: Path, role: str, params: dict[str, str]) -> None:
-    """The model repository of one node; every model sees every parameter it may need."""
-    if role not in ROLE_MODELS:
-        raise ValueError(f"role must be one of {', '.join(ROLE_MODELS)}, got {role!r}")
-    for model in ROLE_MODELS[role]:
-        add_model(repo, model, params if model != "ensemble" else None)
+SECRET_FILE = "secret"
 
 
 @dataclass
 class Node:
-    role: str  # frontend | prefill | decode
+    config: NodeConfig  # its models' configuration (to start it again)
     server: TritonServer
-    pipeline: int | None = None  # which P- or T-pipeline
-    stage: int | None = None  # T-nodes: its stage in the pipeline (P-nodes run all theirs)
-    depth: int | None = None  # the pipeline's depth
-    params: dict[str, str] | None = None  # its models' parameters (to start it again)
+
+    @property
+    def role(self) -> Role:
+        return self.config.role
 
     def describe(self) -> dict:
-        s = self.server
+        s, c = self.server, self.config
         return {
             "repo": str(s.repo),
-            "params": self.params,
+            "config": asdict(c),
             "name": s.name,
-            "role": self.role,
-            "pipeline": self.pipeline,
-            "stage": self.stage,
-            "depth": self.depth,
+            "role": c.role.value,
+            "pipeline": None if c.role is Role.FRONTEND else c.pipeline,
+            "stage": c.stage if c.role is Role.DECODE else None,
+            "depth": {Role.PREFILL: c.prefill_depth, Role.DECODE: c.depth}.get(c.role),
             "http": s.http_url,
             "grpc": s.grpc_url,
             "metrics": f"127.0.0.1:{s.metrics_port}",
@@ -116,133 +105,83 @@ class Cluster:
         decode: int = 1,
         colocated: bool = False,
         run_dir: str | Path = "runs/local",
-        max_seq_len: int | None = None,
-        max_batch: int = 16,
         prefill_depth: int = 1,
         decode_depth: int = 1,
-        swap: str = "off",
-        dead_after_s: float = 10.0,
-        controller_timeout_s: float = 5.0,
-        replicate: str = "on",
+        controller_timeout_s: float = DEAD_AFTER_S,
         devices: dict[str, Devices] | None = None,
+        **settings,
     ) -> None:
         """``prefill``/``decode``: how many P- and T-pipelines, of depths ``prefill_depth``
-        and ``decode_depth``; ``max_batch``: sequences per microbatch of a T-pipeline;
-        ``controller_timeout_s``: the fault controller declares a node silent this long dead;
-        ``replicate``: on: T-stages (of pipelines deeper than 1) stream KV replicas to their
-        successor; disk: to their local disk; a lost stage is recovered from them; off:
-        none (a lost stage costs its pipeline's requests a rerun); ``devices``: {node name:
-        its cores or GPUs} (nodes not named run anywhere, as by default)."""
-        if decode < 1:
-            raise ValueError("a cluster needs at least one decode node")
-        if not colocated and prefill < 1:
-            raise ValueError("disaggregated mode needs at least one prefill node")
-        if prefill_depth < 1 or decode_depth < 1:
-            raise ValueError(f"depths must be >= 1, got prefill {prefill_depth}, "
-                             f"decode {decode_depth}")
-        if colocated and decode_depth != 1:
-            raise ValueError("colocated pipelines deeper than 1 are not supported on Triton "
-                             "nodes (prompts enter a pipeline only within one process)")
-        if replicate not in REPLICATE_MODES:
-            raise ValueError(f"replicate must be one of {REPLICATE_MODES}, got {replicate!r}")
-        if swap not in SWAP_MODES:
-            raise ValueError(f"swap must be one of {SWAP_MODES}, got {swap!r}")
+        and ``decode_depth``; ``controller_timeout_s``: the fault controller declares a node
+        silent this long dead; ``settings``: :class:`NodeConfig` fields for every node
+        (``max_batch``, ``max_seq_len``, ``swap``, ``replicate``: on: T-stages of pipelines
+        deeper than 1 stream KV replicas to their successor; disk: to their local disk; a
+        lost stage is recovered from them; off: none, a lost stage costs its pipeline's
+        requests a rerun); ``devices``: {node name: its cores or GPUs} (nodes not named run
+        anywhere, as by default)."""
+        topology = Topology(prefill, decode, prefill_depth, decode_depth, colocated)
         self.model_dir = Path(model_dir).resolve()
         if not (self.model_dir / "config.json").is_file():
             raise ValueError(f"{self.model_dir} is not a model folder (no config.json)")
         self.colocated = colocated
-        self.replicate = replicate if decode_depth > 1 else "off"
         self.run_dir = Path(run_dir).resolve()
         self.supervisor: subprocess.Popen | None = None
-        self.secret = secrets.token_hex(16)
         self.controller = Controller(free_port(), controller_timeout_s,
                                      self.run_dir / "logs" / "controller.log")
-        self.common = {
-            "controller": self.controller.address,
-            "model_dir": str(self.model_dir),
-            "max_seq_len": str(max_seq_len or ""),
-            "max_batch": str(max_batch),
-            "swap": swap,
-            "dead_after_s": str(dead_after_s),
-            "prefill_depth": str(prefill_depth),
-            "replicate": self.replicate,
-        }
         self.backend_dir = make_backend_dir(self.run_dir / "backends")
         shutil.rmtree(self.run_dir / "replicas", ignore_errors=True)  # a former cluster's
+        secret_file = self.run_dir / SECRET_FILE
+        secret_file.touch(mode=0o600)
+        secret_file.write_text(secrets.token_hex(16) + "\n")
         self.devices = dict(devices or {})
-        self.nodes: list[Node] = []
-        for p in range(0 if colocated else prefill):
-            self._add_node(Node("prefill", None, p, None, prefill_depth), f"prefill{p}")
-        for p in range(decode):
-            for i in range(decode_depth):
-                self._add_node(Node("decode", None, p, i, decode_depth),
-                               decode_name(p, i, decode_depth))
-        self._add_node(Node("frontend", None), "frontend")
-        unknown = set(self.devices) - {n.server.name for n in self.nodes}
+        servers: dict[str, TritonServer] = {}
+
+        def address(name: str) -> str:
+            if name not in servers:
+                servers[name] = TritonServer(name, self.run_dir / "repos" / name,
+                                             self.backend_dir,
+                                             self.run_dir / "logs" / f"{name}.log",
+                                             devices=self.devices.get(name))
+            return servers[name].grpc_url
+
+        configs = node_configs(
+            topology, address, lambda name: str(self.run_dir / "replicas" / name),
+            model_dir=str(self.model_dir), controller=self.controller.address,
+            secret_file=str(secret_file), **settings)
+        unknown = set(self.devices) - set(configs)
         if unknown:
             raise ValueError(f"devices for nodes this cluster does not have: "
-                             f"{', '.join(sorted(unknown))} (it has "
-                             f"{', '.join(n.server.name for n in self.nodes)})")
+                             f"{', '.join(sorted(unknown))} (it has {', '.join(configs)})")
+        self.nodes: list[Node] = []
+        for name, config in configs.items():
+            server = servers[name]
+            # A per-run id: the controller and the KV transports tell clusters apart.
+            config = replace(config, name=f"{name}-{server.grpc_port}",
+                             **device_params(self.devices.get(name)))
+            shutil.rmtree(server.repo, ignore_errors=True)
+            write_node_repo(server.repo, config)
+            self.nodes.append(Node(config, server))
 
     @classmethod
     def from_spec(cls, spec: dict, **kwargs) -> Cluster:
         """The nodes a planner cluster spec asks for (``kwargs``: run_dir, max_seq_len, ...)."""
-        version = spec.get("version")
-        if version != 1:
-            raise ValueError(f"cluster spec version {version!r}: only version 1 is known")
-        mode, prefill, decode = spec.get("mode"), spec.get("prefill"), spec.get("decode")
-        if mode not in ("disaggregated", "colocated") or not isinstance(decode, dict):
-            raise ValueError("a cluster spec needs mode (disaggregated | colocated) and "
-                             "decode {pipelines, depth}")
-        if mode == "disaggregated" and not isinstance(prefill, dict):
-            raise ValueError("a disaggregated cluster spec needs prefill {pipelines, depth}")
-        if spec.get("batch"):
-            kwargs.setdefault("max_batch", int(spec["batch"]))
+        topology, settings = Topology.from_spec(spec)
         if spec.get("devices") and not kwargs.get("devices"):
             kwargs["devices"] = parse_assignments(
                 [f"{name}={d}" for name, d in spec["devices"].items()])
-        prefill = prefill or {"pipelines": 0, "depth": 1}
-        return cls(
-            spec["model_dir"], int(prefill["pipelines"]), int(decode["pipelines"]),
-            mode == "colocated", prefill_depth=int(prefill["depth"]),
-            decode_depth=int(decode["depth"]), **kwargs,
-        )
-
-    def _add_node(self, node: Node, name: str) -> None:
-        repo = self.run_dir / "repos" / name
-        shutil.rmtree(repo, ignore_errors=True)
-        devices = self.devices.get(name)
-        node.server = TritonServer(
-            name, repo, self.backend_dir, self.run_dir / "logs" / f"{name}.log",
-            devices=devices,
-        )
-        params = {
-            **self.common,
-            "secret": self.secret,
-            "name": f"{name}-{node.server.grpc_port}",
-            "address": node.server.grpc_url,
-            "replica_dir": str(self.run_dir / "replicas" / name),  # replicate=disk
-            "pipeline": str(node.pipeline if node.pipeline is not None else ""),
-            "mode": "colocated" if self.colocated else "disaggregated",
-            "depth": str(node.depth or 1),
-            "stage": str(node.stage or 0),
-            "prefill_urls": ",".join(n.server.grpc_url for n in self.role("prefill")),
-            "decode_urls": ",".join("+".join(n.server.grpc_url for n in stages)
-                                    for stages in self.decode_pipelines()),
-            **device_params(devices),
-        }
-        write_node_repo(repo, node.role, params)
-        node.params = params
-        self.nodes.append(node)
+        return cls(settings.pop("model_dir"), topology.prefill, topology.decode,
+                   topology.colocated, prefill_depth=topology.prefill_depth,
+                   decode_depth=topology.decode_depth, **{**settings, **kwargs})
 
     def decode_pipelines(self) -> list[list[Node]]:
         """Each token pipeline's nodes, stage 0 first."""
         pipelines: dict[int, list[Node]] = {}
-        for node in self.role("decode"):
-            pipelines.setdefault(node.pipeline, []).append(node)
-        return [sorted(nodes, key=lambda n: n.stage) for _, nodes in sorted(pipelines.items())]
+        for node in self.role(Role.DECODE):
+            pipelines.setdefault(node.config.pipeline, []).append(node)
+        return [sorted(nodes, key=lambda n: n.config.stage)
+                for _, nodes in sorted(pipelines.items())]
 
-    def role(self, role: str) -> list[Node]:
+    def role(self, role: Role | str) -> list[Node]:
         return [n for n in self.nodes if n.role == role]
 
     @property
@@ -259,7 +198,7 @@ class Cluster:
             for stages in self.decode_pipelines():
                 if len(stages) > 1:
                     connect_pipeline([n.server.grpc_url for n in stages], timeout_s,
-                                     self.replicate != "off")
+                                     stages[0].config.replicates)
             self.write_state()
             self.start_supervisor()
         except BaseException:
@@ -312,10 +251,6 @@ class Cluster:
             cluster.stop()
 
 
-def decode_name(pipeline: int, stage: int, depth: int) -> str:
-    return f"decode{pipeline}" if depth == 1 else f"decode{pipeline}s{stage}"
-
-
 def spread_devices(spec: dict, machines: list[Devices]) -> dict[str, str]:
     """A planner spec's nodes on ``machines`` (one device set per machine, in order): a
     P-node takes its D_p machines' devices (its stages run in one process), a T-stage one."""
@@ -337,11 +272,11 @@ def spread_devices(spec: dict, machines: list[Devices]) -> dict[str, str]:
     return out
 
 
-def device_params(devices: Devices | None) -> dict[str, str]:
-    """A pinned node's model parameters: its devices, and torch threads to match."""
+def device_params(devices: Devices | None) -> dict:
+    """A pinned node's configuration fields: its devices, and torch threads to match."""
     if devices is None:
         return {}
-    threads = {} if devices.threads is None else {"threads": str(devices.threads)}
+    threads = {} if devices.threads is None else {"threads": devices.threads}
     return {"devices": str(devices), **threads}
 
 
@@ -424,29 +359,44 @@ def _dir_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dir", default="runs/local", help="the cluster's folder")
 
 
-def up_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="dejavu up", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="model folder (config.json, weights)")
-    parser.add_argument("--spec", type=Path, help="a planner cluster spec (JSON): its model, "
-                        "mode and pipelines replace --model, --prefill, --decode, the depths")
+def topology_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags ``dejavu up`` and ``dejavu repo`` share: one cluster, two ways to deploy."""
     parser.add_argument("--prefill", type=int, default=1, help="number of P-pipelines")
     parser.add_argument("--decode", type=int, default=1, help="number of T-pipelines")
     parser.add_argument("--prefill-depth", type=int, default=1,
                         help="prompt stages per P-node (D_p, in one process)")
     parser.add_argument("--decode-depth", type=int, default=1,
                         help="T-nodes per token pipeline (D_t, one stage each)")
-    parser.add_argument("--swap", choices=SWAP_MODES, default="off",
+    parser.add_argument("--colocated", action="store_true", help="T-nodes prefill themselves")
+    parser.add_argument("--swap", choices=list(SwapMode), default=SwapMode.OFF,
                         help="microbatch swapping on the T-stages")
     parser.add_argument("--max-batch", type=int, default=16, help="sequences per microbatch")
-    parser.add_argument("--colocated", action="store_true", help="T-nodes prefill themselves")
     parser.add_argument("--max-seq-len", type=int, help="KV slot size (default: model's)")
-    parser.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for ready")
-    parser.add_argument("--controller-timeout", type=float, default=5.0,
-                        help="the fault controller declares a node silent this long dead")
-    parser.add_argument("--replicate", choices=REPLICATE_MODES, default="on",
+    parser.add_argument("--replicate", choices=list(ReplicateMode), default=ReplicateMode.ON,
                         help="T-stages stream KV replicas to the next stage (disk: to local "
                         "disk); a lost stage is started again and resumes from them "
                         "(pipelines deeper than 1)")
+
+
+def _topology(args: argparse.Namespace) -> Topology:
+    return Topology(args.prefill, args.decode, args.prefill_depth, args.decode_depth,
+                    args.colocated)
+
+
+def _settings(args: argparse.Namespace) -> dict:
+    return {"max_seq_len": args.max_seq_len, "swap": args.swap, "replicate": args.replicate,
+            "max_batch": args.max_batch}
+
+
+def up_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="dejavu up", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="model folder (config.json, weights)")
+    parser.add_argument("--spec", type=Path, help="a planner cluster spec (JSON): its model, "
+                        "mode and pipelines replace --model, --prefill, --decode, the depths")
+    topology_arguments(parser)
+    parser.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for ready")
+    parser.add_argument("--controller-timeout", type=float, default=DEAD_AFTER_S,
+                        help="the fault controller declares a node silent this long dead")
     parser.add_argument("--devices", nargs="+", default=[], metavar="NODE=DEVICES",
                         help="pin nodes to devices, e.g. prefill0=cpu:0 decode0=cpu:1 "
                         "(cores; cuda:0 sets CUDA_VISIBLE_DEVICES); replaces the spec's")
@@ -458,19 +408,18 @@ def up_main(argv: list[str]) -> int:
             return 1
         (Path(args.dir) / STATE_FILE).unlink()  # left by a cluster that died
     try:
-        common = dict(run_dir=args.dir, max_seq_len=args.max_seq_len, swap=args.swap,
-                      controller_timeout_s=args.controller_timeout, replicate=args.replicate,
-                      devices=parse_assignments(args.devices))
+        common = dict(run_dir=args.dir, controller_timeout_s=args.controller_timeout,
+                      devices=parse_assignments(args.devices), **_settings(args))
         if args.spec is not None:
+            del common["max_batch"]  # the spec's
             cluster = Cluster.from_spec(json.loads(args.spec.read_text()), **common)
         elif args.model is None:
             raise ValueError("give --model DIR or --spec FILE")
         else:
-            cluster = Cluster(
-                args.model, args.prefill, args.decode, args.colocated,
-                max_batch=args.max_batch, prefill_depth=args.prefill_depth,
-                decode_depth=args.decode_depth, **common,
-            )
+            t = _topology(args)
+            cluster = Cluster(args.model, t.prefill, t.decode, t.colocated,
+                              prefill_depth=t.prefill_depth, decode_depth=t.decode_depth,
+                              **common)
         cluster.start(args.timeout)
     except (ValueError, ServerError, OSError) as exc:
         print(f"dejavu up: {exc}", file=sys.stderr)
@@ -592,38 +541,3 @@ def stop_described(state: dict) -> list[str]:
         stop_processes([state["controller"]["pid"]], timeout_s=5.0)
         stopped.append("the controller")
     return stopped
-
-
-def repo_main(argv: list[str]) -> int:
-    """Write one node's model repository (containers: see docker-compose.yml)."""
-    parser = argparse.ArgumentParser(prog="dejavu repo", description=repo_main.__doc__)
-    parser.add_argument("role", choices=list(ROLE_MODELS))
-    parser.add_argument("out", type=Path, help="model repository folder to write")
-    parser.add_argument("--model", required=True, help="model folder as the node sees it")
-    parser.add_argument("--secret", required=True, help="hex secret shared by the cluster")
-    parser.add_argument("--name", default="", help="the node's KV transport name")
-    parser.add_argument("--mode", choices=["disaggregated", "colocated"], default="disaggregated")
-    parser.add_argument("--prefill-urls", default="", help="comma-separated P-node gRPC urls")
-    parser.add_argument("--decode-urls", default="", help="comma-separated T-node gRPC urls")
-    parser.add_argument("--max-seq-len", default="")
-    parser.add_argument("--depth", type=int, default=1, help="T-node: its pipeline's depth")
-    parser.add_argument("--stage", type=int, default=0, help="T-node: its stage")
-    parser.add_argument("--prefill-depth", type=int, default=1, help="P-node: prompt stages")
-    parser.add_argument("--swap", choices=SWAP_MODES, default="off")
-    args = parser.parse_args(argv)
-    params = {
-        "model_dir": args.model,
-        "secret": args.secret,
-        "name": args.name,
-        "mode": args.mode,
-        "prefill_urls": args.prefill_urls,
-        "decode_urls": args.decode_urls,
-        "max_seq_len": args.max_seq_len,
-        "depth": str(args.depth),
-        "stage": str(args.stage),
-        "prefill_depth": str(args.prefill_depth),
-        "swap": args.swap,
-    }
-    write_node_repo(args.out, args.role, params)
-    print(f"wrote {args.role} repository to {args.out}")
-    return 0

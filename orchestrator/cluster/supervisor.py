@@ -25,22 +25,20 @@ import signal
 import subprocess
 import threading
 import time
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import grpc
 
 from orchestrator.cluster.chaos import kill
 from orchestrator.cluster.devices import node_devices
-from orchestrator.cluster.launcher import (
-    STATE_FILE,
-    connect_pipeline,
-    read_state,
-    write_node_repo,
-)
+from orchestrator.cluster.launcher import STATE_FILE, connect_pipeline, read_state
+from orchestrator.cluster.topology import write_node_repo
 from orchestrator.cluster.tritonserver import TritonServer, clean_shm
 from orchestrator.fault.client import query_status
 from orchestrator.fault.rpc import Stub
 from orchestrator.fault.stage_recovery import recover_stage, repair_links
+from orchestrator.serving.config import NodeConfig
 
 log = logging.getLogger("dejavu.supervisor")
 
@@ -171,7 +169,7 @@ class Supervisor:
         stub = Stub(controller)
         try:
             for node in nodes:
-                stub.call("Recovered", {"node_id": node["params"]["name"],
+                stub.call("Recovered", {"node_id": node["config"]["name"],
                                         "epoch": plan["epoch"]}, 2.0)
         finally:
             stub.close()
@@ -180,17 +178,17 @@ class Supervisor:
     def launch(self, state: dict, node: dict) -> TritonServer:
         """A lost node's tritonserver again, as a new incarnation (same ports and repo)."""
         incarnation = int(node.get("incarnation", 0)) + 1
-        params = node["params"] | {"name": f"{node['name']}-{node['grpc'].split(':')[1]}"
-                                           f"-r{incarnation}"}
+        config = replace(NodeConfig.from_dict(node["config"]),
+                         name=f"{node['name']}-{node['grpc'].split(':')[1]}-r{incarnation}")
         repo = Path(node["repo"])
-        write_node_repo(repo, node["role"], params)
+        write_node_repo(repo, config)
         ports = (int(node[k].split(":")[1]) for k in ("http", "grpc", "metrics"))
         server = TritonServer(node["name"], repo, Path(state["backends"]), Path(node["log"]),
-                              *ports, incarnation=incarnation, devices=node_devices(params))
+                              *ports, incarnation=incarnation, devices=node_devices(config.devices))
         clean_shm(node["shm_prefix"])  # a node that died on its own left its regions
         server.launch()
         self.children.append(server.process)
-        node.update(params=params, incarnation=incarnation)
+        node.update(config=asdict(config), incarnation=incarnation)
         return server
 
     def ready(self, state: dict, server: TritonServer, node: dict) -> None:
@@ -223,7 +221,7 @@ def _prefill_node(state: dict, name: str) -> dict:
 
 def _replicates(stages: list[dict]) -> bool:
     """Whether a token pipeline's stages keep KV replicas (every stage has the same mode)."""
-    return stages[0]["params"].get("replicate", "off") != "off"
+    return NodeConfig.from_dict(stages[0]["config"]).replicates
 
 
 def _stages(state: dict, pipeline: int) -> list[dict]:

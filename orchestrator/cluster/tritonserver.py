@@ -106,6 +106,7 @@ class TritonServer:
     process: subprocess.Popen | None = None
     incarnation: int = 0  # started again after a failure this many times
     devices: Devices | None = None  # pinned to these cores / GPUs (None: anywhere)
+    host: str = "127.0.0.1"  # where it listens (a container: every interface)
 
     @property
     def shm_prefix(self) -> str:
@@ -127,9 +128,9 @@ class TritonServer:
             f"--model-repository={self.repo}",
             f"--backend-directory={self.backend_dir}",
             f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
-            "--http-address=127.0.0.1",
-            "--grpc-address=127.0.0.1",
-            "--metrics-address=127.0.0.1",
+            f"--http-address={self.host}",
+            f"--grpc-address={self.host}",
+            f"--metrics-address={self.host}",
             f"--http-port={self.http_port}",
             f"--grpc-port={self.grpc_port}",
             f"--metrics-port={self.metrics_port}",

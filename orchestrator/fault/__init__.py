@@ -14,4 +14,13 @@
 - ``bench``: ``dejavu bench recovery`` (Fig. 14, 15) on that pipeline.
 """
 
-REPLICATE_MODES = ("on", "disk", "off")  # to the next stage's memory, to local disk, none
+
+from enum import StrEnum
+
+
+class ReplicateMode(StrEnum):
+    """Where a T-stage keeps its KV replicas (pipelines deeper than 1)."""
+
+    ON = "on"  # in the next stage's host memory
+    DISK = "disk"  # on its own local disk
+    OFF = "off"  # none: a lost stage costs its pipeline's requests a rerun

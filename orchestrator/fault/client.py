@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import grpc
 
 from orchestrator.fault.rpc import Stub
+from orchestrator.pipeline import HEARTBEAT_S
 
 log = logging.getLogger("dejavu.fault.client")
 
@@ -47,7 +48,7 @@ class ControllerClient:
         self,
         controller: str,
         spec: NodeSpec,
-        heartbeat_s: float = 0.2,
+        heartbeat_s: float = HEARTBEAT_S,
         rpc_timeout_s: float = 1.0,
         node_id: str | None = None,
         ack_interval_s: float = 0.01,

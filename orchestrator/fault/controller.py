@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 import grpc
 
 from orchestrator.fault.rpc import RequestError, service_handler
+from orchestrator.pipeline import DEAD_AFTER_S
 
 log = logging.getLogger("dejavu.fault.controller")
 
@@ -339,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
-    parser.add_argument("--timeout-s", type=float, default=2.0,
+    parser.add_argument("--timeout-s", type=float, default=DEAD_AFTER_S,
                         help="a node silent this long is declared dead")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")

@@ -65,6 +65,7 @@ from orchestrator.kv.connector import KVReceiver
 from orchestrator.kv.errors import KVTransferError
 from orchestrator.kv.layout import KVCache
 from orchestrator.kv.transport.base import KVPoll, Transport
+from orchestrator.pipeline import DEAD_AFTER_S, HEARTBEAT_S, SwapMode
 from orchestrator.pipeline.head import PipelineHead
 from orchestrator.pipeline.link import Link, QueueLink
 from orchestrator.pipeline.pipeline import link_capacity, make_placement, resolve_swap, stage_specs
@@ -85,15 +86,15 @@ class PipelineConfig:
     batch_size: int
     num_microbatches: int | None = None  # default: depth
     layers: tuple[int, ...] | None = None  # layers per stage; default: an even split
-    swap: str = "off"  # on | off | auto (auto decides per stage, on its own measurements)
+    swap: SwapMode = SwapMode.OFF  # auto: each stage decides, on its own measurements
     device_kv_budget: int | None = None  # bytes per stage
     swap_workload: tuple[int, int] | None = None  # (prompt_len, new_tokens) for swap=auto
     max_seq_len: int | None = None
     prompt_slots: int = 16  # prompt KVs a stage can hold before their requests are admitted
     step_timeout_s: float = 60.0
     kv_timeout_s: float = 30.0
-    heartbeat_s: float = 0.25
-    dead_after_s: float = 3.0
+    heartbeat_s: float = HEARTBEAT_S
+    dead_after_s: float = DEAD_AFTER_S
     recover_timeout_s: float | None = None  # a lost stage pauses the head this long for a
     # repair (the fault layer's ``recover_stage``); None: the pipeline breaks at once
 

@@ -19,13 +19,13 @@ import torch
 from orchestrator.engine.base import Engine, StageSpec
 from orchestrator.engine.config import ModelConfig
 from orchestrator.engine.torch_engine import TorchEngine, load_engine
+from orchestrator.pipeline import SwapMode
 from orchestrator.pipeline.head import PipelineHead
 from orchestrator.pipeline.link import Link, QueueLink
 from orchestrator.pipeline.prompt_worker import PromptKVStore, PromptWorker
 from orchestrator.pipeline.sequence import Sequence as Seq
 from orchestrator.pipeline.stage import Interval, PromptKVSource, StageWorker
 from orchestrator.pipeline.swapper import (
-    SWAP_MODES,
     DeviceArena,
     KVPlacement,
     ResidentKV,
@@ -237,10 +237,10 @@ def resolve_swap(
     """``auto``: keep KV resident when it fits the budget, else apply the Appendix E rule
     with the step time and copy bandwidth measured on this machine (for ``engines``:
     one stage node decides for its own stage)."""
-    if swap not in SWAP_MODES:
-        raise ValueError(f"swap must be one of {SWAP_MODES}, got {swap!r}")
-    if swap != "auto":
-        return swap == "on"
+    if swap not in tuple(SwapMode):
+        raise ValueError(f"swap must be one of {', '.join(SwapMode)}, got {swap!r}")
+    if swap != SwapMode.AUTO:
+        return swap == SwapMode.ON
     resident_slots = num_microbatches * batch_size
     if budget is None or all(budget >= resident_slots * e.kv_layout.slot_bytes()
                              for e in engines):

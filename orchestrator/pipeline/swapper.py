@@ -23,8 +23,6 @@ import torch
 
 from orchestrator.kv.layout import KVCache, KVLayout
 
-SWAP_MODES = ("on", "off", "auto")
-
 
 class ArenaFull(RuntimeError):
     pass

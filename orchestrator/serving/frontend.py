@@ -178,11 +178,6 @@ def control(url: str, op: str, timeout_s: float, request_id: str = "",
     return result.as_numpy("reply").reshape(-1)[0]
 
 
-def parse_pipelines(spec: str) -> list[list[str]]:
-    """``"a+b,c+d"``: two token pipelines, each its stages' gRPC urls, stage 0 first."""
-    return [[url for url in p.split("+") if url] for p in spec.split(",") if p]
-
-
 class Frontend:
     def __init__(
         self, prefill_urls: list[str], decode_pipelines: list[list[str]],

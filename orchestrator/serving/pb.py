@@ -13,6 +13,7 @@ from collections.abc import Callable
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from orchestrator.serving.config import NodeConfig
 from orchestrator.serving.metrics import Metrics
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -35,10 +36,13 @@ def cancelled(request) -> Callable[[], bool]:
     return is_cancelled
 
 
-def parameters(args: dict) -> dict[str, str]:
-    """The model's ``parameters`` from config.pbtxt (filled per node by the launcher)."""
-    config = json.loads(args["model_config"])
-    return {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
+def node_config(args: dict) -> NodeConfig:
+    """The node's configuration: the model's ``config`` parameter in config.pbtxt."""
+    parameters = json.loads(args["model_config"]).get("parameters", {})
+    if "config" not in parameters:
+        raise ValueError("the model has no 'config' parameter: write its repository with "
+                         "`dejavu up` or `dejavu repo`")
+    return NodeConfig.from_json(parameters["config"]["string_value"])
 
 
 def inputs(request, names: list[str]) -> dict[str, np.ndarray | None]:

@@ -1,28 +1,100 @@
-"""docker-compose.yml is valid against the compose specification (checked offline)."""
+"""The deployment files, checked offline: docker-compose.yml (CPU) and its GPU override
+against the compose specification, the Kubernetes manifests against the Kubernetes
+schemas, and both against the one config writer's topology."""
 
+import argparse
 import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
+from orchestrator.cluster.container import kubernetes_host, repo_main
+from orchestrator.cluster.launcher import topology_arguments
+from orchestrator.cluster.topology import Topology, node_configs
+
 ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+K8S = sorted((ROOT / "deploy" / "k8s").glob("*.yaml"))
 
 
-def test_compose_file_follows_the_spec():
-    checker = Path(sys.executable).parent / "check-jsonschema"
-    result = subprocess.run(
-        [str(checker), "--builtin-schema", "vendor.compose-spec", "docker-compose.yml"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+def check(*command: str) -> None:
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_every_role_in_compose_writes_a_repository(tmp_path):
-    from orchestrator.cluster.launcher import repo_main
+def merge(base: dict, override: dict) -> dict:
+    """docker-compose's merge of an override file (mappings merge, the rest replaces)."""
+    merged = dict(base)
+    for key, value in override.items():
+        both = isinstance(value, dict) and isinstance(base.get(key), dict)
+        merged[key] = merge(base[key], value) if both else value
+    return merged
 
-    for role, models in [("frontend", 4), ("prefill", 1), ("decode", 1)]:
-        out = tmp_path / role
-        assert repo_main([role, str(out), "--model", "/model", "--secret", "ab"]) == 0
+
+def writer_nodes(flags: str) -> set[str]:
+    parser = argparse.ArgumentParser()
+    topology_arguments(parser)
+    a = parser.parse_args(flags.split())
+    topology = Topology(a.prefill, a.decode, a.prefill_depth, a.decode_depth, a.colocated)
+    return set(node_configs(topology, lambda name: name, lambda name: "/r", model_dir="/m"))
+
+
+def test_compose_files_follow_the_spec(tmp_path):
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    gpu = merge(compose, yaml.safe_load((ROOT / "deploy/docker-compose.gpu.yml").read_text()))
+    (tmp_path / "gpu.yml").write_text(yaml.safe_dump(gpu))
+    for path in (ROOT / "docker-compose.yml", tmp_path / "gpu.yml"):
+        check(str(BIN / "check-jsonschema"), "--builtin-schema", "vendor.compose-spec", str(path))
+    devices = {name: s["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
+               for name, s in gpu["services"].items() if "deploy" in s}
+    assert devices == {"prefill0": ["0"], "decode0s0": ["1"], "decode0s1": ["2"]}
+    assert not any("deploy" in s for s in compose["services"].values())  # CPU: no GPUs
+
+
+def test_compose_runs_the_writers_topology_with_health_and_init():
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = compose["services"]
+    flags = compose["x-topology"]["DEJAVU_TOPOLOGY"]
+    nodes = {name for name, s in services.items() if "dejavu node" in s["command"][0]}
+    assert nodes == writer_nodes(flags)
+    assert {"controller", "supervisor"} <= set(services)
+    for name, service in services.items():
+        assert service["init"] and service["restart"] == "always", name
+        assert "healthcheck" in service, name
+        if name in nodes:
+            assert f"exec dejavu node {name} " in service["command"][0]
+            assert "pip" not in service["command"][0]
+
+
+def test_kubernetes_manifests_validate_and_match_the_compose_topology():
+    check(str(BIN / "kubernetes-validate"), "--strict", "--quiet", *map(str, K8S))
+    docs = [d for path in K8S for d in yaml.safe_load_all(path.read_text()) if d]
+    kinds = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    flags = kinds["ConfigMap", "dejavu-topology"]["data"]["DEJAVU_TOPOLOGY"]
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    assert flags == compose["x-topology"]["DEJAVU_TOPOLOGY"]
+    pods = {f"{name}-{i}" for (kind, name), d in kinds.items() if kind == "StatefulSet"
+            for i in range(d["spec"]["replicas"])}
+    nodes = writer_nodes(flags)
+    assert pods == {kubernetes_host(n).split(".")[0] for n in nodes} - {"frontend"}
+    for kind, name in [("Deployment", "controller"), ("Deployment", "frontend"),
+                       ("Deployment", "supervisor"), ("Service", "frontend"),
+                       ("Service", "controller"), ("Secret", "dejavu-secret")]:
+        assert (kind, name) in kinds
+    for (kind, name), d in kinds.items():
+        if kind == "StatefulSet":
+            assert kinds["Service", name]["spec"]["clusterIP"] == "None"  # pod DNS names
+            pod = d["spec"]["template"]["spec"]["containers"][0]
+            assert pod["resources"]["limits"]["nvidia.com/gpu"] == 1
+            assert pod["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
+            assert pod["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
+            assert {"secretRef": {"name": "dejavu-secret"}} in pod["envFrom"]
+
+
+def test_every_node_writes_a_repository(tmp_path):
+    for node, models in [("frontend", 4), ("prefill0", 1), ("decode0s1", 1)]:
+        out = tmp_path / node
+        assert repo_main([node, str(out), "--model", "/model", "--decode-depth", "2"]) == 0
         assert len([p for p in out.iterdir() if (p / "config.pbtxt").is_file()]) == models
+    assert repo_main(["decode7", str(tmp_path / "x"), "--model", "/model"]) == 1

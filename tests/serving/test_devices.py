@@ -35,9 +35,9 @@ def test_environment_and_threads():
     assert Devices.parse("cuda:0").threads is None
     cpu = Devices.parse(f"cpu:{CORE}")
     assert cpu.threads == 1 and cpu.environment() == {"OMP_NUM_THREADS": "1"}
-    assert device_params(cpu) == {"devices": f"cpu:{CORE}", "threads": "1"}
+    assert device_params(cpu) == {"devices": f"cpu:{CORE}", "threads": 1}
     assert device_params(None) == {}
-    assert node_devices(device_params(cpu)) == cpu and node_devices({}) is None
+    assert node_devices(device_params(cpu)["devices"]) == cpu and node_devices("") is None
 
 
 def test_assignments():

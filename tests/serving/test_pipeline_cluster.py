@@ -61,7 +61,8 @@ def run_all(url: str) -> list[list[int]]:
 def test_decode_depth_2_with_swapping_matches_reference(model, expected, tmp_path):
     with Cluster.up(model, prefill=1, decode=1, decode_depth=2, swap="on", max_batch=2,
                     run_dir=tmp_path, max_seq_len=MAX_SEQ_LEN) as cluster:
-        stages = [(n.pipeline, n.stage, n.depth) for n in cluster.role("decode")]
+        stages = [(n.config.pipeline, n.config.stage, n.config.depth)
+                  for n in cluster.role("decode")]
         assert stages == [(0, 0, 2), (0, 1, 2)]
         url = cluster.frontend.grpc_url
         assert run_all(url) == expected

@@ -9,10 +9,9 @@ from orchestrator.serving.params import PARAM_TENSORS, GenerationParams
 
 class TritonPythonModel:
     def initialize(self, args):
-        params = pb.parameters(args)
-        self.controller = connect_controller(params, "token")
-        self.service = load_token_service(params, pb.TritonMetrics(params["name"]),
-                                          self.controller)
+        config = pb.node_config(args)
+        self.controller = connect_controller(config)
+        self.service = load_token_service(config, pb.TritonMetrics(config.name), self.controller)
 
     def execute(self, requests):
         for request in requests:

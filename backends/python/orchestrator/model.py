@@ -4,19 +4,18 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from orchestrator.serving import pb
-from orchestrator.serving.frontend import Cancelled, Frontend, parse_pipelines
+from orchestrator.serving.frontend import Cancelled, Frontend
 from orchestrator.serving.params import PARAM_TENSORS, GenerationParams
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        params = pb.parameters(args)
-        prefill_urls = [url for url in params.get("prefill_urls", "").split(",") if url]
-        self.frontend = Frontend(prefill_urls, parse_pipelines(params.get("decode_urls", "")),
-                                 controller=params.get("controller", ""))
-        self.metrics = pb.TritonMetrics(params.get("name", "frontend"))
+        config = pb.node_config(args)
+        self.frontend = Frontend(list(config.prefill_urls), [list(p) for p in config.decode_urls],
+                                 controller=config.controller)
+        self.metrics = pb.TritonMetrics(config.name or "frontend")
         self.held, self.lock = 0, threading.Lock()
-        self.pool = ThreadPoolExecutor(max_workers=int(params.get("max_requests", "64")))
+        self.pool = ThreadPoolExecutor(max_workers=config.max_requests)
 
     def execute(self, requests):
         for request in requests:

@@ -7,7 +7,7 @@ from orchestrator.serving.text import new_text
 
 class TritonPythonModel:
     def initialize(self, args):
-        self.tokenizer = load_tokenizer(pb.parameters(args)["model_dir"])
+        self.tokenizer = load_tokenizer(pb.node_config(args).model_dir)
 
     def execute(self, requests):
         responses = []

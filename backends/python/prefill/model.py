@@ -9,9 +9,9 @@ from orchestrator.serving.prefill_worker import PrefillJob
 
 class TritonPythonModel:
     def initialize(self, args):
-        params = pb.parameters(args)
-        self.worker = load_prefill_worker(params, pb.TritonMetrics(params["name"]))
-        self.controller = connect_controller(params, "prompt")
+        config = pb.node_config(args)
+        self.worker = load_prefill_worker(config, pb.TritonMetrics(config.name))
+        self.controller = connect_controller(config)
 
     def execute(self, requests):
         jobs, responses = [], [None] * len(requests)

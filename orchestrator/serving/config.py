@@ -1,0 +1,176 @@
+"""One node's configuration: a frozen, validated dataclass, one JSON model parameter.
+
+Every deployment path writes it with the same writer
+(:func:`orchestrator.cluster.topology.node_configs`: ``dejavu up``, a planner
+spec, ``dejavu repo`` for containers); every model of a node reads it once,
+from its ``config`` parameter, with :meth:`NodeConfig.from_json`. Unknown keys,
+wrong types and impossible combinations are refused there, with the field named.
+
+The cluster secret is not in it: ``secret_file`` names a file holding it (hex),
+and without one it comes from the ``DEJAVU_SECRET`` environment variable
+(containers), so model repositories and state files carry no secret.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import types
+import typing
+from dataclasses import asdict, dataclass, fields
+from enum import Enum, StrEnum
+from pathlib import Path
+
+from orchestrator.fault import ReplicateMode
+from orchestrator.pipeline import DEAD_AFTER_S, HEARTBEAT_S, SwapMode
+
+SECRET_ENV = "DEJAVU_SECRET"
+
+
+class Role(StrEnum):
+    FRONTEND = "frontend"  # the client-facing ensemble and the orchestrator model
+    PREFILL = "prefill"  # a P-node
+    DECODE = "decode"  # a T-node: one stage of a token pipeline
+
+
+class Mode(StrEnum):
+    DISAGGREGATED = "disaggregated"  # P-nodes prefill, KV streams to the T-nodes
+    COLOCATED = "colocated"  # the baseline: T-nodes prefill their own prompts
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """What one node needs to know; the same defaults for every way of deploying it."""
+
+    role: Role
+    model_dir: str
+    name: str = ""  # its id: KV transport name, controller node id, metrics label
+    address: str = ""  # its own gRPC url, as its peers reach it
+    controller: str = ""  # the fault controller's address; empty: none
+    secret_file: str = ""  # the cluster secret (hex); empty: $DEJAVU_SECRET
+    mode: Mode = Mode.DISAGGREGATED
+    pipeline: int = 0  # which P- or T-pipeline
+    depth: int = 1  # T-node: its pipeline's depth
+    stage: int = 0  # T-node: its stage (0: the head)
+    prefill_depth: int = 1  # P-node: prompt stages, all in its one process
+    max_seq_len: int | None = None  # KV slot size; None: the model's
+    max_batch: int = 16  # sequences per microbatch
+    num_slots: int | None = None  # prompt KVs held before admission; None: the pipeline's
+    swap: SwapMode = SwapMode.OFF
+    replicate: ReplicateMode = ReplicateMode.ON  # pipelines deeper than 1 only
+    replica_dir: str = ""  # replicate=disk: where this node writes its replicas
+    heartbeat_s: float = HEARTBEAT_S
+    dead_after_s: float = DEAD_AFTER_S  # a stage silent this long is lost
+    recover_timeout_s: float = 120.0  # a paused pipeline waits this long for a repair
+    devices: str = ""  # cpu:0-1 or cuda:0 (orchestrator.cluster.devices); empty: anywhere
+    threads: int = 1  # torch threads: nodes share the machine's cores
+    max_requests: int = 64  # frontend: requests served at once
+    prefill_urls: tuple[str, ...] = ()  # every P-node's gRPC url
+    decode_urls: tuple[tuple[str, ...], ...] = ()  # each token pipeline's, stage 0 first
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in fields(self):
+            object.__setattr__(self, f.name, _coerce(f.name, getattr(self, f.name),
+                                                     hints[f.name]))
+        self._validate()
+
+    def _validate(self) -> None:
+        positive = ("depth", "prefill_depth", "max_batch", "threads", "max_requests",
+                    "heartbeat_s", "recover_timeout_s")
+        for name in (*positive, "max_seq_len", "num_slots"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"node config: {name} must be > 0, got {value}")
+        if not 0 <= self.stage < self.depth:
+            raise ValueError(f"node config: stage {self.stage} is not in a depth-{self.depth} "
+                             "pipeline")
+        if self.devices.partition(":")[0] not in ("cpu", "cuda") and self.devices:
+            raise ValueError(f"node config: devices must be cpu:IDS or cuda:IDS, got "
+                             f"{self.devices!r}")
+        if self.pipeline < 0:
+            raise ValueError(f"node config: pipeline must be >= 0, got {self.pipeline}")
+        if self.dead_after_s <= self.heartbeat_s:
+            raise ValueError(f"node config: dead_after_s ({self.dead_after_s}) must exceed "
+                             f"heartbeat_s ({self.heartbeat_s})")
+        if self.mode is Mode.COLOCATED and self.depth != 1:
+            raise ValueError("node config: colocated T-nodes run depth-1 pipelines only "
+                             "(prompts cannot yet enter a pipeline across nodes)")
+        if self.replicates and self.replicate is ReplicateMode.DISK and not self.replica_dir:
+            raise ValueError("node config: replicate=disk needs a replica_dir")
+        if self.role is Role.FRONTEND and not self.decode_urls:
+            raise ValueError("node config: a frontend needs decode_urls")
+        if (self.role is Role.FRONTEND and self.mode is Mode.DISAGGREGATED
+                and not self.prefill_urls):
+            raise ValueError("node config: a disaggregated frontend needs prefill_urls")
+
+    @property
+    def device(self) -> str:
+        """Where its engine runs: a node given GPUs sees only those (CUDA_VISIBLE_DEVICES)."""
+        return "cuda" if self.devices.startswith("cuda") else "cpu"
+
+    @property
+    def replicates(self) -> bool:
+        """Whether this T-stage keeps KV replicas (only pipelines deeper than 1 do)."""
+        return self.role is Role.DECODE and self.depth > 1 and self.replicate != "off"
+
+    def secret(self) -> bytes:
+        """The cluster secret: ``secret_file``'s hex, else ``$DEJAVU_SECRET``'s."""
+        if self.secret_file:
+            text, where = Path(self.secret_file).read_text().strip(), self.secret_file
+        else:
+            text, where = os.environ.get(SECRET_ENV, "").strip(), f"${SECRET_ENV}"
+        if not text:
+            raise ValueError(f"no cluster secret: {where} is empty or unset")
+        try:
+            return bytes.fromhex(text)
+        except ValueError as exc:
+            raise ValueError(f"the cluster secret in {where} is not hex") from exc
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> NodeConfig:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"node config: not JSON ({exc})") from exc
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data: object) -> NodeConfig:
+        if not isinstance(data, dict):
+            raise ValueError("node config: expected a JSON object")
+        unknown = set(data) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"node config: unknown fields {', '.join(sorted(unknown))}")
+        missing = {"role", "model_dir"} - set(data)
+        if missing:
+            raise ValueError(f"node config: missing {', '.join(sorted(missing))}")
+        return cls(**data)
+
+
+def _coerce(name: str, value: object, hint: object) -> object:
+    """``value`` as the field's type (JSON gives lists and strings), or a ValueError."""
+    if isinstance(hint, types.UnionType):  # only ``X | None`` here
+        if value is None:
+            return None
+        hint = next(h for h in typing.get_args(hint) if h is not type(None))
+    if typing.get_origin(hint) is tuple:
+        item = typing.get_args(hint)[0]
+        if not isinstance(value, list | tuple):
+            raise ValueError(f"node config: {name} must be a list, got {value!r}")
+        return tuple(_coerce(name, v, item) for v in value)
+    if isinstance(hint, type) and issubclass(hint, Enum):
+        try:
+            return hint(value)
+        except ValueError:
+            choices = ", ".join(m.value for m in hint)
+            raise ValueError(f"node config: {name} must be one of {choices}, "
+                             f"got {value!r}") from None
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, hint) or isinstance(value, bool):
+        raise ValueError(f"node config: {name} must be {hint.__name__}, got {value!r}")
+    return value

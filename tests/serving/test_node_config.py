@@ -1,0 +1,93 @@
+"""The node configuration: one typed writer, one JSON parameter, validated once."""
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from orchestrator.cluster.topology import Topology, node_configs, write_node_repo
+from orchestrator.fault import ReplicateMode
+from orchestrator.pipeline import DEAD_AFTER_S, HEARTBEAT_S, SwapMode
+from orchestrator.pipeline.node import PipelineConfig
+from orchestrator.serving.config import Mode, NodeConfig, Role
+
+
+def cluster(**settings) -> dict[str, NodeConfig]:
+    return node_configs(Topology(prefill=1, decode=2, decode_depth=2),
+                        lambda name: f"{name}:8001", lambda name: f"/replicas/{name}",
+                        model_dir="/model", **settings)
+
+
+def test_the_writer_places_every_node_and_tells_each_its_peers():
+    configs = cluster(swap="on")
+    assert list(configs) == ["prefill0", "decode0s0", "decode0s1", "decode1s0", "decode1s1",
+                             "frontend"]
+    stage = configs["decode1s1"]
+    assert (stage.role, stage.pipeline, stage.stage, stage.depth) == (Role.DECODE, 1, 1, 2)
+    assert stage.address == "decode1s1:8001" and stage.swap is SwapMode.ON
+    assert configs["frontend"].prefill_urls == ("prefill0:8001",)
+    assert configs["frontend"].decode_urls == (("decode0s0:8001", "decode0s1:8001"),
+                                               ("decode1s0:8001", "decode1s1:8001"))
+    assert all(c.replicates for c in configs.values() if c.role is Role.DECODE)
+    assert not configs["prefill0"].replicates and not configs["frontend"].replicates
+
+
+def test_one_set_of_defaults():
+    config = NodeConfig(role=Role.DECODE, model_dir="/m")
+    pipeline = PipelineConfig(depth=1, batch_size=1)
+    assert (config.heartbeat_s, config.dead_after_s) == (HEARTBEAT_S, DEAD_AFTER_S)
+    assert (pipeline.heartbeat_s, pipeline.dead_after_s) == (HEARTBEAT_S, DEAD_AFTER_S)
+    assert config.replicate is ReplicateMode.ON and config.swap is SwapMode.OFF
+    assert not config.replicates  # depth 1: nothing to replicate to
+
+
+def test_json_round_trip_is_exact():
+    for config in cluster(max_seq_len=256, replicate="disk", num_slots=4).values():
+        again = NodeConfig.from_json(config.to_json())
+        assert again == config and isinstance(again.decode_urls[0], tuple)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"swap": "sometimes"}, "swap must be one of on, off, auto"),
+    ({"replicate": "tape"}, "replicate must be one of on, disk, off"),
+    ({"max_batch": "16"}, "max_batch must be int"),
+    ({"max_batch": 0}, "max_batch must be > 0"),
+    ({"stage": 2}, "stage 2 is not in a depth-2 pipeline"),
+    ({"dead_after_s": 0.1}, "dead_after_s (0.1) must exceed heartbeat_s"),
+    ({"replicate": "disk", "replica_dir": ""}, "replicate=disk needs a replica_dir"),
+    ({"secret": "ab"}, "unknown fields secret"),
+    ({"decode_urls": "a+b"}, "decode_urls must be a list"),
+])
+def test_a_bad_config_is_refused_naming_the_field(change, message):
+    data = json.loads(cluster()["decode0s1"].to_json()) | change
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        NodeConfig.from_json(json.dumps(data))
+
+
+def test_impossible_clusters_are_refused():
+    with pytest.raises(ValueError, match="colocated T-nodes run depth-1"):
+        NodeConfig(role=Role.DECODE, model_dir="/m", mode=Mode.COLOCATED, depth=2)
+    with pytest.raises(ValueError, match="a frontend needs decode_urls"):
+        NodeConfig(role=Role.FRONTEND, model_dir="/m")
+    with pytest.raises(ValueError, match="colocated pipelines deeper than 1"):
+        Topology(colocated=True, decode_depth=2)
+
+
+def test_the_secret_comes_from_a_file_or_the_environment(tmp_path, monkeypatch):
+    monkeypatch.delenv("DEJAVU_SECRET", raising=False)
+    config = NodeConfig(role=Role.PREFILL, model_dir="/m")
+    with pytest.raises(ValueError, match=r"no cluster secret: \$DEJAVU_SECRET"):
+        config.secret()
+    monkeypatch.setenv("DEJAVU_SECRET", "abcd")
+    assert config.secret() == b"\xab\xcd"
+    (tmp_path / "secret").write_text("0102\n")
+    assert replace(config, secret_file=str(tmp_path / "secret")).secret() == b"\x01\x02"
+
+
+def test_a_repository_carries_the_config_and_no_secret(tmp_path):
+    config = cluster()["decode0s0"]
+    write_node_repo(tmp_path, config)
+    text = (tmp_path / "decode" / "config.pbtxt").read_text()
+    assert 'key: "config"' in text and "secret\\\"" not in text
+    value = text.split('key: "config" value: { string_value: "')[1].rsplit('" }', 1)[0]
+    assert NodeConfig.from_json(value.replace('\\"', '"').replace("\\\\", "\\")) == config
