@@ -4,7 +4,8 @@ Reads the state file that ``dejavu up`` wrote. ``kill`` signals a node's whole
 process group (the tritonserver and its Python-backend stubs: the launcher
 starts each node in a session of its own), waits until it is gone and removes
 the shared-memory regions a killed node leaves in /dev/shm. ``controller``
-names the fault controller. ``drop`` makes a T-node of a replicating pipeline
+names the fault controller, ``supervisor`` and ``watchdog`` the two that start
+lost processes again. ``drop`` makes a T-node of a replicating pipeline
 lose its transport connection to the next stage (the process lives on).
 """
 
@@ -16,19 +17,27 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 from orchestrator.cluster.launcher import STATE_FILE, read_state
 from orchestrator.cluster.tritonserver import alive, clean_shm
+from orchestrator.cluster.watchdog import read_pid
+from orchestrator.control.auth import load_secret
 
 SIGNALS = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM}
 
 
-def targets(state: dict) -> dict[str, dict]:
-    """Every process that can be killed, by name: the nodes and the controller."""
+def targets(state: dict, run_dir: str | Path) -> dict[str, dict]:
+    """Every process that can be killed, by name: the nodes, the controller, the supervisor
+    and its watchdog."""
     found = {node["name"]: node for node in state["nodes"]}
     if (state.get("controller") or {}).get("pid"):
         found["controller"] = {"name": "controller", "role": "controller",
                                **state["controller"]}
+    for role in ("supervisor", "watchdog"):
+        pid = read_pid(Path(run_dir), role)
+        if pid is not None:
+            found[role] = {"name": role, "role": role, "pid": pid}
     return found
 
 
@@ -47,20 +56,24 @@ def kill(target: dict, sig: signal.Signals, timeout_s: float = 15.0) -> None:
         clean_shm(target["shm_prefix"])
 
 
-def drop(target: dict) -> int:
+def drop(target: dict, secret_file: str) -> int:
     from tritonclient.utils import InferenceServerException
 
-    from orchestrator.serving.frontend import control  # tritonclient: only where needed
+    from orchestrator.control.client import ControlClient  # tritonclient: only where needed
+    from orchestrator.control.errors import ControlError
 
     if target["role"] != "decode":
         print(f"dejavu chaos drop: {target['name']} is a {target['role']} node; only T-nodes "
               "have a connection to a next stage", file=sys.stderr)
         return 2
+    control = ControlClient(load_secret(secret_file), 10.0)
     try:
-        control(target["grpc"], "drop_link", 10.0)
-    except InferenceServerException as exc:
-        print(f"dejavu chaos drop: {exc.message()}", file=sys.stderr)
+        control.call(target["grpc"], "drop_link")
+    except (InferenceServerException, ControlError) as exc:
+        print(f"dejavu chaos drop: {exc}", file=sys.stderr)
         return 1
+    finally:
+        control.close()
     print(f"dropped {target['name']}'s connection to its next stage")
     return 0
 
@@ -73,7 +86,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--dir", default="runs/local", help="the cluster's folder")
     args = parser.parse_args(argv)
     try:
-        found = targets(read_state(args.dir))
+        found = targets(read_state(args.dir), args.dir)
     except FileNotFoundError as exc:
         print(exc, file=sys.stderr)
         return 1
@@ -87,7 +100,7 @@ def main(argv: list[str]) -> int:
               f"choose from {', '.join(found)}", file=sys.stderr)
         return 2
     if args.action == "drop":
-        return drop(found[args.node])
+        return drop(found[args.node], read_state(args.dir)["secret_file"])
     try:
         kill(found[args.node], SIGNALS[args.signal])
     except TimeoutError as exc:

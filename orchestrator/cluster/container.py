@@ -23,6 +23,7 @@ The cluster secret comes from ``$DEJAVU_SECRET`` in every container.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import re
@@ -39,6 +40,7 @@ from orchestrator.cluster.devices import node_devices
 from orchestrator.cluster.launcher import connect_pipeline, device_params, topology_arguments
 from orchestrator.cluster.topology import Topology, node_configs, write_node_repo
 from orchestrator.cluster.tritonserver import TritonServer, is_ready, make_backend_dir
+from orchestrator.control.auth import load_secret
 from orchestrator.fault.client import query_status
 from orchestrator.fault.rpc import Stub
 from orchestrator.fault.stage_recovery import recover_stage
@@ -160,7 +162,7 @@ def supervise_main(argv: list[str]) -> int:
     for name, urls in pipelines.items():
         _wait_ready(urls, args.timeout)
         if len(urls) > 1:
-            connect_pipeline(urls, args.timeout, replicates)
+            connect_pipeline(_call, urls, replicates)
             log.info("%s: stages connected (%s)", name, " -> ".join(urls))
     if args.ready_file is not None:
         args.ready_file.touch()
@@ -168,7 +170,7 @@ def supervise_main(argv: list[str]) -> int:
     while True:
         time.sleep(args.poll_s)
         try:
-            view = query_status(args.controller)
+            view = query_status(args.controller, load_secret())
         except grpc.RpcError:
             continue  # the controller is away (restarting): failures wait for it
         for name, pipeline in view["pipelines"].items():
@@ -183,13 +185,13 @@ def _recover(controller: str, name: str, urls: list[str], replicates: bool,
     """Once every lost node is back (its container restarted) and registered, carry out
     the controller's plan: a depth-1 pipeline (a P-node) just closes it, a lost T-stage is
     restored from replicas. False where it cannot be recovered here."""
-    stub = Stub(controller)
+    stub = Stub(controller, load_secret())
     try:
         plan = stub.call("Plan", {"pipeline": name}, 2.0)["plan"]
         if plan is None:
             return True  # a replacement has not registered yet
         if len(urls) <= 1:  # the frontend ran the lost node's requests elsewhere
-            for node in query_status(controller)["nodes"]:
+            for node in query_status(controller, load_secret())["nodes"]:
                 if node["pipeline"] == name and node["alive"]:
                     stub.call("Recovered", {"node_id": node["node_id"],
                                             "epoch": plan["epoch"]}, 2.0)
@@ -212,10 +214,15 @@ def _recover(controller: str, name: str, urls: list[str], replicates: bool,
     return True
 
 
-def _call(url: str, op: str, args: list[bytes]) -> bytes:
-    from orchestrator.serving.frontend import control  # tritonclient: only where needed
+@functools.cache
+def _control():  # noqa: ANN202  (a ControlClient: one, its connections reused)
+    from orchestrator.control.client import ControlClient  # tritonclient: only here
 
-    return control(url, op, 60.0, peers=args or None)
+    return ControlClient(load_secret(), 60.0)  # $DEJAVU_SECRET
+
+
+def _call(url: str, op: str, args: list[bytes]) -> bytes:
+    return _control().call(url, op, args)
 
 
 def _wait_ready(grpc_urls: list[str], timeout_s: float) -> None:

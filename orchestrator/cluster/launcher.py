@@ -36,12 +36,11 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import secrets
 import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -60,11 +59,13 @@ from orchestrator.cluster.tritonserver import (
     stop_processes,
     stop_servers,
 )
+from orchestrator.cluster.watchdog import STATE_FILE, STOPPING, read_pid, spawn
+from orchestrator.control.auth import load_secret, new_secret, write_secret
 from orchestrator.fault import ReplicateMode
 from orchestrator.pipeline import DEAD_AFTER_S, SwapMode
 from orchestrator.serving.config import NodeConfig, Role
 
-STATE_FILE = "cluster.json"
+Call = Callable[[str, str, list[bytes]], bytes]  # (node url, op, args) -> reply
 SECRET_FILE = "secret"
 
 
@@ -126,13 +127,13 @@ class Cluster:
         self.colocated = colocated
         self.run_dir = Path(run_dir).resolve()
         self.supervisor: subprocess.Popen | None = None
+        self.watchdog: subprocess.Popen | None = None
+        # Readable by this user only; the models get its path, never the secret.
+        self.secret_file = write_secret(self.run_dir / SECRET_FILE, new_secret())
         self.controller = Controller(free_port(), controller_timeout_s,
-                                     self.run_dir / "logs" / "controller.log")
+                                     self.run_dir / "logs" / "controller.log", self.secret_file)
         self.backend_dir = make_backend_dir(self.run_dir / "backends")
         shutil.rmtree(self.run_dir / "replicas", ignore_errors=True)  # a former cluster's
-        secret_file = self.run_dir / SECRET_FILE
-        secret_file.touch(mode=0o600)
-        secret_file.write_text(secrets.token_hex(16) + "\n")
         self.devices = dict(devices or {})
         servers: dict[str, TritonServer] = {}
 
@@ -147,7 +148,7 @@ class Cluster:
         configs = node_configs(
             topology, address, lambda name: str(self.run_dir / "replicas" / name),
             model_dir=str(self.model_dir), controller=self.controller.address,
-            secret_file=str(secret_file), **settings)
+            secret_file=str(self.secret_file), **settings)
         unknown = set(self.devices) - set(configs)
         if unknown:
             raise ValueError(f"devices for nodes this cluster does not have: "
@@ -190,39 +191,44 @@ class Cluster:
 
     def start(self, timeout_s: float = 180.0) -> None:
         try:
+            (self.run_dir / STOPPING).unlink(missing_ok=True)  # a former cluster's down left it
             self.controller.start()
             for node in self.nodes:
                 node.server.launch()
             for node in self.nodes:
                 node.server.wait_ready(timeout_s)
-            for stages in self.decode_pipelines():
-                if len(stages) > 1:
-                    connect_pipeline([n.server.grpc_url for n in stages], timeout_s,
-                                     stages[0].config.replicates)
-            self.write_state()
+            pipelines = [stages for stages in self.decode_pipelines() if len(stages) > 1]
+            if pipelines:
+                from orchestrator.control.client import ControlClient  # tritonclient
+
+                control = ControlClient(load_secret(self.secret_file), timeout_s)
+                try:
+                    for stages in pipelines:
+                        connect_pipeline(control.call, [n.server.grpc_url for n in stages],
+                                         stages[0].config.replicates)
+                finally:
+                    control.close()
+            self.write_state()  # from here on only the supervisor writes it
             self.start_supervisor()
         except BaseException:
             self.stop()
             raise
-        self.write_state()
 
     def start_supervisor(self) -> None:
-        log_path = self.run_dir / "logs" / "supervisor.log"
-        with open(log_path, "ab") as log:
-            self.supervisor = subprocess.Popen(
-                [sys.executable, "-m", "orchestrator.cluster.supervisor", "--dir",
-                 str(self.run_dir)], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                start_new_session=True)
+        """The supervisor and its watchdog: each starts the other again if it dies."""
+        self.supervisor = spawn(self.run_dir, "supervisor")
+        self.watchdog = spawn(self.run_dir, "watchdog")
 
     def stop(self) -> None:
         """Stop what the state file describes (the supervisor may have started nodes again),
         then reap this process's own children."""
         path = self.run_dir / STATE_FILE
         if path.is_file():
-            stop_described(json.loads(path.read_text()))
-        if self.supervisor is not None:
-            stop_processes([self.supervisor.pid], timeout_s=5.0)
-            self.supervisor.wait(timeout=5)
+            stop_described(self.run_dir)
+        for process in (self.watchdog, self.supervisor):  # reap them
+            if process is not None:
+                stop_processes([process.pid], timeout_s=5.0)
+                process.wait(timeout=5)
         stop_servers([node.server for node in self.nodes])
         self.controller.stop()
         path.unlink(missing_ok=True)
@@ -231,10 +237,10 @@ class Cluster:
         state = {
             "mode": "colocated" if self.colocated else "disaggregated",
             "model_dir": str(self.model_dir),
+            "secret_file": str(self.secret_file),
             "frontend": {"http": self.frontend.http_url, "grpc": self.frontend.grpc_url},
             "controller": self.controller.describe(),
-            "supervisor": {"pid": self.supervisor.pid if self.supervisor else None,
-                           "log": str(self.run_dir / "logs" / "supervisor.log")},
+            "supervisor": {"log": str(self.run_dir / "logs" / "supervisor.log")},
             "backends": str(self.backend_dir),
             "nodes": [n.describe() for n in self.nodes],
         }
@@ -287,6 +293,7 @@ class Controller:
     port: int
     timeout_s: float
     log_path: Path
+    secret_file: Path
     process: subprocess.Popen | None = None
 
     @property
@@ -299,7 +306,7 @@ class Controller:
             seen = log.tell()  # started again: only this run's lines count
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "orchestrator.fault.controller", "--port", str(self.port),
-                 "--timeout-s", str(self.timeout_s)],
+                 "--timeout-s", str(self.timeout_s), "--secret-file", str(self.secret_file)],
                 stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                 start_new_session=True,  # like the nodes: Ctrl-C in a shell must not stop it
             )
@@ -326,23 +333,20 @@ class Controller:
                 "timeout_s": self.timeout_s, "log": str(self.log_path)}
 
 
-def connect_pipeline(urls: list[str], timeout_s: float, replicate: bool = False) -> None:
+def connect_pipeline(call: Call, urls: list[str], replicate: bool = False) -> None:
     """Wire the stages of one token pipeline (gRPC urls, stage 0 first; with ``replicate``
-    each one's KV replicas to the next), then start them."""
-    from orchestrator.serving.frontend import control  # tritonclient: only where needed
-
+    each one's KV replicas to the next), then start them; ``call(url, op, args)``: a
+    control request (:class:`orchestrator.control.client.ControlClient`)."""
     try:
-        endpoints = [control(url, "endpoints", timeout_s) for url in urls]
+        endpoints = [call(url, "endpoints", []) for url in urls]
         for i, url in enumerate(urls):
-            peers = [endpoints[(i + 1) % len(urls)], endpoints[0]]
-            control(url, "connect", timeout_s, peers=peers)
+            call(url, "connect", [endpoints[(i + 1) % len(urls)], endpoints[0]])
         if replicate:
-            replicas = [control(url, "replica_endpoints", timeout_s) for url in urls]
+            replicas = [call(url, "replica_endpoints", []) for url in urls]
             for i, url in enumerate(urls):
-                peers = [replicas[(i + 1) % len(urls)], replicas[i - 1]]
-                control(url, "replicate", timeout_s, peers=peers)
+                call(url, "replicate", [replicas[(i + 1) % len(urls)], replicas[i - 1]])
         for url in [*urls[1:], urls[0]]:  # the head last: it starts counting heartbeats
-            control(url, "start", timeout_s)
+            call(url, "start", [])
     except Exception as exc:
         raise ServerError(f"could not connect the token pipeline {' -> '.join(urls)}: "
                           f"{exc}") from exc
@@ -474,10 +478,10 @@ def status_main(argv: list[str]) -> int:
         print(f"{where}: {view['error']}" if "error" in view else
               f"{where}: {len(view['nodes'])} nodes registered, declares dead after "
               f"{view['timeout_s']} s")
-        supervisor = (state.get("supervisor") or {}).get("pid")
-        if supervisor:
-            print(f"supervisor pid {supervisor}: "
-                  f"{'starts lost nodes again' if alive(supervisor) else 'GONE'}")
+        for role, does in [("supervisor", "starts lost processes again"),
+                           ("watchdog", "starts the supervisor again")]:
+            pid = read_pid(Path(args.dir), role)
+            print(f"{role} pid {pid}: {does if pid and alive(pid) else 'GONE'}")
     healthy = "error" not in view and all(n["controller"] in ("alive", "-") for n in state["nodes"])
     return 0 if healthy and all(n["ready"] for n in state["nodes"]) else 1
 
@@ -491,7 +495,7 @@ def controller_view(state: dict) -> dict:
 
     controller = state.get("controller") or {}
     try:
-        view = query_status(controller["address"])
+        view = query_status(controller["address"], load_secret(state["secret_file"]))
     except KeyError:
         view = {"error": "none recorded in the state file"}
     except grpc.RpcError as exc:
@@ -516,23 +520,30 @@ def down_main(argv: list[str]) -> int:
     _dir_argument(parser)
     args = parser.parse_args(argv)
     try:
-        state = read_state(args.dir)
+        stopped = stop_described(args.dir)
     except FileNotFoundError as exc:
         print(exc, file=sys.stderr)
         return 1
-    for what in stop_described(state):
+    for what in stopped:
         print(f"stopped {what}")
-    (Path(args.dir) / STATE_FILE).unlink()
+    (Path(args.dir) / STATE_FILE).unlink(missing_ok=True)
     return 0
 
 
-def stop_described(state: dict) -> list[str]:
-    """Stop the processes of a state file: the supervisor first (it would start nodes
-    again), every node, then the controller. What was stopped, in that order."""
+def stop_described(run_dir: str | Path) -> list[str]:
+    """Stop the processes of a cluster's state file: the supervisor first (it would start
+    nodes again), every node (read again: the supervisor may have just started one), then
+    the controller. What was stopped, in that order."""
     stopped = []
-    if (state.get("supervisor") or {}).get("pid"):
-        stop_processes([state["supervisor"]["pid"]], timeout_s=5.0)
-        stopped.append("the supervisor")
+    run_dir = Path(run_dir)
+    read_state(run_dir)  # none: FileNotFoundError
+    (run_dir / STOPPING).touch()  # neither keeper starts anything from now on
+    for role in ("watchdog", "supervisor"):
+        pid = read_pid(run_dir, role)
+        if pid is not None and alive(pid):
+            stop_processes([pid], timeout_s=5.0)
+            stopped.append(f"the {role}")
+    state = read_state(run_dir)
     stop_processes([node["pid"] for node in state["nodes"] if node["pid"]])
     for node in state["nodes"]:
         clean_shm(node["shm_prefix"])

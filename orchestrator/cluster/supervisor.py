@@ -14,6 +14,12 @@ dropped) has every stage connect to its successor again
 its head and its clients' streams with it, and a pipeline without replicas
 has nothing to resume from: the frontend runs those requests again from their
 prompts, and the supervisor starts the whole pipeline afresh.
+
+It also keeps the processes the controller does not watch: a lost controller
+is started again on its port (the nodes register again and re-send their acks,
+so a stage lost meanwhile is declared dead then and recovered as above), a
+lost frontend on its ports, and a lost watchdog
+(:mod:`orchestrator.cluster.watchdog`), which in turn starts a lost supervisor.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import json
 import logging
 import signal
 import subprocess
-import threading
+import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -32,9 +38,12 @@ import grpc
 
 from orchestrator.cluster.chaos import kill
 from orchestrator.cluster.devices import node_devices
-from orchestrator.cluster.launcher import STATE_FILE, connect_pipeline, read_state
+from orchestrator.cluster.launcher import STATE_FILE, Controller, connect_pipeline, read_state
 from orchestrator.cluster.topology import write_node_repo
-from orchestrator.cluster.tritonserver import TritonServer, clean_shm
+from orchestrator.cluster.tritonserver import ServerError, TritonServer, alive, clean_shm
+from orchestrator.cluster.watchdog import keep, stopping
+from orchestrator.control.auth import load_secret
+from orchestrator.control.client import ControlClient
 from orchestrator.fault.client import query_status
 from orchestrator.fault.rpc import Stub
 from orchestrator.fault.stage_recovery import recover_stage, repair_links
@@ -52,14 +61,19 @@ class Supervisor:
         self.children: list[subprocess.Popen] = []  # the nodes it started, reaped when they end
         self.link_check_s, self.next_link_check = 1.0, 0.0
         self.paused_since: dict[str, float] = {}  # pipeline -> first seen paused, all alive
-        self.stopping = threading.Event()
+        self.watchdog: subprocess.Popen | None = None  # the one it started last
+        state = read_state(run_dir)
+        self.secret = load_secret(state["secret_file"])
+        self.control = ControlClient(self.secret, call_timeout_s)
 
     def run(self) -> None:
-        while not self.stopping.wait(self.poll_s):
+        while not stopping(self.run_dir):
+            time.sleep(self.poll_s)
             self.children = [p for p in self.children if p.poll() is None]
             try:
                 state = read_state(self.run_dir)
-                view = query_status(state["controller"]["address"])
+                self.keep_processes(state)
+                view = query_status(state["controller"]["address"], self.secret)
             except grpc.RpcError:
                 continue  # the controller is away: failures wait until it is back
             except FileNotFoundError:
@@ -70,6 +84,36 @@ class Supervisor:
             if time.monotonic() >= self.next_link_check:
                 self.next_link_check = time.monotonic() + self.link_check_s
                 self.check_links(state, view)
+
+    def keep_processes(self, state: dict) -> None:
+        """Start the watchdog, the controller and the frontend again if they are gone (the
+        nodes come back through the controller's view: :meth:`recover`)."""
+        self.watchdog = keep(self.run_dir, "watchdog", self.watchdog)
+        controller = state["controller"]
+        if not alive(controller["pid"]) and not stopping(self.run_dir):
+            log.warning("the controller is gone (pid %s); starting it again", controller["pid"])
+            again = Controller(int(controller["address"].rsplit(":", 1)[1]),
+                               float(controller["timeout_s"]), Path(controller["log"]),
+                               Path(state["secret_file"]))
+            try:
+                again.start()
+            except ServerError:
+                log.exception("the controller did not start; trying again")
+                return
+            except BaseException:  # stopped meanwhile: leave no controller behind
+                again.stop()
+                raise
+            self.children.append(again.process)
+            controller["pid"] = again.process.pid
+            self.write_state(state)
+        for node in state["nodes"]:
+            if node["role"] == "frontend" and not alive(node["pid"]) and not stopping(
+                    self.run_dir):
+                log.warning("the frontend is gone (pid %s); starting it again", node["pid"])
+                try:
+                    self.ready(self.launch(state, node), node)
+                except ServerError:
+                    log.exception("the frontend did not start; trying again")
 
     def check_links(self, state: dict, view: dict) -> None:
         """A head paused for a repair while the controller sees every stage alive (for
@@ -130,7 +174,7 @@ class Supervisor:
         restarted: set[int] = set()
         deadline = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < deadline:
-            failed = set(query_status(controller)["pipelines"][name]["failed"])
+            failed = set(query_status(controller, self.secret)["pipelines"][name]["failed"])
             if 0 in failed or not _replicates(stages):
                 log.warning("%s: stages %s lost, %s; starting the whole pipeline again",
                             name, sorted(failed), "with the head" if 0 in failed else
@@ -139,7 +183,7 @@ class Supervisor:
                 return None
             for x in sorted(failed - restarted):
                 log.warning("%s: stage %d lost; starting it again", name, x)
-                self.ready(state, self.launch(state, stages[x]), stages[x])
+                self.ready(self.launch(state, stages[x]), stages[x])
                 restarted.add(x)
             plan = self.plan(controller, name)
             if plan is not None and set(plan["failed"]) == failed:
@@ -154,10 +198,9 @@ class Supervisor:
             kill(node, signal.SIGKILL)
         servers = [self.launch(state, node) for node in nodes]
         for server, node in zip(servers, nodes, strict=True):
-            self.ready(state, server, node)
+            self.ready(server, node)
         if len(nodes) > 1:
-            connect_pipeline([n["grpc"] for n in nodes], self.call_timeout_s,
-                             _replicates(nodes))
+            connect_pipeline(self.call, [n["grpc"] for n in nodes], _replicates(nodes))
         # Once the old nodes are declared dead and the new ones hold every slot, the
         # controller has a plan with nothing to restore: the new nodes close it.
         controller = state["controller"]["address"]
@@ -166,7 +209,7 @@ class Supervisor:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the controller did not take {name}'s new nodes")
             time.sleep(self.poll_s)
-        stub = Stub(controller)
+        stub = Stub(controller, self.secret)
         try:
             for node in nodes:
                 stub.call("Recovered", {"node_id": node["config"]["name"],
@@ -188,30 +231,32 @@ class Supervisor:
         clean_shm(node["shm_prefix"])  # a node that died on its own left its regions
         server.launch()
         self.children.append(server.process)
-        node.update(config=asdict(config), incarnation=incarnation)
+        # Recorded at once: `dejavu down` stops it even if it is never ready.
+        node.update(config=asdict(config), incarnation=incarnation, pid=server.process.pid,
+                    shm_prefix=server.shm_prefix)
+        self.write_state(state)
         return server
 
-    def ready(self, state: dict, server: TritonServer, node: dict) -> None:
-        """Wait for a launched node; record it in the state file."""
+    def ready(self, server: TritonServer, node: dict) -> None:
+        """Wait for a launched node."""
         server.wait_ready(self.ready_timeout_s)
-        node.update(pid=server.process.pid, shm_prefix=server.shm_prefix)
-        path = self.run_dir / STATE_FILE
-        path.with_suffix(".tmp").write_text(json.dumps(state, indent=2) + "\n")
-        path.with_suffix(".tmp").replace(path)
         log.warning("%s is back (pid %d, incarnation %d)", node["name"], server.process.pid,
                     server.incarnation)
 
+    def write_state(self, state: dict) -> None:
+        path = self.run_dir / STATE_FILE
+        path.with_suffix(".tmp").write_text(json.dumps(state, indent=2) + "\n")
+        path.with_suffix(".tmp").replace(path)
+
     def plan(self, controller: str, pipeline: str) -> dict | None:
-        stub = Stub(controller)
+        stub = Stub(controller, self.secret)
         try:
             return stub.call("Plan", {"pipeline": pipeline}, 2.0)["plan"]
         finally:
             stub.close()
 
     def call(self, url: str, op: str, args: list[bytes]) -> bytes:
-        from orchestrator.serving.frontend import control  # tritonclient: only where needed
-
-        return control(url, op, self.call_timeout_s, peers=args or None)
+        return self.control.call(url, op, args)
 
 
 def _prefill_node(state: dict, name: str) -> dict:
@@ -238,8 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s "
                         "%(message)s")
-    supervisor = Supervisor(args.dir, args.poll_s)
-    signal.signal(signal.SIGTERM, lambda *_: supervisor.stopping.set())
+    # Exit at once, even while waiting for a node: what it launched is in the state file.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    supervisor = Supervisor(args.dir.resolve(), args.poll_s)
     print(f"supervisor watching {args.dir}", flush=True)
     supervisor.run()
     return 0

@@ -25,7 +25,7 @@ from orchestrator.engine.checkpoint import make_checkpoint
 from orchestrator.engine.reference import load_stages
 from orchestrator.engine.torch_engine import TorchEngine
 from orchestrator.fault.controller import spawn
-from orchestrator.fault.replicated import Kill, Recovery, ReplicatedPipeline
+from orchestrator.fault.replicated import SECRET, Kill, Recovery, ReplicatedPipeline
 from orchestrator.pipeline.pipeline import TokenPipeline
 from orchestrator.pipeline.sequence import FinishReason, Sequence
 
@@ -275,7 +275,7 @@ def main(argv: list[str]) -> int:
         model = args.model or make_checkpoint(args.arch, args.preset, tmp)
         engines = load_stages(str(model), args.depth, max_seq_len=args.prompt + args.tokens)
         vocab = engines[0].vocab_size
-        proc, controller = spawn(args.timeout_s)
+        proc, controller = spawn(args.timeout_s, SECRET)
         try:
             warmup = make_prompts(args.batch * args.depth, args.prompt, vocab, seed=2)
             run_pipeline(args, engines, controller, Run("warmup", True, []), warmup)  # untimed

@@ -24,9 +24,9 @@ from orchestrator.pipeline import HEARTBEAT_S
 log = logging.getLogger("dejavu.fault.client")
 
 
-def query_status(controller: str, timeout_s: float = 2.0) -> dict:
+def query_status(controller: str, secret: bytes, timeout_s: float = 2.0) -> dict:
     """The controller's view of the cluster (nodes, pipelines, acks), for ``dejavu status``."""
-    stub = Stub(controller)
+    stub = Stub(controller, secret)
     try:
         return stub.call("Status", {}, timeout_s)
     finally:
@@ -48,6 +48,7 @@ class ControllerClient:
         self,
         controller: str,
         spec: NodeSpec,
+        secret: bytes,
         heartbeat_s: float = HEARTBEAT_S,
         rpc_timeout_s: float = 1.0,
         node_id: str | None = None,
@@ -63,7 +64,7 @@ class ControllerClient:
         self.epoch, self.state = 0, "unknown"  # of the pipeline, as of the last beat
         self.connected = False
         self.fenced = threading.Event()  # the controller declared this node dead
-        self._stub = Stub(controller)
+        self._stub = Stub(controller, secret)
         self._registered = False
         self._warned = False  # "unreachable" logged since the last contact
         self._acks: dict[tuple[int, int], int] = {}  # (source stage, microbatch) -> step
@@ -127,7 +128,7 @@ class ControllerClient:
         self.epoch, self.state = reply["epoch"], reply["state"]
 
     def status(self) -> dict:
-        return query_status(self._stub.address, self.rpc_timeout_s)
+        return query_status(self._stub.address, self._stub.secret, self.rpc_timeout_s)
 
     # -- the heartbeat thread -------------------------------------------------
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -30,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 
 import grpc
 
+from orchestrator.control.auth import ENV, load_secret
 from orchestrator.fault.rpc import RequestError, service_handler
 from orchestrator.pipeline import DEAD_AFTER_S
 
@@ -283,7 +285,9 @@ def make_plan(name: str, pipeline: Pipeline, live: dict[int, Node]) -> dict:
 class ControllerServer:
     """The gRPC service plus the sweeper thread that detects silent nodes."""
 
-    def __init__(self, state: ControllerState, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, state: ControllerState, secret: bytes, host: str = "127.0.0.1",
+                 port: int = 0) -> None:
+        """Answers calls signed with ``secret`` (the cluster's) only."""
         self.state = state
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=8), options=[("grpc.so_reuseport", 0)]
@@ -295,7 +299,7 @@ class ControllerServer:
             "Plan": state.plan,
             "Recovered": state.recovered,
             "Status": state.status,
-        }),))
+        }, secret),))
         self.port = self._server.add_insecure_port(f"{host}:{port}")
         if self.port == 0:
             raise OSError(f"cannot bind the controller to {host}:{port}")
@@ -319,12 +323,14 @@ class ControllerServer:
         self._sweeper.join(timeout=grace_s + 1)
 
 
-def spawn(timeout_s: float, port: int = 0) -> tuple[subprocess.Popen, str]:
-    """Start the controller as its own process; returns it and the address it bound."""
+def spawn(timeout_s: float, secret: bytes, port: int = 0) -> tuple[subprocess.Popen, str]:
+    """Start the controller as its own process (``secret`` in its environment); returns it
+    and the address it bound."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "orchestrator.fault.controller",
          "--port", str(port), "--timeout-s", str(timeout_s)],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        env=os.environ | {ENV: secret.hex()},
     )
     line = proc.stdout.readline()  # printed once bound; empty if it exits first
     if not line.startswith("controller listening on "):
@@ -342,10 +348,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
     parser.add_argument("--timeout-s", type=float, default=DEAD_AFTER_S,
                         help="a node silent this long is declared dead")
+    parser.add_argument("--secret-file", help=f"the cluster secret's file (else ${ENV})")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
-        server = ControllerServer(ControllerState(args.timeout_s), args.host, args.port).start()
+        server = ControllerServer(ControllerState(args.timeout_s), load_secret(args.secret_file),
+                                  args.host, args.port).start()
     except (OSError, RuntimeError, ValueError) as e:
         print(f"controller: {e}", file=sys.stderr)
         return 2

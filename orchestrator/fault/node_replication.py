@@ -62,13 +62,13 @@ class ReplicaServer:
     replacement stage during recovery, ``landing`` (its own KV, sent back by its holder).
     """
 
-    def __init__(self, landing: ReplicaStore) -> None:
+    def __init__(self, landing: ReplicaStore, secret: bytes) -> None:
         self.store: ReplicaStore | None = None  # set once the source's layout is known
         self.landing = landing
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         self._server.add_generic_rpc_handlers((service_handler({
             "ReplicaOpen": self._open, "ReplicaFree": self._free, "ReplicaLanded": self._landed,
-        }),))
+        }, secret),))
         port = self._server.add_insecure_port("127.0.0.1:0")
         self.address = f"127.0.0.1:{port}"
         self._server.start()
@@ -101,8 +101,9 @@ class ReplicaServer:
 class RemoteReplicaPeer:
     """A :class:`~orchestrator.fault.replication.ReplicaPeer` in another process."""
 
-    def __init__(self, address: str, timeout_s: float, pool: str = "replica") -> None:
-        self._stub, self.timeout_s, self.pool = Stub(address), timeout_s, pool
+    def __init__(self, address: str, secret: bytes, timeout_s: float,
+                 pool: str = "replica") -> None:
+        self._stub, self.timeout_s, self.pool = Stub(address, secret), timeout_s, pool
 
     def open(self, request_id: str, length: int) -> bytes:
         answer = self._stub.call("ReplicaOpen", {"request_id": request_id, "length": length,
@@ -158,7 +159,7 @@ class NodeReplication:
         # Where this stage's own KV lands when its holder restores it (recovery step 1).
         self.landing = ReplicaStore(self.transport, node.engine.kv_layout, self.slots, secret,
                                     timeout_s=timeout_s)
-        self.server = ReplicaServer(self.landing)
+        self.server = ReplicaServer(self.landing, secret)
         self.replicator: Replicator | None = None
         self._peer: RemoteReplicaPeer | None = None
         self._holder_node = ""  # the successor's replica endpoint
@@ -215,7 +216,7 @@ class NodeReplication:
     def _replicate_to(self, succ: dict) -> None:
         self.transport.add_peer(succ["node"], base64.b64decode(succ["metadata"]))
         self._holder_node = succ["node"]
-        self._peer = RemoteReplicaPeer(succ["address"], self.timeout_s)
+        self._peer = RemoteReplicaPeer(succ["address"], self.secret, self.timeout_s)
         self.replicator = self._new_replicator()
 
     def _new_replicator(self) -> Replicator:
@@ -231,7 +232,8 @@ class NodeReplication:
         assert self.store is not None
         new = self._endpoints_of("previous", to, -1)
         self.transport.add_peer(new["node"], base64.b64decode(new["metadata"]))
-        landing = RemoteReplicaPeer(new["address"], self.timeout_s, pool="landing")
+        landing = RemoteReplicaPeer(new["address"], self.secret, self.timeout_s,
+                                    pool="landing")
         sender = KVSender(self.transport, self.store.layout, self.secret)
         self.store.progress()  # take in the deltas that landed since this stage's last step
         try:

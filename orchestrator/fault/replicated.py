@@ -56,7 +56,7 @@ from orchestrator.pipeline.stage import StageLost
 
 log = logging.getLogger("dejavu.fault.replicated")
 
-SECRET = b"dejavu-replicas"
+SECRET = b"dejavu-replicas-in-one-process"  # KV and controller calls
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ class FaultNode:
         self.transport = LocalTransport(owner.fabric, f"stage{stage}-{uuid.uuid4().hex[:6]}")
         spec = NodeSpec(owner.name, stage, depth,
                         transport=base64.b64encode(self.transport.metadata()).decode())
-        self.client = ControllerClient(owner.controller, spec, owner.heartbeat_s).start()
+        self.client = ControllerClient(owner.controller, spec, SECRET, owner.heartbeat_s).start()
         slots, timeout_s = owner.replica_slots, owner.kv_timeout_s
         # Where this stage's own KV lands when a holder restores it (recovery step 1).
         self.landing = ReplicaStore(self.transport, self.layout, slots, SECRET,
@@ -299,7 +299,7 @@ class ReplicatedPipeline:
                 return
 
     def _declared_failed(self) -> set[int]:
-        status = query_status(self.controller)
+        status = query_status(self.controller, SECRET)
         self._controller_timeout_s = float(status["timeout_s"])
         return set(status["pipelines"].get(self.name, {}).get("failed", []))
 

@@ -1,7 +1,10 @@
 """JSON messages over gRPC generic handlers: no protoc step, still real gRPC/HTTP2.
 
-Every method takes and returns one JSON object. Errors travel as gRPC status
-codes with a message; the client side turns them back into :class:`RpcError`.
+Every method takes and returns one JSON object. Every call is signed with the
+cluster secret (metadata ``dejavu-auth``: a signature of the method and the
+request's bytes, :mod:`orchestrator.control.auth`); an unsigned or badly signed
+call is refused with ``UNAUTHENTICATED``. Errors travel as gRPC status codes
+with a message; the client side turns them back into :class:`grpc.RpcError`.
 """
 
 from __future__ import annotations
@@ -11,7 +14,10 @@ from collections.abc import Callable
 
 import grpc
 
+from orchestrator.control.auth import Unauthenticated, sign, verify
+
 SERVICE = "dejavu.Controller"
+AUTH_KEY = "dejavu-auth"
 
 Handler = Callable[[dict], dict]
 
@@ -35,37 +41,44 @@ def _decode(data: bytes) -> dict:
     return message
 
 
-def service_handler(methods: dict[str, Handler]) -> grpc.GenericRpcHandler:
-    def wrap(handler: Handler):
-        def call(request: dict, context: grpc.ServicerContext) -> dict:
+def service_handler(methods: dict[str, Handler], secret: bytes,
+                    service: str = SERVICE) -> grpc.GenericRpcHandler:
+    """``methods`` as a gRPC service that answers calls signed with ``secret`` only."""
+
+    def wrap(name: str, handler: Handler):
+        def call(data: bytes, context: grpc.ServicerContext) -> dict:
+            signature = dict(context.invocation_metadata()).get(AUTH_KEY)
             try:
-                return handler(request)
+                verify(secret, signature, name, data)
+            except Unauthenticated as e:
+                context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{name}: {e}")
+            try:
+                return handler(_decode(data))
             except RequestError as e:
                 context.abort(e.code, str(e))
             except (KeyError, TypeError, ValueError) as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad request: {e!r}")
 
-        return grpc.unary_unary_rpc_method_handler(
-            call, request_deserializer=_decode, response_serializer=_encode
-        )
+        return grpc.unary_unary_rpc_method_handler(call, response_serializer=_encode)
 
     return grpc.method_handlers_generic_handler(
-        SERVICE, {name: wrap(h) for name, h in methods.items()}
+        service, {name: wrap(name, h) for name, h in methods.items()}
     )
 
 
 class Stub:
-    """Calls ``SERVICE`` methods by name: ``stub.call("Heartbeat", {...}, timeout_s)``."""
+    """Calls ``service`` methods by name, signed: ``stub.call("Heartbeat", {...}, timeout_s)``."""
 
-    def __init__(self, address: str) -> None:
-        self.address = address
+    def __init__(self, address: str, secret: bytes, service: str = SERVICE) -> None:
+        self.address, self.secret, self.service = address, secret, service
         self._channel = grpc.insecure_channel(address)
 
     def call(self, method: str, request: dict, timeout_s: float) -> dict:
-        rpc = self._channel.unary_unary(
-            f"/{SERVICE}/{method}", request_serializer=_encode, response_deserializer=_decode
-        )
-        return rpc(request, timeout=timeout_s)
+        rpc = self._channel.unary_unary(f"/{self.service}/{method}",
+                                        response_deserializer=_decode)
+        data = _encode(request)
+        return rpc(data, timeout=timeout_s,
+                   metadata=[(AUTH_KEY, sign(self.secret, method, data))])
 
     def close(self) -> None:
         self._channel.close()

@@ -49,11 +49,7 @@ Call = Callable[[str, str, list[bytes]], bytes]  # (node url, op, args) -> reply
 
 
 class RecoveryOps:
-    """A T-node's replication and recovery operations (its service dispatches ``OPS``)."""
-
-    OPS = ("replica_endpoints", "replicate", "reconnect", "pause", "quiet", "rewind",
-           "restore", "adopt", "rollback", "reseed", "recovered", "resume", "held", "fault",
-           "drop_link")
+    """A T-node's replication and recovery operations, answered as control requests."""
 
     def __init__(self, node: StageNode, replication: NodeReplication | DiskReplication,
                  controller: ControllerClient | None = None) -> None:
@@ -62,11 +58,16 @@ class RecoveryOps:
     def close(self) -> None:
         self.replication.close()
 
-    def __call__(self, op: str, args: list[bytes]) -> bytes:
-        if op not in self.OPS:
-            raise ValueError(f"unknown recovery op {op!r}")
-        answer = getattr(self, f"_{op}")(*args)
-        return b"" if answer is None else answer
+    def ops(self) -> dict[str, Callable[..., bytes | None]]:
+        """Each operation by name; its arguments are the request's ``peers``."""
+        return {
+            "replica_endpoints": self._replica_endpoints, "replicate": self._replicate,
+            "reconnect": self._reconnect, "pause": self._pause, "quiet": self._quiet,
+            "rewind": self._rewind, "restore": self._restore, "adopt": self._adopt,
+            "rollback": self._rollback, "reseed": self._reseed, "recovered": self._recovered,
+            "resume": self._resume, "held": self._held, "fault": self._fault,
+            "drop_link": self._drop_link,
+        }
 
     def _head(self):  # noqa: ANN202  (a PipelineHead; only node 0 has one)
         if self.node.head is None:

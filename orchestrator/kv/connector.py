@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from orchestrator.kv.errors import KVTransferError
+from orchestrator.kv.errors import KVTransferError, NoFreeSlot
 from orchestrator.kv.layout import KVCache, KVLayout
 from orchestrator.kv.primitives import kv_spans, pack, pair_spans, region_view, routes
 from orchestrator.kv.transport.base import KVPoll, Region, TransferHandle, Transport
@@ -96,8 +96,6 @@ class _Incoming:
     early_deltas: list[tuple[str, int, int | None]] = field(
         default_factory=list
     )  # (peer, pos, crc)
-
-NO_FREE_SLOT = "no free KV slot"  # the words a full pool answers with (clients retry on them)
 
 
 class KVReceiver:
@@ -150,7 +148,7 @@ class KVReceiver:
                 raise ValueError(f"request {request_id!r} already holds a slot")
             slot = self._take_slot()
             if slot is None:
-                raise RuntimeError(f"{NO_FREE_SLOT} ({len(self.pool)} in use)")
+                raise NoFreeSlot(f"no free KV slot ({len(self.pool)} in use)")
             self._requests[request_id] = _Incoming(slot, prompt_len, set(self.layout.layer_range))
             self.consumed[slot] = 0
         depth, step = self.landing.shape[1], self.layout.step_bytes()

@@ -12,3 +12,7 @@ class KVTransferError(RuntimeError):
         self.request_id = request_id
         where = f"request {request_id!r}, " if request_id is not None else ""
         super().__init__(f"KV transfer ({where}peer {peer!r}): {reason}")
+
+
+class NoFreeSlot(RuntimeError):
+    """Every prompt-KV slot of a receiver is held; one is given back within a step."""

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from orchestrator.control.auth import mac
 from orchestrator.kv.errors import KVTransferError
 from orchestrator.kv.layout import DTYPES, KVLayout
 
@@ -81,10 +82,6 @@ class BlockHeader:
         )
 
 
-def _mac(secret: bytes, body: bytes) -> bytes:
-    return hmac.new(secret, body, hashlib.sha256).digest()
-
-
 def encode_header(header: BlockHeader, secret: bytes) -> bytes:
     rid = header.request_id.encode()
     body = (
@@ -109,7 +106,7 @@ def encode_header(header: BlockHeader, secret: bytes) -> bytes:
         + rid
         + header.extra
     )
-    return body + _mac(secret, body)
+    return body + mac(secret, body)
 
 
 def peek_request_id(data: bytes) -> str | None:
@@ -133,7 +130,7 @@ def decode_header(data: bytes, secret: bytes, peer: str) -> BlockHeader:
     body_len = rid_at + rid_len + extra_len
     if len(data) != body_len + MAC_BYTES:
         raise KVTransferError(peer, f"malformed header: {len(data)} bytes for {body_len}", rid)
-    if not hmac.compare_digest(data[body_len:], _mac(secret, data[:body_len])):
+    if not hmac.compare_digest(data[body_len:], mac(secret, data[:body_len])):
         raise KVTransferError(peer, "bad secret: header HMAC does not verify", rid)
     (_, _, _, _, first, count, heads, head_dim, dtype, seq_len, nbytes, crc, batch, total, _, _) = (
         fields
@@ -239,7 +236,7 @@ class Ticket:
                 "landing": [self.landing_addr, self.landing_depth, self.consumed_addr],
             }
         ).encode()
-        return body + _mac(secret, body)
+        return body + mac(secret, body)
 
     @classmethod
     def decode(cls, data: bytes, secret: bytes) -> Ticket:
@@ -250,7 +247,7 @@ class Ticket:
         except (ValueError, KeyError, TypeError) as exc:
             raise KVTransferError("?", f"malformed ticket ({len(data)} bytes)") from exc
         rid = fields.get("request_id")
-        if not hmac.compare_digest(data[-MAC_BYTES:], _mac(secret, body)):
+        if not hmac.compare_digest(data[-MAC_BYTES:], mac(secret, body)):
             raise KVTransferError(node, "bad secret: ticket HMAC does not verify", rid)
         return cls(
             rid,

@@ -14,17 +14,14 @@ and without one it comes from the ``DEJAVU_SECRET`` environment variable
 from __future__ import annotations
 
 import json
-import os
 import types
 import typing
 from dataclasses import asdict, dataclass, fields
 from enum import Enum, StrEnum
-from pathlib import Path
 
+from orchestrator.control.auth import load_secret
 from orchestrator.fault import ReplicateMode
 from orchestrator.pipeline import DEAD_AFTER_S, HEARTBEAT_S, SwapMode
-
-SECRET_ENV = "DEJAVU_SECRET"
 
 
 class Role(StrEnum):
@@ -115,17 +112,9 @@ class NodeConfig:
         return self.role is Role.DECODE and self.depth > 1 and self.replicate != "off"
 
     def secret(self) -> bytes:
-        """The cluster secret: ``secret_file``'s hex, else ``$DEJAVU_SECRET``'s."""
-        if self.secret_file:
-            text, where = Path(self.secret_file).read_text().strip(), self.secret_file
-        else:
-            text, where = os.environ.get(SECRET_ENV, "").strip(), f"${SECRET_ENV}"
-        if not text:
-            raise ValueError(f"no cluster secret: {where} is empty or unset")
-        try:
-            return bytes.fromhex(text)
-        except ValueError as exc:
-            raise ValueError(f"the cluster secret in {where} is not hex") from exc
+        """The cluster secret: ``secret_file``'s hex (a file only its owner may read), else
+        ``$DEJAVU_SECRET``'s (:func:`orchestrator.control.auth.load_secret`)."""
+        return load_secret(self.secret_file or None)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

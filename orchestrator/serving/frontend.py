@@ -40,7 +40,16 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from orchestrator.kv.connector import NO_FREE_SLOT
+from orchestrator.control.auth import request_parameters
+from orchestrator.control.client import (
+    ClientPool,
+    ControlClient,
+    connect,
+    is_unreachable,
+    raise_for_error,
+    tensor,
+)
+from orchestrator.control.errors import ControlError, ErrorCode
 from orchestrator.serving.params import GenerationParams
 from orchestrator.serving.router import NoNodeError, Router
 from orchestrator.serving.text import CONTEXT_TOKENS
@@ -71,55 +80,36 @@ class Cancelled(Exception):
     """The client went away; downstream work has been cancelled."""
 
 
-def _tensor(name: str, array: np.ndarray) -> grpcclient.InferInput:
-    dtype = "BYTES" if array.dtype == np.object_ else _TRITON_DTYPES[array.dtype.type]
-    tensor = grpcclient.InferInput(name, list(array.shape), dtype)
-    tensor.set_data_from_numpy(array)
-    return tensor
-
-
-_TRITON_DTYPES = {
-    np.int32: "INT32",
-    np.float32: "FP32",
-    np.uint64: "UINT64",
-    np.bool_: "BOOL",
-}
-
-
 def request_tensors(prompt_ids: list[int], params: GenerationParams) -> list:
     arrays = {"input_ids": np.array(prompt_ids, dtype=np.int32), **params.to_tensors()}
-    return [_tensor(name, array) for name, array in arrays.items()]
+    return [tensor(name, array) for name, array in arrays.items()]
 
 
-def _is_unreachable(error: Exception) -> bool:
-    return isinstance(error, InferenceServerException) and "UNAVAILABLE" in str(error.status())
-
-
-def _decode_error(message: str, error: InferenceServerException, admitted: bool
-                  ) -> ServingError:
-    """What a T-node's error means for the request: its pipeline lost it (after admission,
-    or the node is unreachable: run it again), the node is full (wait), or it refused."""
-    if admitted or _is_unreachable(error):
+def _decode_error(error: Exception, where: str, admitted: bool) -> ServingError:
+    """What a T-node's failure means for the request: its pipeline lost it (after
+    admission, or the node is unreachable: run it again), the node is full (wait), or it
+    refused."""
+    text = error.message() if isinstance(error, InferenceServerException) else str(error)
+    message = f"{where}: {text}"
+    if admitted or is_unreachable(error):
         return PipelineLost(message)
-    return NodeBusy(message) if NO_FREE_SLOT in message else ServingError(message)
-
-
-def _prefill_lost(error: InferenceServerException) -> bool:
-    """The node died (before or during the call) or its KV transfer failed: worth a rerun."""
-    # A KV transfer error reaches us as the P-node's message (orchestrator.kv.errors).
-    return _is_unreachable(error) or "KV transfer (" in (error.message() or "")
+    if isinstance(error, ControlError) and error.code is ErrorCode.NO_FREE_SLOT:
+        return NodeBusy(message)
+    return ServingError(message)
 
 
 @dataclass
 class DecodeStream:
-    """One gRPC stream to a T-node's decode model, for one request."""
+    """One signed gRPC stream to a T-node's decode model, for one request."""
 
     url: str
     timeout_s: float
+    secret: bytes
+    pool: ClientPool
     responses: queue.Queue = field(default_factory=queue.Queue)
 
     def __post_init__(self) -> None:
-        self.client = grpcclient.InferenceServerClient(self.url)
+        self.client = self.pool.take(self.url)
         self.client.start_stream(callback=lambda result, error: self.responses.put((result, error)))
 
     def send(self, request_id: str, tensors: list[grpcclient.InferInput]) -> None:
@@ -129,6 +119,7 @@ class DecodeStream:
                 tensors,
                 request_id=request_id,
                 enable_empty_final_response=True,
+                parameters=request_parameters(self.secret, "decode", "generate", request_id),
             )
         except InferenceServerException as exc:
             # A broken stream says why through the callback, not in this exception.
@@ -139,7 +130,8 @@ class DecodeStream:
             raise (error or exc) from None
 
     def next(self, is_cancelled: Callable[[], bool]) -> tuple[grpcclient.InferResult, bool]:
-        """The next response and whether it is the last; raises on error or timeout."""
+        """The next response and whether it is the last; raises on error (a ControlError
+        for a failure the node answered) or timeout."""
         deadline = time.monotonic() + self.timeout_s
         while time.monotonic() < deadline:
             if is_cancelled():
@@ -150,6 +142,7 @@ class DecodeStream:
                 continue
             if error is not None:
                 raise error
+            raise_for_error(result, f"decode node {self.url}")
             final = result.get_response().parameters["triton_final_response"].bool_param
             return result, final
         raise ServingError(f"decode node {self.url} sent nothing for {self.timeout_s:.0f} s")
@@ -157,40 +150,28 @@ class DecodeStream:
     def close(self, cancel: bool) -> None:
         try:
             self.client.stop_stream(cancel_requests=cancel)
-        finally:
+        except Exception:
             self.client.close()
-
-
-def control(url: str, op: str, timeout_s: float, request_id: str = "",
-            prompt_ids: list[int] | None = None, peers: list[bytes] | None = None) -> bytes:
-    """A control request to a T-node's decode model (see token_service); its reply bytes."""
-    arrays = {"op": np.array([op.encode()], dtype=np.object_)}
-    if prompt_ids:
-        arrays["input_ids"] = np.array(prompt_ids, dtype=np.int32)
-    if peers is not None:
-        arrays["peers"] = np.array(peers, dtype=np.object_)
-    stream = DecodeStream(url, timeout_s)
-    try:
-        stream.send(request_id, [_tensor(name, array) for name, array in arrays.items()])
-        result, _ = stream.next(lambda: False)
-    finally:
-        stream.close(cancel=False)
-    return result.as_numpy("reply").reshape(-1)[0]
+            raise
+        self.pool.give(self.url, self.client)
 
 
 class Frontend:
     def __init__(
         self, prefill_urls: list[str], decode_pipelines: list[list[str]],
-        timeout_s: float = 60.0, controller: str = "", watch_s: float = 0.5,
+        secret: bytes, timeout_s: float = 60.0, controller: str = "", watch_s: float = 0.5,
         rerun_wait_s: float = 1.0,
     ) -> None:
         """``decode_pipelines``: each token pipeline's stage urls, stage 0 (its head) first;
+        ``secret``: the cluster's (every request to a node is signed with it);
         ``controller``: the fault controller's address (empty: none)."""
         self.prefill = Router(prefill_urls) if prefill_urls else None
         self.decode = Router([stages[0] for stages in decode_pipelines])
         self.later_stages = {stages[0]: stages[1:] for stages in decode_pipelines}
         self.timeout_s, self.rerun_wait_s = timeout_s, rerun_wait_s
-        self.prefill_clients = {url: grpcclient.InferenceServerClient(url) for url in prefill_urls}
+        self.secret, self.pool = secret, ClientPool()
+        self.control = ControlClient(secret, timeout_s, self.pool)
+        self.prefill_clients = {url: connect(url) for url in prefill_urls}
         self.stopped = threading.Event()
         self.watcher = None
         if controller:
@@ -205,15 +186,18 @@ class Frontend:
 
         while not self.stopped.wait(watch_s):
             try:
-                nodes = query_status(controller, timeout_s=watch_s)["nodes"]
+                nodes = query_status(controller, self.secret, timeout_s=watch_s)["nodes"]
             except grpc.RpcError:
                 continue  # the controller is away: go by the failures met
             alive = {}  # the latest registration per address wins
             for node in nodes:
                 alive[node["address"]] = node["alive"]
             dead = {address for address, ok in alive.items() if not ok}
-            for url in dead & set(self.prefill_clients):
-                self.prefill.mark_down(url)
+            for url in self.prefill_clients:
+                if url in dead:
+                    self.prefill.mark_down(url)
+                elif alive.get(url):
+                    self.prefill.mark_up(url)  # started again: use it at once
             for head, later in self.later_stages.items():
                 if dead & {head, *later}:
                     self.decode.mark_down(head)
@@ -224,6 +208,9 @@ class Frontend:
         self.stopped.set()
         if self.watcher is not None:
             self.watcher.join(timeout=5)
+        self.control.close()
+        for client in self.prefill_clients.values():
+            client.close()
 
     @property
     def colocated(self) -> bool:
@@ -328,10 +315,10 @@ class Frontend:
                 if final:
                     cancel = False
                     return
-        except InferenceServerException as exc:
-            if _is_unreachable(exc):
+        except (InferenceServerException, ControlError) as exc:
+            if is_unreachable(exc):
                 self.decode.mark_down(url)
-            raise _decode_error(f"decode node {url}: {exc.message()}", exc, admitted) from exc
+            raise _decode_error(exc, f"decode node {url}", admitted) from exc
         except (PipelineLost, NodeBusy):
             raise
         except ServingError as exc:
@@ -355,7 +342,7 @@ class Frontend:
         for stage_url in self.later_stages[url]:
             tickets.append(self._reserve(stage_url, request_id, prompt_ids))
             reserved.append(stage_url)
-        stream = DecodeStream(url, self.timeout_s)
+        stream = DecodeStream(url, self.timeout_s, self.secret, self.pool)
         try:
             stream.send(request_id, request_tensors(prompt_ids, params))
             if self.colocated:
@@ -373,28 +360,37 @@ class Frontend:
 
     def _reserve(self, url: str, request_id: str, prompt_ids: list[int]) -> bytes:
         try:
-            return control(url, "reserve", self.timeout_s, request_id, prompt_ids)
-        except InferenceServerException as exc:
-            raise _decode_error(f"decode node {url} (a later stage): {exc.message()}", exc,
-                                admitted=False) from exc
+            return self.control.call(url, "reserve", request_id=request_id,
+                                     prompt_ids=prompt_ids)
+        except (InferenceServerException, ControlError, TimeoutError) as exc:
+            raise _decode_error(exc, f"decode node {url} (a later stage)", admitted=False
+                                ) from exc
 
     def _release(self, url: str, request_id: str) -> None:
-        with contextlib.suppress(InferenceServerException):  # a stage gone took its slot along
-            control(url, "release", self.timeout_s, request_id)
+        # A stage gone took its slot along.
+        with contextlib.suppress(InferenceServerException, ControlError, TimeoutError):
+            self.control.call(url, "release", request_id=request_id)
 
     def _prefill(
         self, request_id: str, prompt_ids: list[int], params: GenerationParams, tickets: np.ndarray
     ) -> int:
         assert self.prefill is not None
         with self.prefill.assign(len(prompt_ids)) as url:
-            inputs = [*request_tensors(prompt_ids, params), _tensor("kv_ticket", tickets)]
+            inputs = [*request_tensors(prompt_ids, params), tensor("kv_ticket", tickets)]
             try:
                 result = self.prefill_clients[url].infer(
-                    "prefill", inputs, request_id=request_id, client_timeout=self.timeout_s
+                    "prefill", inputs, request_id=request_id, client_timeout=self.timeout_s,
+                    parameters=request_parameters(self.secret, "prefill", "prefill", request_id),
                 )
+                raise_for_error(result, f"prefill node {url}")
             except InferenceServerException as exc:
-                if _prefill_lost(exc):
+                if is_unreachable(exc):  # died before or during the call: worth a rerun
                     self.prefill.mark_down(url)
                     raise PrefillLost(f"prefill node {url} lost: {exc.message()}") from exc
                 raise ServingError(f"prefill node {url}: {exc.message()}") from exc
+            except ControlError as exc:
+                if exc.code is ErrorCode.KV_TRANSFER:  # its KV never landed: worth a rerun
+                    self.prefill.mark_down(url)
+                    raise PrefillLost(str(exc)) from exc
+                raise ServingError(str(exc)) from exc
             return int(result.as_numpy("output_ids")[0])

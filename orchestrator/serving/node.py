@@ -76,5 +76,5 @@ def connect_controller(config: NodeConfig) -> ControllerClient | None:
         role="token" if token else "prompt",
         address=config.address,
     )
-    return ControllerClient(config.controller, spec, heartbeat_s=config.heartbeat_s,
-                            node_id=config.name or None).start()
+    return ControllerClient(config.controller, spec, config.secret(),
+                            heartbeat_s=config.heartbeat_s, node_id=config.name or None).start()

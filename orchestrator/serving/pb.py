@@ -13,6 +13,8 @@ from collections.abc import Callable
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from orchestrator.control.auth import check_request
+from orchestrator.control.errors import ErrorCode
 from orchestrator.serving.config import NodeConfig
 from orchestrator.serving.metrics import Metrics
 
@@ -67,7 +69,20 @@ def response(**arrays: np.ndarray) -> pb_utils.InferenceResponse:
 
 
 def error(message: str) -> pb_utils.InferenceResponse:
+    """A failure answered to a client (its message is all it gets)."""
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(message))
+
+
+def failure(code: ErrorCode, message: str) -> pb_utils.InferenceResponse:
+    """An internal model's failure: the caller acts on ``error_code``, people read ``error``."""
+    return response(error_code=np.array([int(code)], dtype=np.int32), error=strings(message))
+
+
+def check_signed(request, secret: bytes, model: str, op: str) -> None:
+    """Raises Unauthenticated unless the request is signed with the cluster secret."""
+    with _ipc:
+        parameters, request_id = request.parameters(), request.request_id()
+    check_request(secret, parameters, model, op, request_id)
 
 
 def ids(tokens: list[int]) -> np.ndarray:

@@ -10,7 +10,7 @@ itself. Either way the token loop is the pipeline library's.
 
 Control requests bootstrap a pipeline (``endpoints``, ``connect``, ``start``)
 and reserve or release prompt KV (``reserve``, ``release``) on any stage; with
-KV replication on, the fault layer's operations (``RecoveryOps.OPS``) wire the
+KV replication on, the fault layer's operations (``RecoveryOps.ops``) wire the
 replicas and replace a lost stage.
 """
 
@@ -32,7 +32,16 @@ from orchestrator.serving.metrics import Metrics
 from orchestrator.serving.params import GenerationParams, RequestError, check_prompt
 
 log = logging.getLogger(__name__)
-CONTROL_OPS = ("endpoints", "connect", "start", "reserve", "release")
+
+
+@dataclass(frozen=True)
+class ControlRequest:
+    """A control operation's inputs: the Triton request id, the prompt's length (``reserve``)
+    and its arguments (the ``peers`` tensor)."""
+
+    request_id: str = ""
+    prompt_len: int = 0
+    args: tuple[bytes, ...] = ()
 
 
 @dataclass(eq=False)
@@ -64,6 +73,7 @@ class TokenService:
             raise ValueError("give a StageNode (disaggregated) or a TokenPipeline (colocated)")
         self.engine, self.node, self.pipeline = engine, node, pipeline
         self.recovery = recovery
+        self.ops = self._control_ops()
         self.head: PipelineHead | None = pipeline if pipeline is not None else node.head
         self.metrics = metrics or Metrics()
         self.clients: dict[str, _Client] = {}
@@ -81,33 +91,45 @@ class TokenService:
 
     # -- control requests --------------------------------------------------------------
 
-    def control(self, op: str, request_id: str = "", prompt_len: int = 0,
-                peers: list[bytes] | None = None) -> bytes:
-        """Bootstrap, reservations, recovery; the bytes to answer with (empty when none)."""
-        if op in RecoveryOps.OPS:
-            if self.recovery is None:
-                raise RequestError(f"op {op!r}: this node does not replicate its KV")
-            return self.recovery(op, peers or [])
-        if op not in CONTROL_OPS:
-            raise RequestError(f"unknown op {op!r}: expected generate or one of "
-                               f"{CONTROL_OPS + RecoveryOps.OPS}")
+    def _control_ops(self) -> dict[str, Callable[[ControlRequest], bytes | None]]:
         if self.node is None:
-            raise RequestError(f"op {op!r}: a colocated node has no pipeline to control")
-        if op == "endpoints":
-            return self.node.endpoints()
-        if op == "connect":
-            if peers is None or len(peers) != 2:
-                raise RequestError("op 'connect' needs peers = [next endpoints, head endpoints]")
-            self.node.connect(*peers)
-        elif op == "start":
-            self.node.start()
-        elif op == "reserve":
-            if prompt_len < 1:
-                raise RequestError("op 'reserve' needs the prompt (input_ids)")
-            return self.node.reserve_prompt(request_id, prompt_len)
-        else:
-            self.node.release_prompt(request_id)
-        return b""
+            return {}
+        node = self.node
+        ops: dict[str, Callable[[ControlRequest], bytes | None]] = {
+            "endpoints": lambda _: node.endpoints(),
+            "connect": self._connect,
+            "start": lambda _: node.start(),
+            "reserve": self._reserve,
+            "release": lambda r: node.release_prompt(r.request_id),
+        }
+        if self.recovery is not None:
+            ops |= {name: lambda r, op=op: op(*r.args)
+                    for name, op in self.recovery.ops().items()}
+        return ops
+
+    def control(self, op: str, request: ControlRequest) -> bytes:
+        """Run the control operation named ``op``; the bytes to answer with."""
+        handler = self.ops.get(op)
+        if handler is None:
+            where = "a colocated node has no pipeline" if self.node is None else (
+                "this node does not replicate its KV" if self.recovery is None else "")
+            raise RequestError(f"unknown op {op!r}{f' ({where})' if where else ''}: "
+                               f"this node answers {sorted(self.ops) or 'none'}")
+        try:
+            answer = handler(request)
+        except TypeError as exc:  # wrong number of arguments
+            raise RequestError(f"op {op!r}: {exc}") from exc
+        return b"" if answer is None else answer
+
+    def _connect(self, request: ControlRequest) -> None:
+        if len(request.args) != 2:
+            raise RequestError("op 'connect' needs peers = [next endpoints, head endpoints]")
+        self.node.connect(*request.args)
+
+    def _reserve(self, request: ControlRequest) -> bytes:
+        if request.prompt_len < 1:
+            raise RequestError("op 'reserve' needs the prompt (input_ids)")
+        return self.node.reserve_prompt(request.request_id, request.prompt_len)
 
     # -- generation (stage 0) ----------------------------------------------------------
 

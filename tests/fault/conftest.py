@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from orchestrator.fault.controller import spawn
+from orchestrator.fault.replicated import SECRET  # the in-process pipelines' secret
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -21,7 +22,7 @@ def controller_factory() -> Iterator[Callable[..., tuple[subprocess.Popen, str]]
     started: list[subprocess.Popen] = []
 
     def make(timeout_s: float = 1.0, port: int = 0) -> tuple[subprocess.Popen, str]:
-        proc, address = spawn(timeout_s, port)
+        proc, address = spawn(timeout_s, SECRET, port)
         started.append(proc)
         return proc, address
 
@@ -37,6 +38,6 @@ def controller() -> Iterator[str]:
 
     Its 1 s failure timeout is 20 beats of the tests' nodes: no false deaths on loaded CPUs.
     """
-    proc, address = spawn(1.0)
+    proc, address = spawn(1.0, SECRET)
     yield address
     stop(proc)

@@ -9,13 +9,15 @@ from __future__ import annotations
 import sys
 import time
 
+from orchestrator.control.auth import load_secret
 from orchestrator.fault.client import ControllerClient, NodeSpec
 
 
 def main() -> None:
     controller, pipeline, stage, depth, heartbeat_s = sys.argv[1:6]
-    client = ControllerClient(
-        controller, NodeSpec(pipeline, int(stage), int(depth)), float(heartbeat_s)
+    client = ControllerClient(  # the secret from DEJAVU_SECRET
+        controller, NodeSpec(pipeline, int(stage), int(depth)), load_secret(),
+        float(heartbeat_s),
     ).start()
     deadline = time.monotonic() + 30
     while not client.connected:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -13,8 +14,10 @@ from pathlib import Path
 import grpc
 import pytest
 
+from orchestrator.control.auth import ENV
 from orchestrator.fault.client import ControllerClient, NodeSpec, query_status
 from orchestrator.fault.controller import ControllerState
+from orchestrator.fault.replicated import SECRET
 from orchestrator.fault.rpc import RequestError, Stub
 
 NODE_PROC = Path(__file__).with_name("node_proc.py")
@@ -32,7 +35,7 @@ def wait_until(what: str, ok: Callable[[], bool], timeout_s: float = 10.0) -> fl
 
 def clients(address: str, pipeline: str, depth: int, heartbeat_s: float = 0.05):
     return [
-        ControllerClient(address, NodeSpec(pipeline, s, depth), heartbeat_s).start()
+        ControllerClient(address, NodeSpec(pipeline, s, depth), SECRET, heartbeat_s).start()
         for s in range(depth)
     ]
 
@@ -58,7 +61,7 @@ def test_registration_heartbeats_and_status(controller: str) -> None:
 
 
 def test_bad_registrations_are_rejected_by_name(controller: str) -> None:
-    stub = Stub(controller)
+    stub = Stub(controller, SECRET)
     base = {"node_id": "n1", "pipeline": "bad", "stage": 3, "depth": 2}
     with pytest.raises(grpc.RpcError, match="stage 3 outside a pipeline of depth 2") as info:
         stub.call("Register", base, 2.0)
@@ -77,25 +80,57 @@ def test_bad_registrations_are_rejected_by_name(controller: str) -> None:
     stub.close()
 
 
+def test_calls_without_the_cluster_secret_are_refused(controller: str) -> None:
+    """A fake Register (or any call) without the secret changes nothing: the real node
+    stays alive in the controller's view."""
+    real = ControllerClient(controller, NodeSpec("auth", 0, 1), SECRET, 0.05).start()
+    forger = Stub(controller, b"not-the-cluster-secret")
+    try:
+        wait_until("registration", lambda: real.connected)
+        fake = {"node_id": "fake", "pipeline": "auth", "stage": 0, "depth": 1,
+                "address": "127.0.0.1:1"}
+        for method, request in [("Register", fake), ("Heartbeat", {"node_id": real.node_id}),
+                                ("Ack", {"node_id": real.node_id, "acks": [[0, 0, 99]]}),
+                                ("Recovered", {"node_id": real.node_id, "epoch": 0}),
+                                ("Plan", {"pipeline": "auth"}), ("Status", {})]:
+            with pytest.raises(grpc.RpcError, match="bad request signature") as info:
+                forger.call(method, request, 2.0)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        channel = grpc.insecure_channel(controller)  # no signature at all
+        with pytest.raises(grpc.RpcError, match="unsigned request") as info:
+            channel.unary_unary("/dejavu.Controller/Register")(json.dumps(fake).encode(),
+                                                               timeout=2.0)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        channel.close()
+        status = query_status(controller, SECRET)
+        assert [n["node_id"] for n in status["nodes"] if n["pipeline"] == "auth"] == [
+            real.node_id]
+        assert node(status, real.node_id)["alive"]
+        assert [0, 0, 99] not in status["pipelines"]["auth"]["acks"]
+    finally:
+        forger.close()
+        real.stop()
+
+
 def test_kill_9_node_is_detected_within_the_timeout(controller_factory) -> None:
     timeout_s = 1.0
     _, address = controller_factory(timeout_s)
     proc = subprocess.Popen(
         [sys.executable, str(NODE_PROC), address, "k9", "0", "1", "0.05"],
-        stdout=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, text=True, env=os.environ | {ENV: SECRET.hex()},
     )
     try:
         node_id = proc.stdout.readline().strip()
         assert node_id.startswith("k9/0/")
-        assert node(query_status(address), node_id)["alive"]
+        assert node(query_status(address, SECRET), node_id)["alive"]
         os.kill(proc.pid, signal.SIGKILL)
         killed = time.monotonic()
         proc.wait(timeout=10)
-        wait_until("detection", lambda: not node(query_status(address), node_id)["alive"])
+        wait_until("detection", lambda: not node(query_status(address, SECRET), node_id)["alive"])
         detected_s = time.monotonic() - killed
         # Declared dead after the timeout (less at most one beat), well before twice it.
         assert timeout_s - 0.06 <= detected_s <= timeout_s + 1.0, detected_s
-        pipeline = query_status(address)["pipelines"]["k9"]
+        pipeline = query_status(address, SECRET)["pipelines"]["k9"]
         assert pipeline["state"] == "paused" and pipeline["failed"] == [0]
     finally:
         if proc.poll() is None:
@@ -114,7 +149,7 @@ def test_acks_pick_the_step_to_redo_and_a_replacement_gets_the_plan(controller: 
             nodes[holder].ack(source, j, t)
         time.sleep(0.1)
         nodes[1].stop()  # the crash of stage 1
-        spare = ControllerClient(controller, NodeSpec("acks", 1, 3), 0.05).start()
+        spare = ControllerClient(controller, NodeSpec("acks", 1, 3), SECRET, 0.05).start()
         plan = spare.wait_for_recovery_plan(after_epoch=0, timeout_s=10)
         assert plan["failed"] == [1] and not plan["recompute"]
         assert plan["restore"] == [[2, 1]] and plan["rereplicate"] == [[0, 1]]
@@ -143,7 +178,7 @@ def test_neighbour_dead_too_means_recompute(controller: str) -> None:
         time.sleep(0.1)
         nodes[1].stop()
         nodes[2].stop()  # the holder of stage 1's replica
-        spares = [ControllerClient(controller, NodeSpec("both", s, 3), 0.05).start()
+        spares = [ControllerClient(controller, NodeSpec("both", s, 3), SECRET, 0.05).start()
                   for s in (1, 2)]
         plan = spares[0].wait_for_recovery_plan(0, timeout_s=10)
         while plan["failed"] != [1, 2]:  # both deaths may land in different sweeps

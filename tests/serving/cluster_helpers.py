@@ -6,9 +6,12 @@ import queue
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import tritonclient.grpc as grpcclient
 
 from clients.generate import stream_grpc, stream_http
+from orchestrator.control.auth import sign_prompt
+from orchestrator.control.client import tensor
 from orchestrator.engine.reference import generate
 from orchestrator.engine.tokenizer import load_tokenizer
 from orchestrator.engine.torch_engine import load_engine
@@ -41,12 +44,15 @@ def run_concurrently(protocol: str, url: str, prompts: list[str], **params) -> l
         return [f.result(timeout=120) for f in futures]
 
 
-def stream_orchestrator(url: str, prompt_ids: list[int], max_tokens: int):
-    """Tokens straight from the frontend's orchestrator model, one response at a time."""
+def stream_orchestrator(url: str, prompt_ids: list[int], max_tokens: int, secret: bytes):
+    """Tokens straight from the frontend's orchestrator model, one response at a time (its
+    input signed as preprocessing signs it)."""
     client = grpcclient.InferenceServerClient(url)
     responses: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
     tensors = request_tensors(prompt_ids, GenerationParams(max_tokens, stream=True))
+    signature = sign_prompt(secret, np.array(prompt_ids, dtype=np.int32).tobytes())
+    tensors.append(tensor("input_auth", np.array([signature.encode()], dtype=np.object_)))
     client.async_stream_infer("orchestrator", tensors)
     try:
         while True:

@@ -28,8 +28,12 @@ from tritonclient.utils import InferenceServerException
 
 from clients.generate import GenerateError, stream_grpc, stream_http
 from orchestrator.cluster.launcher import Cluster
+from orchestrator.control.auth import load_secret, request_parameters
+from orchestrator.control.client import tensor
+from orchestrator.control.errors import ErrorCode
 from orchestrator.engine.tokenizer import load_tokenizer
 from orchestrator.engine.torch_engine import load_engine
+from orchestrator.fault.rpc import Stub
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 12
@@ -50,6 +54,10 @@ def cluster(model, tmp_path_factory):
 @pytest.fixture(scope="module")
 def expected(model):
     return reference(model, PROMPTS, MAX_TOKENS)
+
+
+def secret(cluster) -> bytes:
+    return load_secret(cluster.secret_file)
 
 
 def good_request_works(cluster, expected) -> None:
@@ -157,7 +165,7 @@ def test_client_that_leaves_mid_stream_cancels_downstream(cluster, model, expect
 
     decode = cluster.role("decode")[0].server
     before = metric(decode, "dejavu_requests", outcome="cancelled")
-    stream = stream_orchestrator(cluster.frontend.grpc_url, prompt_ids, long)
+    stream = stream_orchestrator(cluster.frontend.grpc_url, prompt_ids, long, secret(cluster))
     assert [next(stream) for _ in range(3)] == [[t] for t in expected[0][:3]]
     stream.close()  # the client goes away: stop_stream(cancel_requests=True)
     # The frontend cancels its stream to the T-node, which drops the request and
@@ -224,7 +232,8 @@ def test_a_hundred_failed_or_cancelled_requests_leave_nothing_behind(cluster, mo
             list(stream_grpc(cluster.frontend.grpc_url, prompt, max_tokens=max_tokens))
     prompt_ids = load_tokenizer(model).encode(PROMPTS[1]).ids
     for _ in range(50):
-        stream = stream_orchestrator(cluster.frontend.grpc_url, prompt_ids, MAX_SEQ_LEN - 16)
+        stream = stream_orchestrator(cluster.frontend.grpc_url, prompt_ids, MAX_SEQ_LEN - 16,
+                                     secret(cluster))
         assert next(stream) == [expected[1][0]]
         stream.close()
 
@@ -237,4 +246,87 @@ def test_a_hundred_failed_or_cancelled_requests_leave_nothing_behind(cluster, mo
     assert regions_after == regions_before
     burst = PROMPTS * 3  # 18 requests at once > 16 KV slots
     results = run_concurrently("grpc", cluster.frontend.grpc_url, burst, max_tokens=MAX_TOKENS)
+    assert [ids_of(r) for r in results] == expected * 3
+
+
+def test_no_model_config_on_any_node_reveals_the_secret(cluster):
+    import json
+    import os
+    import stat
+    import urllib.request
+
+    hexed = secret(cluster).hex()
+    assert stat.S_IMODE(os.stat(cluster.secret_file).st_mode) == 0o600
+    frontend_models = set()
+    for node in cluster.nodes:
+        server = node.server
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        models = [m["name"] for m in client.get_model_repository_index(as_json=True)["models"]]
+        assert models
+        for name in models:
+            url = f"http://{server.http_url}/v2/models/{name}/config"
+            with urllib.request.urlopen(url, timeout=10) as response:
+                http_config = response.read().decode()
+            grpc_config = json.dumps(client.get_model_config(name, as_json=True))
+            for config in (http_config, grpc_config):
+                assert hexed not in config and '"secret"' not in config, (node.role, name)
+        if node.role == "frontend":
+            frontend_models = set(models)
+        client.close()
+    assert frontend_models == {"ensemble", "preprocessing", "orchestrator", "postprocessing"}
+
+
+def _first_response(url: str, model: str, tensors: list, parameters: dict | None = None):
+    """One streamed request's first answer: (result, error)."""
+    import queue
+
+    client = grpcclient.InferenceServerClient(url)
+    answers: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        client.async_stream_infer(model, tensors, request_id="intruder",
+                                  parameters=parameters or {})
+        return answers.get(timeout=30)
+    finally:
+        client.stop_stream(cancel_requests=True)
+        client.close()
+
+
+def _code(result) -> ErrorCode:
+    return ErrorCode(int(result.as_numpy("error_code")[0]))
+
+
+def test_internal_surfaces_refuse_requests_without_the_secret(cluster, model, expected):
+    prompt_ids = load_tokenizer(model).encode(PROMPTS[0]).ids
+    ids = np.array(prompt_ids, dtype=np.int32)
+    decode = cluster.role("decode")[0].server.grpc_url
+    forged = request_parameters(b"guessed-but-wrong-secret", "decode", "reserve", "intruder")
+    # 20 reserves (more than the T-node's 16 prompt-KV slots), unsigned or badly signed:
+    # every one refused, none holds a slot.
+    for parameters in [None, forged] * 10:
+        reserve = [tensor("op", np.array([b"reserve"], dtype=np.object_)),
+                   tensor("input_ids", ids)]
+        result, error = _first_response(decode, "decode", reserve, parameters)
+        assert error is None and _code(result) is ErrorCode.UNAUTHENTICATED
+        assert "cluster secret" in result.as_numpy("error")[0].decode()
+    params = [tensor("input_ids", ids), tensor("max_tokens", np.array([4], dtype=np.int32))]
+    result, _ = _first_response(decode, "decode", params)  # a generate request
+    assert _code(result) is ErrorCode.UNAUTHENTICATED
+    ticket = tensor("kv_ticket", np.array([b"x"], dtype=np.object_))
+    prefill = grpcclient.InferenceServerClient(cluster.role("prefill")[0].server.grpc_url)
+    answer = prefill.infer("prefill", [*params, ticket])
+    assert ErrorCode(int(answer.as_numpy("error_code")[0])) is ErrorCode.UNAUTHENTICATED
+    prefill.close()
+    # The frontend's orchestrator model serves the ensemble only.
+    for auth in [[], [tensor("input_auth", np.array([b"1:00"], dtype=np.object_))]]:
+        _, error = _first_response(cluster.frontend.grpc_url, "orchestrator", [*params, *auth])
+        assert error is not None and "cluster secret" in error.message()
+    stub = Stub(cluster.controller.address, b"guessed-but-wrong-secret")
+    fake = {"node_id": "fake", "pipeline": "prefill0", "stage": 0, "depth": 1, "role": "prompt",
+            "address": cluster.role("prefill")[0].server.grpc_url}
+    with pytest.raises(Exception, match="bad request signature"):
+        stub.call("Register", fake, 5.0)
+    stub.close()
+    results = run_concurrently("grpc", cluster.frontend.grpc_url, PROMPTS * 3,
+                               max_tokens=MAX_TOKENS)  # 18 at once: every slot is free
     assert [ids_of(r) for r in results] == expected * 3

@@ -1,6 +1,8 @@
 """Faults on real tritonservers: the controller watches every node, a P-node killed with
 kill -9 costs its prompts a pause (they re-run on the other P-node, token-exact) and is
-started again by the supervisor, and serving goes on while the controller itself is gone."""
+started again by the supervisor, and serving goes on while the controller itself is gone.
+Every process comes back: the frontend and the controller (the supervisor starts them),
+the supervisor (its watchdog does), each followed by requests answered once, token-exact."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ from cluster_helpers import MAX_SEQ_LEN, PROMPTS, ids_of, reference, run_concurr
 from clients.generate import stream_grpc
 from orchestrator.cluster import chaos
 from orchestrator.cluster.launcher import Cluster, read_state, status_main
+from orchestrator.cluster.tritonserver import alive, is_ready
+from orchestrator.cluster.watchdog import read_pid
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 8
@@ -98,11 +102,58 @@ def test_a_killed_prefill_node_costs_a_pause_not_an_error(cluster, expected, cap
     assert cluster.frontend.log_path.read_text().count("running the prompt again") == retried
 
 
-def test_serving_goes_on_without_the_controller(cluster, expected, capsys):
+def wait_for(what: str, ok, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ok():
+        assert time.monotonic() < deadline, f"not {what} within {timeout_s} s"
+        time.sleep(0.2)
+
+
+def serves_every_request_once(cluster, expected) -> None:
+    results = run_concurrently("grpc", cluster.frontend.grpc_url, PROMPTS * 2,
+                               max_tokens=MAX_TOKENS)
+    assert [ids_of(chunks) for chunks in results] == expected
+
+
+def test_serving_goes_on_without_the_controller_and_it_comes_back(cluster, expected, capsys):
+    before = read_state(cluster.run_dir)["controller"]["pid"]
     chaos_kill(cluster, "controller", capsys)
     chunks = list(stream_grpc(cluster.frontend.grpc_url, PROMPTS[1], max_tokens=MAX_TOKENS))
     assert ids_of(chunks) == expected[1]
-    code, state = status(cluster, capsys)
-    assert code == 1
-    assert state["controller"]["view"]["error"].startswith("unreachable")
-    assert read_state(cluster.run_dir)["controller"]["pid"] == cluster.controller.process.pid
+    # The supervisor starts it again on its port; every node registers again.
+    wait_for("a new controller", lambda: read_state(cluster.run_dir)["controller"]["pid"]
+             not in (None, before), 60)
+    wait_for("every node alive in its view", lambda: status(cluster, capsys)[0] == 0, 60)
+    serves_every_request_once(cluster, expected)
+
+
+def test_a_killed_frontend_is_started_again(cluster, expected, capsys):
+    def frontend_pid() -> int:
+        return next(n["pid"] for n in read_state(cluster.run_dir)["nodes"]
+                    if n["role"] == "frontend")
+
+    before = frontend_pid()
+    serves_every_request_once(cluster, expected)
+    chaos_kill(cluster, "frontend", capsys)
+    wait_for("a new frontend", lambda: frontend_pid() != before and alive(frontend_pid()), 60)
+    wait_for("the frontend ready", lambda: is_ready(cluster.frontend.http_url), 120)
+    serves_every_request_once(cluster, expected)
+
+
+def test_a_killed_supervisor_is_started_again_and_still_recovers_nodes(cluster, expected,
+                                                                       capsys):
+    before = read_pid(cluster.run_dir, "supervisor")
+    chaos_kill(cluster, "supervisor", capsys)
+    wait_for("a new supervisor", lambda: read_pid(cluster.run_dir, "supervisor") != before
+             and alive(read_pid(cluster.run_dir, "supervisor")), 30)
+    # The new one does the old one's work: a lost P-node comes back.
+    dead = cluster.role("prefill")[1].server.name
+    chaos_kill(cluster, dead, capsys)
+    wait_for_view(cluster, capsys, {dead: "dead"}, CONTROLLER_TIMEOUT_S + 10)
+    wait_for("every node back", lambda: status(cluster, capsys)[0] == 0, 120)
+    serves_every_request_once(cluster, expected)
+    # A killed watchdog is started again by the supervisor.
+    watchdog = read_pid(cluster.run_dir, "watchdog")
+    chaos_kill(cluster, "watchdog", capsys)
+    wait_for("a new watchdog", lambda: read_pid(cluster.run_dir, "watchdog") != watchdog
+             and alive(read_pid(cluster.run_dir, "watchdog")), 30)

@@ -76,12 +76,13 @@ def test_impossible_clusters_are_refused():
 def test_the_secret_comes_from_a_file_or_the_environment(tmp_path, monkeypatch):
     monkeypatch.delenv("DEJAVU_SECRET", raising=False)
     config = NodeConfig(role=Role.PREFILL, model_dir="/m")
-    with pytest.raises(ValueError, match=r"no cluster secret: \$DEJAVU_SECRET"):
+    with pytest.raises(PermissionError, match="no cluster secret"):
         config.secret()
-    monkeypatch.setenv("DEJAVU_SECRET", "abcd")
-    assert config.secret() == b"\xab\xcd"
-    (tmp_path / "secret").write_text("0102\n")
-    assert replace(config, secret_file=str(tmp_path / "secret")).secret() == b"\x01\x02"
+    monkeypatch.setenv("DEJAVU_SECRET", "ab" * 16)
+    assert config.secret() == b"\xab" * 16
+    (tmp_path / "secret").write_text("01" * 16 + "\n")
+    (tmp_path / "secret").chmod(0o600)
+    assert replace(config, secret_file=str(tmp_path / "secret")).secret() == b"\x01" * 16
 
 
 def test_a_repository_carries_the_config_and_no_secret(tmp_path):

@@ -16,7 +16,8 @@ from cluster_helpers import MAX_SEQ_LEN, PROMPTS, ids_of, reference
 from clients.generate import GenerateError, stream_grpc
 from orchestrator.cluster import chaos
 from orchestrator.cluster.launcher import Cluster, read_state
-from orchestrator.serving.frontend import control
+from orchestrator.control.auth import load_secret
+from orchestrator.control.client import ControlClient
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 120  # long enough to be mid-stream when a stage dies
@@ -62,13 +63,17 @@ def kill_mid_stream(cluster: Cluster, prompts: list[str], victims: list[str],
 def assert_all_freed(cluster: Cluster) -> None:
     """No stage holds KV, replicas or restored KV once every request ended."""
     stages = [n for n in read_state(cluster.run_dir)["nodes"] if n["role"] == "decode"]
+    control = ControlClient(load_secret(cluster.secret_file), 10.0)
     deadline = time.monotonic() + 15
-    while True:
-        held = {n["name"]: json.loads(control(n["grpc"], "held", 10)) for n in stages}
-        if all(v == 0 for h in held.values() for v in h.values()):
-            return
-        assert time.monotonic() < deadline, held
-        time.sleep(0.2)
+    try:
+        while True:
+            held = {n["name"]: json.loads(control.call(n["grpc"], "held")) for n in stages}
+            if all(v == 0 for h in held.values() for v in h.values()):
+                return
+            assert time.monotonic() < deadline, held
+            time.sleep(0.2)
+    finally:
+        control.close()
 
 
 def reruns(cluster: Cluster) -> int:
@@ -118,17 +123,14 @@ def test_a_killed_stage_resumes_from_its_replicas_twice_in_a_row(depth2, expecte
 
 
 def test_a_stage_lost_while_the_controller_is_away_recovers_when_it_is_back(depth2, expected):
-    """The head pauses on its own (stage heartbeats); nothing is declared dead until the
-    controller is back, then the lost stage, never re-registering, is; the nodes re-sent
-    their acks, so the pipeline still resumes from the replicas."""
-    assert chaos.main(["kill", "controller", "--dir", str(depth2.run_dir)]) == 0
+    """The controller and a stage killed together: the head pauses on its own (stage
+    heartbeats); the supervisor starts the controller again, the live nodes register again
+    and re-send their acks, the lost stage, never re-registering, is declared dead, and
+    the pipeline resumes from the replicas."""
     before, rerun = len(recoveries(depth2)), reruns(depth2)
-    restart = threading.Timer(DEAD_AFTER_S + 3, depth2.controller.start)
-    restart.start()
-    try:
-        requests = kill_mid_stream(depth2, PROMPTS[:4], ["decode0s1"])
-    finally:
-        restart.join()
+    controller = read_state(depth2.run_dir)["controller"]["pid"]
+    requests = kill_mid_stream(depth2, PROMPTS[:4], ["controller", "decode0s1"])
+    assert read_state(depth2.run_dir)["controller"]["pid"] != controller
     assert [r.error for r in requests] == [None] * 4
     assert [ids_of(r.chunks) for r in requests] == expected
     assert len(recoveries(depth2)) == before + 1 and "resumed at" in recoveries(depth2)[-1]

@@ -19,7 +19,7 @@ from orchestrator.pipeline.node import PipelineConfig, StageNode
 from orchestrator.pipeline.pipeline import TokenPipeline
 from orchestrator.serving.params import GenerationParams, RequestError
 from orchestrator.serving.prefill_worker import PrefillJob, PrefillWorker
-from orchestrator.serving.token_service import TokenService
+from orchestrator.serving.token_service import ControlRequest, TokenService
 
 SECRET = b"test-secret"
 MAX_SEQ = 32
@@ -134,7 +134,7 @@ def test_end_id_cancel_and_refusal(engine):
         with pytest.raises(RequestError, match="exceeds the context"):
             admit(service, "long", [1] * 30, GenerationParams(max_tokens=8), Client())
         with pytest.raises(RequestError, match="a colocated node has no pipeline"):
-            service.control("reserve", "x", 3)
+            service.control("reserve", ControlRequest("x", 3))
         after = Client()
         admit(service, "after", PROMPTS[0], GenerationParams(max_tokens=8), after)
         assert after.wait().tokens == reference
@@ -150,7 +150,7 @@ def test_kv_that_never_comes_fails_the_request_and_frees_the_slot(model):
     service = TokenService(node.engine, node=node)
     try:
         with pytest.raises(RequestError, match="unknown op 'nope'"):
-            service.control("nope")
+            service.control("nope", ControlRequest())
         orphan = Client()
         admit(service, "orphan", PROMPTS[0], GenerationParams(max_tokens=4), orphan)
         assert "stage 0" in orphan.wait().error

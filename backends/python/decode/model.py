@@ -1,15 +1,19 @@
 """T-node, decoupled: one stage of a token pipeline. ``op`` absent (or ``generate``): admit a
 request and stream each token as it is made (stage 0); else a control request (bootstrap,
-KV reservation) answered with one final ``reply``."""
+KV reservation, recovery) answered with one final ``reply``. Every request must be signed
+with the cluster secret; failures come back as ``error_code`` and ``error``."""
 
+from orchestrator.control.errors import ErrorCode, code_of
 from orchestrator.serving import pb
 from orchestrator.serving.node import connect_controller, load_token_service
 from orchestrator.serving.params import PARAM_TENSORS, GenerationParams
+from orchestrator.serving.token_service import ControlRequest
 
 
 class TritonPythonModel:
     def initialize(self, args):
         config = pb.node_config(args)
+        self.secret = config.secret()
         self.controller = connect_controller(config)
         self.service = load_token_service(config, pb.TritonMetrics(config.name), self.controller)
 
@@ -19,14 +23,16 @@ class TritonPythonModel:
             tensors = pb.inputs(request, ["op", "peers", "input_ids", *PARAM_TENSORS])
             prompt = [] if tensors["input_ids"] is None else tensors["input_ids"].reshape(-1)
 
-            def fail(message, sender=sender):
-                pb.send(sender, pb.error(f"decode: {message}"), final=True)
+            def fail(message, code=ErrorCode.PIPELINE_LOST, sender=sender):
+                pb.send(sender, pb.failure(code, f"decode: {message}"), final=True)
 
             try:
                 op = "generate" if tensors["op"] is None else pb.text(tensors["op"])
+                pb.check_signed(request, self.secret, "decode", op)
                 if op != "generate":
-                    peers = None if tensors["peers"] is None else list(tensors["peers"].reshape(-1))
-                    reply = self.service.control(op, request.request_id(), len(prompt), peers)
+                    peers = () if tensors["peers"] is None else tuple(tensors["peers"].reshape(-1))
+                    reply = self.service.control(
+                        op, ControlRequest(request.request_id(), len(prompt), peers))
                     pb.send(sender, pb.response(reply=pb.strings(reply)), final=True)
                     continue
 
@@ -47,7 +53,7 @@ class TritonPythonModel:
                 )
             except Exception as exc:  # a refused request must not hurt the others
                 self.service.metrics.request_done("failed")
-                fail(str(exc))
+                fail(str(exc), code_of(exc))
         return None
 
     def finalize(self):

@@ -1,8 +1,10 @@
-"""Frontend, decoupled: route each request to a P-node and a T-node, relay tokens."""
+"""Frontend, decoupled: route each request to a P-node and a T-node, relay tokens. Serves the
+ensemble only: ``input_auth`` must be preprocessing's signature of ``input_ids``."""
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+from orchestrator.control.auth import check_prompt
 from orchestrator.serving import pb
 from orchestrator.serving.frontend import Cancelled, Frontend
 from orchestrator.serving.params import PARAM_TENSORS, GenerationParams
@@ -11,8 +13,9 @@ from orchestrator.serving.params import PARAM_TENSORS, GenerationParams
 class TritonPythonModel:
     def initialize(self, args):
         config = pb.node_config(args)
+        self.secret = config.secret()
         self.frontend = Frontend(list(config.prefill_urls), [list(p) for p in config.decode_urls],
-                                 controller=config.controller)
+                                 self.secret, controller=config.controller)
         self.metrics = pb.TritonMetrics(config.name or "frontend")
         self.held, self.lock = 0, threading.Lock()
         self.pool = ThreadPoolExecutor(max_workers=config.max_requests)
@@ -32,7 +35,9 @@ class TritonPythonModel:
         self.count(+1)
         outcome = "failed"
         try:
-            tensors = pb.inputs(request, ["input_ids", *PARAM_TENSORS])
+            tensors = pb.inputs(request, ["input_ids", "input_auth", *PARAM_TENSORS])
+            signature = None if tensors["input_auth"] is None else pb.text(tensors["input_auth"])
+            check_prompt(self.secret, signature, pb.ids(tensors["input_ids"]).tobytes())
             params = GenerationParams.from_tensors(tensors)
             prompt = tensors["input_ids"].reshape(-1).tolist()
             self.frontend.generate(prompt, params, emit, pb.cancelled(request))

@@ -1,15 +1,23 @@
 """P-node: prefill on the prompt stages, stream each layer's KV to the T-stage of its ticket
-(``kv_ticket``: one per stage of the chosen token pipeline), return the first token."""
+(``kv_ticket``: one per stage of the chosen token pipeline), return the first token. Every
+request must be signed with the cluster secret; failures come back as ``error_code`` and
+``error``."""
 
+from orchestrator.control.errors import code_of
 from orchestrator.serving import pb
 from orchestrator.serving.node import connect_controller, load_prefill_worker
 from orchestrator.serving.params import PARAM_TENSORS, GenerationParams
 from orchestrator.serving.prefill_worker import PrefillJob
 
 
+def _failure(exc):
+    return pb.failure(code_of(exc), f"prefill: {exc}")
+
+
 class TritonPythonModel:
     def initialize(self, args):
         config = pb.node_config(args)
+        self.secret = config.secret()
         self.worker = load_prefill_worker(config, pb.TritonMetrics(config.name))
         self.controller = connect_controller(config)
 
@@ -18,16 +26,17 @@ class TritonPythonModel:
         for i, request in enumerate(requests):
             tensors = pb.inputs(request, ["input_ids", "kv_ticket", *PARAM_TENSORS])
             try:
+                pb.check_signed(request, self.secret, "prefill", "prefill")
                 params = GenerationParams.from_tensors(tensors)
                 tickets = list(tensors["kv_ticket"].reshape(-1))
                 prompt = tensors["input_ids"].reshape(-1).tolist()
                 jobs.append((i, PrefillJob(request.request_id(), prompt, params, tickets)))
-            except ValueError as exc:
-                responses[i] = pb.error(f"prefill: {exc}")
+            except (ValueError, PermissionError) as exc:
+                responses[i] = _failure(exc)
         results = self.worker.run([job for _, job in jobs])
         for (i, _), result in zip(jobs, results, strict=True):
             if isinstance(result, Exception):
-                responses[i] = pb.error(f"prefill: {result}")
+                responses[i] = _failure(result)
             else:
                 responses[i] = pb.response(output_ids=pb.ids([result]))
         return responses

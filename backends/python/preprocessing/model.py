@@ -1,5 +1,6 @@
-"""Tokenize ``text_input`` into ``input_ids``."""
+"""Tokenize ``text_input`` into ``input_ids``, signed (``input_auth``) for the orchestrator."""
 
+from orchestrator.control.auth import sign_prompt
 from orchestrator.engine.tokenizer import load_tokenizer
 from orchestrator.serving import pb
 from orchestrator.serving.text import encode_prompt
@@ -7,15 +8,18 @@ from orchestrator.serving.text import encode_prompt
 
 class TritonPythonModel:
     def initialize(self, args):
-        self.tokenizer = load_tokenizer(pb.node_config(args).model_dir)
+        config = pb.node_config(args)
+        self.tokenizer = load_tokenizer(config.model_dir)
+        self.secret = config.secret()
 
     def execute(self, requests):
         responses = []
         for request in requests:
             try:
                 prompt = pb.text(pb.inputs(request, ["text_input"])["text_input"])
-                prompt_ids = encode_prompt(self.tokenizer, prompt)
-                responses.append(pb.response(input_ids=pb.ids(prompt_ids)))
+                ids = pb.ids(encode_prompt(self.tokenizer, prompt))
+                auth = sign_prompt(self.secret, ids.tobytes())
+                responses.append(pb.response(input_ids=ids, input_auth=pb.strings(auth)))
             except (ValueError, UnicodeDecodeError) as exc:
                 responses.append(pb.error(f"preprocessing: {exc}"))
         return responses

@@ -1,0 +1,94 @@
+"""The supervisor's keeper: ``dejavu up`` starts it beside the supervisor, and each of the
+two starts the other again when it is gone (the supervisor keeps everything else: the
+nodes, the frontend, the controller).
+
+Whoever starts one writes its pid to ``<dir>/pids/<role>`` at once, before the new
+process has even imported anything, so the other keeper never takes a starting one for
+a lost one. ``dejavu down`` first leaves a ``<dir>/stopping`` mark, after which neither
+starts anything again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from orchestrator.cluster.tritonserver import ROOT, alive
+
+log = logging.getLogger("dejavu.watchdog")
+
+STOPPING = "stopping"
+STATE_FILE = "cluster.json"  # the cluster's state (orchestrator.cluster.launcher)
+MODULES = {"supervisor": "orchestrator.cluster.supervisor",
+           "watchdog": "orchestrator.cluster.watchdog"}
+
+
+def write_pid(run_dir: Path, role: str, pid: int) -> None:
+    """Record ``pid`` as the cluster's ``role``."""
+    path = run_dir / "pids" / role
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(".tmp").write_text(f"{pid}\n")
+    path.with_suffix(".tmp").replace(path)
+
+
+def read_pid(run_dir: Path, role: str) -> int | None:
+    try:
+        return int((Path(run_dir) / "pids" / role).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def stopping(run_dir: Path) -> bool:
+    """The cluster is going down (or gone): start nothing again."""
+    return (run_dir / STOPPING).exists() or not (run_dir / STATE_FILE).exists()
+
+
+def spawn(run_dir: Path, role: str) -> subprocess.Popen:
+    """Start the cluster's ``role`` (supervisor | watchdog), logging to ``logs/<role>.log``."""
+    log_path = run_dir / "logs" / f"{role}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as out:
+        process = subprocess.Popen([sys.executable, "-m", MODULES[role], "--dir", str(run_dir)],
+                                   stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+                                   start_new_session=True)
+    write_pid(run_dir, role, process.pid)
+    return process
+
+
+def keep(run_dir: Path, role: str, child: subprocess.Popen | None) -> subprocess.Popen | None:
+    """Start ``role`` again if it is gone; ``child``: the one this process started last
+    (reaped here when it ends). Returns the one it started, if any."""
+    if child is not None and child.poll() is None:
+        return child
+    pid = read_pid(run_dir, role)
+    if pid is not None and alive(pid):
+        return None  # alive, started by someone else
+    if stopping(run_dir):
+        return None
+    log.warning("the %s is gone (pid %s); starting it again", role, pid)
+    return spawn(run_dir, role)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m orchestrator.cluster.watchdog",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", type=Path, required=True, help="the cluster's folder")
+    parser.add_argument("--poll-s", type=float, default=0.5)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    run_dir = args.dir.resolve()
+    child = None
+    while not stopping(run_dir):
+        child = keep(run_dir, "supervisor", child)
+        time.sleep(args.poll_s)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

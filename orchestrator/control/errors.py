@@ -1,0 +1,54 @@
+"""Why an internal request failed, as a code the caller acts on (never the message text).
+
+An internal model (``prefill``, ``decode``) answers a failed request with a
+normal response carrying ``error_code`` (an :class:`ErrorCode`) and ``error``
+(the message, for people): Triton 2.51's Python backend has no response
+parameters, and a plain Triton error carries text only. The frontend decides
+from the code whether to wait (``NO_FREE_SLOT``), run the prompt on another
+P-node (``KV_TRANSFER``), run the request again (``PIPELINE_LOST``) or give up.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from orchestrator.control.auth import Unauthenticated
+from orchestrator.kv.errors import KVTransferError, NoFreeSlot
+
+
+class ErrorCode(enum.IntEnum):
+    INTERNAL = 1  # a bug or an unexpected failure: the message says what
+    BAD_REQUEST = 2  # refused as given: never retried
+    UNAUTHENTICATED = 3  # not signed with the cluster secret
+    NO_FREE_SLOT = 4  # every prompt-KV slot is held: wait and ask again
+    KV_TRANSFER = 5  # a KV transfer failed or was refused: the prompt may run elsewhere
+    PIPELINE_LOST = 6  # the token pipeline failed a request it had admitted
+
+
+class ControlError(RuntimeError):
+    """An internal node's failure, with its code."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+_BY_TYPE: tuple[tuple[type[BaseException], ErrorCode], ...] = (
+    (Unauthenticated, ErrorCode.UNAUTHENTICATED),
+    (NoFreeSlot, ErrorCode.NO_FREE_SLOT),
+    (KVTransferError, ErrorCode.KV_TRANSFER),
+)
+
+
+def code_of(error: BaseException) -> ErrorCode:
+    """The code of an exception or of the first one in its chain with a specific type;
+    otherwise a ``ValueError`` (a refused request) is ``BAD_REQUEST``."""
+    cause: BaseException | None = error
+    while cause is not None:
+        if isinstance(cause, ControlError):
+            return cause.code
+        for kind, code in _BY_TYPE:
+            if isinstance(cause, kind):
+                return code
+        cause = cause.__cause__
+    return ErrorCode.BAD_REQUEST if isinstance(error, ValueError) else ErrorCode.INTERNAL
