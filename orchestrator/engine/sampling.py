@@ -39,7 +39,9 @@ class Sampler:
         p = self.params
         if p.greedy:
             return logits.argmax(dim=-1)
-        logits = logits.float() / p.temperature
+        # From the max down: a tiny temperature scales to -inf, never to inf (a NaN softmax).
+        logits = logits.float()
+        logits = (logits - logits.max(dim=-1, keepdim=True).values) / p.temperature
         if p.top_k:
             kth = logits.topk(min(p.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))

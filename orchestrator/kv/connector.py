@@ -223,6 +223,12 @@ class KVReceiver:
             else:  # a sender may still be writing into it
                 self._quarantine.append((time.monotonic() + self.timeout_s, incoming.slot))
 
+    def held(self) -> int:
+        """Slots held by requests (a failed one's slot, waiting out a late writer, is not:
+        it comes back on its own)."""
+        with self._lock:
+            return len(self._requests)
+
     def close(self) -> None:
         """Unregister the pool; outstanding requests are dropped."""
         for tensor in (self.pool, self.landing, self.consumed):
@@ -401,6 +407,7 @@ class SendHandle:
     state: KVPoll = KVPoll.BOOTSTRAPPING
     finished: bool = False
     error: KVTransferError | None = None
+    released: bool = False  # its staging block is given back (or drains to be)
 
 
 class KVSender:
@@ -591,9 +598,26 @@ class KVSender:
                     raise handle.error
                 _sleep(waited)
         finally:
-            with self._lock:
-                self._draining.append(handle)
-                self._reclaim_staging()
+            self.release(handle)
+
+    def release(self, handle: SendHandle) -> None:
+        """Give the handle's staging block back once no transfer reads it; call it on every
+        exit (``wait_for_save`` does). A handle given up before it succeeded fails."""
+        with self._lock:
+            if handle.released:
+                return
+            handle.released = True
+            if handle.state != KVPoll.SUCCESS and handle.error is None:
+                handle.error = KVTransferError("<local>", "abandoned", handle.request_id)
+                handle.state = KVPoll.FAILED
+            self._draining.append(handle)
+            self._reclaim_staging()
+
+    def in_flight(self) -> int:
+        """Staging blocks taken (0 once every request ended and its transfers drained)."""
+        with self._lock:
+            self._reclaim_staging()
+            return len(self.staging) - len(self._free_staging)
 
     def close(self) -> None:
         """Unregister the staging blocks (after every handle's ``wait_for_save``)."""

@@ -24,7 +24,7 @@ import torch
 
 from orchestrator.engine.base import Engine
 from orchestrator.engine.sampling import Sampler, SamplingParams
-from orchestrator.kv.connector import KVSender
+from orchestrator.kv.connector import KVSender, SendHandle
 from orchestrator.kv.layout import KVCache, KVLayout
 from orchestrator.kv.primitives import region_view, routes
 from orchestrator.kv.transport.base import KVPoll
@@ -196,22 +196,27 @@ def stream_prefill(
     sampling = sampling or {}
     rids = list(prompts)
     x: list[torch.Tensor] = [torch.tensor(prompts[r], dtype=torch.long) for r in rids]
-    handles = []
-    for engine, sender in zip(engines, senders, strict=True):
-        stage_handles = [sender.start(rid, list(tickets[rid])) for rid in rids]
+    taken: list[tuple[KVSender, SendHandle]] = []  # every staging block, given back on any exit
+    try:
+        for engine, sender in zip(engines, senders, strict=True):
+            stage_handles = []
+            for rid in rids:
+                stage_handles.append(sender.start(rid, list(tickets[rid])))
+                taken.append((sender, stage_handles[-1]))
 
-        def save(layer: int, caches: Sequence[KVCache], sender=sender, hs=stage_handles) -> None:
-            for handle, cache in zip(hs, caches, strict=True):
-                sender.save_layer(handle, layer, cache)
+            def save(layer: int, caches: Sequence[KVCache], sender=sender,
+                     hs=stage_handles) -> None:
+                for handle, cache in zip(hs, caches, strict=True):
+                    sender.save_layer(handle, layer, cache)
 
-        x = engine.prefill(x, [engine.new_cache() for _ in rids], on_layer=save)
-        handles.append(stage_handles)
-    first = {rid: int(Sampler(sampling.get(rid))(logits[None])[0])
-             for rid, logits in zip(rids, x, strict=True)}
-    for sender, stage_handles in zip(senders, handles, strict=True):
-        for rid, handle in zip(rids, stage_handles, strict=True):
-            sender.finish(handle, extra=encode_first_token(first[rid]))
-    for sender, stage_handles in zip(senders, handles, strict=True):
-        for handle in stage_handles:
+            x = engine.prefill(x, [engine.new_cache() for _ in rids], on_layer=save)
+        first = {rid: int(Sampler(sampling.get(rid))(logits[None])[0])
+                 for rid, logits in zip(rids, x, strict=True)}
+        for sender, handle in taken:
+            sender.finish(handle, extra=encode_first_token(first[handle.request_id]))
+        for sender, handle in taken:
             sender.wait_for_save(handle, save_timeout_s)
+    finally:
+        for sender, handle in taken:
+            sender.release(handle)
     return first

@@ -62,6 +62,7 @@ class NodeConfig:
     devices: str = ""  # cpu:0-1 or cuda:0 (orchestrator.cluster.devices); empty: anywhere
     threads: int = 1  # torch threads: nodes share the machine's cores
     max_requests: int = 64  # frontend: requests served at once
+    max_prompt_bytes: int | None = None  # frontend: prompt text limit; None: from the context
     prefill_urls: tuple[str, ...] = ()  # every P-node's gRPC url
     decode_urls: tuple[tuple[str, ...], ...] = ()  # each token pipeline's, stage 0 first
 
@@ -75,7 +76,7 @@ class NodeConfig:
     def _validate(self) -> None:
         positive = ("depth", "prefill_depth", "max_batch", "threads", "max_requests",
                     "heartbeat_s", "recover_timeout_s")
-        for name in (*positive, "max_seq_len", "num_slots"):
+        for name in (*positive, "max_seq_len", "num_slots", "max_prompt_bytes"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"node config: {name} must be > 0, got {value}")

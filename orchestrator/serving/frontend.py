@@ -76,8 +76,17 @@ class PipelineLost(ServingError):
     """The token pipeline failed a request it had admitted: it may run again from its prompt."""
 
 
+class Refused(ServingError):
+    """A node refused the request itself (bad parameters, a failed step it would fail again):
+    never run again."""
+
+
 class Cancelled(Exception):
     """The client went away; downstream work has been cancelled."""
+
+
+_BUSY_WAIT_S, _MAX_BUSY_WAIT_S = 0.05, 1.0  # first and longest wait for a free KV slot
+_MAX_RERUN_WAIT_S = 8.0  # longest wait before a lost request runs again
 
 
 def request_tensors(prompt_ids: list[int], params: GenerationParams) -> list:
@@ -245,6 +254,7 @@ class Frontend:
 
         lost_at: float | None = None
         busy_until = time.monotonic() + self.timeout_s
+        busy_wait, rerun_wait = _BUSY_WAIT_S, self.rerun_wait_s
         while True:
             made = 0
             if is_cancelled():
@@ -252,19 +262,34 @@ class Frontend:
             try:
                 return self._generate_once(prompt_ids, params, relay, is_cancelled)
             except NodeBusy:
-                if time.monotonic() > busy_until:
+                if time.monotonic() + busy_wait > busy_until:
                     raise
-                time.sleep(0.05)  # admitted requests give their slots back within a step
+                # Admitted requests give their slots back within a step; a failed one's
+                # slot waits out a late writer: back off.
+                self._wait(busy_wait, is_cancelled)
+                busy_wait = min(2 * busy_wait, _MAX_BUSY_WAIT_S)
+            except Refused:
+                raise
             except (ServingError, NoNodeError) as exc:
                 if lost_at is None and isinstance(exc, ServingError) and not isinstance(
                         exc, PipelineLost):
                     raise  # refused before any pipeline took it: not a fault
                 lost_at = lost_at or time.monotonic()
-                if time.monotonic() - lost_at > self.timeout_s:
+                if time.monotonic() + rerun_wait - lost_at > self.timeout_s:
                     raise ServingError(f"{exc} (and still failing {self.timeout_s:.0f} s "
                                        "after the first failure)") from exc
-                log.warning("%s; running the request again from its prompt", exc)
-                time.sleep(self.rerun_wait_s)
+                log.warning("%s; running the request again from its prompt in %.1f s", exc,
+                            rerun_wait)
+                self._wait(rerun_wait, is_cancelled)
+                rerun_wait = min(2 * rerun_wait, _MAX_RERUN_WAIT_S)
+
+    def _wait(self, seconds: float, is_cancelled: Callable[[], bool]) -> None:
+        """Sleep before a retry; a client that leaves meanwhile ends it at once."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            if is_cancelled() or self.stopped.is_set():
+                raise Cancelled()
+            time.sleep(min(left, 0.05))
 
     def _generate_once(
         self,
@@ -319,7 +344,7 @@ class Frontend:
             if is_unreachable(exc):
                 self.decode.mark_down(url)
             raise _decode_error(exc, f"decode node {url}", admitted) from exc
-        except (PipelineLost, NodeBusy):
+        except (PipelineLost, NodeBusy, Refused):
             raise
         except ServingError as exc:
             if admitted:  # e.g. the P-node failed, or stage 0 went silent
@@ -387,10 +412,11 @@ class Frontend:
                 if is_unreachable(exc):  # died before or during the call: worth a rerun
                     self.prefill.mark_down(url)
                     raise PrefillLost(f"prefill node {url} lost: {exc.message()}") from exc
-                raise ServingError(f"prefill node {url}: {exc.message()}") from exc
+                # Prefill is deterministic: it would fail the same way again.
+                raise Refused(f"prefill node {url}: {exc.message()}") from exc
             except ControlError as exc:
                 if exc.code is ErrorCode.KV_TRANSFER:  # its KV never landed: worth a rerun
                     self.prefill.mark_down(url)
                     raise PrefillLost(str(exc)) from exc
-                raise ServingError(str(exc)) from exc
+                raise Refused(str(exc)) from exc
             return int(result.as_numpy("output_ids")[0])

@@ -1,4 +1,4 @@
-"""What a node counts: requests by outcome, queue length, KV streamed.
+"""What a node counts: requests by outcome, queue length, KV streamed, resources held.
 
 The serving library reports through this interface; inside Triton,
 :class:`orchestrator.serving.pb.TritonMetrics` publishes it on the server's
@@ -10,10 +10,13 @@ from __future__ import annotations
 
 class Metrics:
     def request_done(self, outcome: str) -> None:
-        """``outcome``: finished, cancelled or failed."""
+        """``outcome``: finished, cancelled, refused or failed."""
 
     def queue_length(self, requests: int) -> None:
         """Requests the node holds right now (running or waiting)."""
 
     def kv_streamed(self, nbytes: int, seconds: float) -> None:
         """One prompt's KV: bytes moved and how long its transfer was open."""
+
+    def held(self, what: str, count: int) -> None:
+        """Request resources taken right now (``what``: staging_blocks, ...): 0 when idle."""

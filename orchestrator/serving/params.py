@@ -8,6 +8,7 @@ the default; a ``temperature`` above zero turns sampling on.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -80,6 +81,9 @@ class GenerationParams:
         return tensors
 
     def check(self) -> None:
+        for name in ("temperature", "top_p"):
+            if not math.isfinite(getattr(self, name)):
+                raise RequestError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.max_tokens < 1:
             raise RequestError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.temperature < 0:

@@ -85,6 +85,12 @@ def check_signed(request, secret: bytes, model: str, op: str) -> None:
     check_request(secret, parameters, model, op, request_id)
 
 
+def refused(message: str) -> pb_utils.InferenceResponse:
+    """The request itself is wrong: a client error (HTTP 400, gRPC INVALID_ARGUMENT)."""
+    return pb_utils.InferenceResponse(
+        error=pb_utils.TritonError(message, pb_utils.TritonError.INVALID_ARG))
+
+
 def ids(tokens: list[int]) -> np.ndarray:
     return np.array(tokens, dtype=np.int32)
 
@@ -105,6 +111,8 @@ class TritonMetrics(Metrics):
         self.kv_seconds = pb_utils.MetricFamily(
             "dejavu_kv_transfer_seconds", "time KV transfers were open", counter
         )
+        self.held_family = pb_utils.MetricFamily("dejavu_held", "request resources held", gauge)
+        self.held_metrics: dict[str, object] = {}
         self.queue_metric = self.queue.Metric(labels={"node": node})
         self.kv_bytes_metric = self.kv_bytes.Metric(labels={"node": node})
         self.kv_seconds_metric = self.kv_seconds.Metric(labels={"node": node})
@@ -125,3 +133,10 @@ class TritonMetrics(Metrics):
         with _ipc:
             self.kv_bytes_metric.increment(nbytes)
             self.kv_seconds_metric.increment(seconds)
+
+    def held(self, what: str, count: int) -> None:
+        with _ipc:
+            if what not in self.held_metrics:
+                labels = {"node": self.node, "what": what}
+                self.held_metrics[what] = self.held_family.Metric(labels=labels)
+            self.held_metrics[what].set(count)

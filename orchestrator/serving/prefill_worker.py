@@ -48,10 +48,17 @@ class PrefillWorker:
     def run(self, jobs: Sequence[PrefillJob]) -> list[int | Exception]:
         """First token per job, or the exception that job failed with."""
         with self.lock:
-            results = self._run(jobs)
+            try:
+                results = self._run(jobs)
+            finally:
+                self.metrics.held("staging_blocks", self.staging_in_flight())
         for result in results:
             self.metrics.request_done("failed" if isinstance(result, Exception) else "finished")
         return results
+
+    def staging_in_flight(self) -> int:
+        """Staging blocks still taken (0 between batches once their transfers drained)."""
+        return sum(sender.in_flight() for sender in self.senders)
 
     def _run(self, jobs: Sequence[PrefillJob]) -> list[int | Exception]:
         results: list[int | Exception] = [ValueError("empty prompt")] * len(jobs)

@@ -16,6 +16,7 @@ replicas and replace a lost stage.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -92,8 +93,9 @@ class TokenService:
     # -- control requests --------------------------------------------------------------
 
     def _control_ops(self) -> dict[str, Callable[[ControlRequest], bytes | None]]:
+        held = {"held": lambda _: json.dumps(self.held()).encode()}
         if self.node is None:
-            return {}
+            return held
         node = self.node
         ops: dict[str, Callable[[ControlRequest], bytes | None]] = {
             "endpoints": lambda _: node.endpoints(),
@@ -105,7 +107,7 @@ class TokenService:
         if self.recovery is not None:
             ops |= {name: lambda r, op=op: op(*r.args)
                     for name, op in self.recovery.ops().items()}
-        return ops
+        return ops | held
 
     def control(self, op: str, request: ControlRequest) -> bytes:
         """Run the control operation named ``op``; the bytes to answer with."""
@@ -130,6 +132,17 @@ class TokenService:
         if request.prompt_len < 1:
             raise RequestError("op 'reserve' needs the prompt (input_ids)")
         return self.node.reserve_prompt(request.request_id, request.prompt_len)
+
+    def held(self) -> dict[str, int]:
+        """What requests hold on this node, each 0 once every request ended: clients,
+        prompt-KV slots, sequences' KV, replicas and restored KV."""
+        with self.lock:
+            counts = {"clients": len(self.clients)}
+        if self.node is not None:
+            counts |= {"slots": self.node.receiver.held(), "kv": len(self.node.kv)}
+        if self.recovery is not None:
+            counts |= self.recovery.replication.held_counts()
+        return counts
 
     # -- generation (stage 0) ----------------------------------------------------------
 

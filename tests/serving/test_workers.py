@@ -164,3 +164,39 @@ def test_kv_that_never_comes_fails_the_request_and_frees_the_slot(model):
             time.sleep(0.02)
     finally:
         service.stop()
+
+
+def test_a_failing_prefill_gives_its_staging_block_back(model, engine, monkeypatch):
+    """A step that fails after the KV transfer started (the first token's sampling, here
+    made to fail) leaves no staging block taken: before, 16 such requests took them all."""
+    from orchestrator.pipeline import prompt_worker
+
+    fabric = LocalFabric()
+    config = PipelineConfig(depth=1, batch_size=2, max_seq_len=MAX_SEQ, kv_timeout_s=5)
+    node = StageNode(model, 0, config, secret=SECRET,
+                     make_transport=lambda name: LocalTransport(fabric, name)).start()
+    service = TokenService(node.engine, node=node)
+    sender = KVSender(LocalTransport(fabric, "p0"), engine.kv_layout, SECRET, max_inflight=2)
+    prefill = PrefillWorker([engine], [sender])
+    try:
+        for i in range(3):  # more failures than staging blocks
+            client = Client()
+            admit(service, f"bad{i}", PROMPTS[0], GenerationParams(max_tokens=4), client)
+            with monkeypatch.context() as patch:
+                patch.setattr(prompt_worker, "Sampler", lambda params: lambda logits: 1 / 0)
+                (result,) = prefill.run([PrefillJob(f"bad{i}", PROMPTS[0],
+                                                    GenerationParams(max_tokens=4),
+                                                    [client.ticket])])
+            assert isinstance(result, ZeroDivisionError)
+            service.head.cancel(f"bad{i}")
+        deadline = time.monotonic() + 5
+        while prefill.staging_in_flight():
+            assert time.monotonic() < deadline, "a failed prefill kept its staging block"
+            time.sleep(0.02)
+        good = Client()
+        admit(service, "good", PROMPTS[1], GenerationParams(max_tokens=3), good)
+        (first,) = prefill.run([PrefillJob("good", PROMPTS[1], GenerationParams(max_tokens=3),
+                                           [good.ticket])])
+        assert [first, *good.wait().tokens] == generate([engine], PROMPTS[1:2], 3)[0]
+    finally:
+        service.stop()

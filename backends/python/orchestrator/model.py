@@ -7,7 +7,9 @@ from concurrent.futures import ThreadPoolExecutor
 from orchestrator.control.auth import check_prompt
 from orchestrator.serving import pb
 from orchestrator.serving.frontend import Cancelled, Frontend
-from orchestrator.serving.params import PARAM_TENSORS, GenerationParams
+from orchestrator.serving.limits import RequestLimits
+from orchestrator.serving.params import PARAM_TENSORS, GenerationParams, RequestError
+from orchestrator.serving.params import check_prompt as check_prompt_fits
 
 
 class TritonPythonModel:
@@ -17,6 +19,7 @@ class TritonPythonModel:
         self.frontend = Frontend(list(config.prefill_urls), [list(p) for p in config.decode_urls],
                                  self.secret, controller=config.controller)
         self.metrics = pb.TritonMetrics(config.name or "frontend")
+        self.limits = RequestLimits.for_node(config)
         self.held, self.lock = 0, threading.Lock()
         self.pool = ThreadPoolExecutor(max_workers=config.max_requests)
 
@@ -35,15 +38,20 @@ class TritonPythonModel:
         self.count(+1)
         outcome = "failed"
         try:
+            # Everything a client can get wrong is refused here, before any node works.
             tensors = pb.inputs(request, ["input_ids", "input_auth", *PARAM_TENSORS])
+            prompt = self.limits.check_ids(tensors["input_ids"])
             signature = None if tensors["input_auth"] is None else pb.text(tensors["input_auth"])
-            check_prompt(self.secret, signature, pb.ids(tensors["input_ids"]).tobytes())
+            check_prompt(self.secret, signature, pb.ids(prompt).tobytes())
             params = GenerationParams.from_tensors(tensors)
-            prompt = tensors["input_ids"].reshape(-1).tolist()
+            check_prompt_fits(prompt, params, self.limits.max_seq_len, self.limits.vocab_size)
             self.frontend.generate(prompt, params, emit, pb.cancelled(request))
             outcome = "finished"
         except Cancelled:  # Triton already closed the stream when is_cancelled() said so
             outcome = "cancelled"
+        except RequestError as exc:
+            outcome = "refused"
+            pb.send(sender, pb.refused(str(exc)), final=True)
         except Exception as exc:
             pb.send(sender, pb.error(str(exc)), final=True)
         finally:
