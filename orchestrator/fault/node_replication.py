@@ -56,21 +56,23 @@ from orchestrator.pipeline.node import StageNode
 
 
 class ReplicaServer:
-    """The holder's control calls as a gRPC service on 127.0.0.1 (an ephemeral port).
+    """The holder's control calls as a gRPC service on an ephemeral port of ``host`` (the
+    node's own host as its peers reach it: loopback locally, a service name in containers).
 
     Two pools answer ``ReplicaOpen``: ``replica`` (the predecessor's replicas) and, on a
     replacement stage during recovery, ``landing`` (its own KV, sent back by its holder).
     """
 
-    def __init__(self, landing: ReplicaStore, secret: bytes) -> None:
+    def __init__(self, landing: ReplicaStore, secret: bytes, host: str = "127.0.0.1") -> None:
         self.store: ReplicaStore | None = None  # set once the source's layout is known
         self.landing = landing
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         self._server.add_generic_rpc_handlers((service_handler({
             "ReplicaOpen": self._open, "ReplicaFree": self._free, "ReplicaLanded": self._landed,
         }, secret),))
-        port = self._server.add_insecure_port("127.0.0.1:0")
-        self.address = f"127.0.0.1:{port}"
+        loopback = host in ("127.0.0.1", "localhost")
+        port = self._server.add_insecure_port(f"{host if loopback else '0.0.0.0'}:0")
+        self.address = f"{host}:{port}"
         self._server.start()
 
     def _store(self) -> ReplicaStore:
@@ -139,10 +141,11 @@ class NodeReplication:
         ack: AckFn | None = None,
         slots: int | None = None,
         timeout_s: float = 10.0,
+        host: str = "127.0.0.1",
     ) -> None:
         """``ack``: called on the holder for every ``(source stage, microbatch, step)`` whose
         deltas all landed here. ``slots``: replicas held at once (default: every sequence the
-        pipeline can run, plus its prompt slots)."""
+        pipeline can run, plus its prompt slots). ``host``: where peers reach this node."""
         if node.config.depth < 2:
             raise ValueError("replication needs a pipeline of depth >= 2")
         if make_transport is None:
@@ -159,7 +162,7 @@ class NodeReplication:
         # Where this stage's own KV lands when its holder restores it (recovery step 1).
         self.landing = ReplicaStore(self.transport, node.engine.kv_layout, self.slots, secret,
                                     timeout_s=timeout_s)
-        self.server = ReplicaServer(self.landing, secret)
+        self.server = ReplicaServer(self.landing, secret, host)
         self.replicator: Replicator | None = None
         self._peer: RemoteReplicaPeer | None = None
         self._holder_node = ""  # the successor's replica endpoint

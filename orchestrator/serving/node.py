@@ -56,7 +56,8 @@ def load_token_service(config: NodeConfig, metrics: Metrics | None = None,
     recovery = None
     if config.replicates:
         ack = None if controller is None else controller.ack
-        replication = (NodeReplication(node, secret, ack=ack)
+        host = config.address.rpartition(":")[0] or "127.0.0.1"
+        replication = (NodeReplication(node, secret, ack=ack, host=host)
                        if config.replicate is ReplicateMode.ON
                        else DiskReplication(node, config.replica_dir, ack=ack))
         recovery = RecoveryOps(node, replication, controller)
