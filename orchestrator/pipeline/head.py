@@ -29,10 +29,12 @@ step of each microbatch its controller picked.
 
 from __future__ import annotations
 
+import enum
 import itertools
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import torch
@@ -52,6 +54,19 @@ from orchestrator.pipeline.sequence import Sequence as Seq
 log = logging.getLogger(__name__)
 
 MODES = ("disaggregated", "colocated")
+ERRORS_KEPT = 64  # the latest errors a long-lived head keeps (``error_count`` counts all)
+
+
+class HeadState(enum.Enum):
+    """What the head does with work. SERVING -> PAUSED (``pause``: a repair is under way)
+    or FAULTED (a stage is lost; paused until a repair ``resume`` s it or
+    ``recover_timeout_s`` passes) -> SERVING (``resume``); any -> BROKEN (every request
+    failed, new ones refused; final)."""
+
+    SERVING = "serving"
+    PAUSED = "paused"
+    FAULTED = "faulted"
+    BROKEN = "broken"
 
 
 class PipelineHead:
@@ -98,16 +113,34 @@ class PipelineHead:
         self._unreleased: dict[int, str] = {}  # prompt KV to drop on every stage
         self._probe_sent_at: float | None = None
         self._last_probe = 0.0
-        self.errors: list[str] = []
-        self.broken: str | None = None
-        self.fault: str | None = None  # paused for a repair since ``_fault_at``
+        self.errors: deque[str] = deque(maxlen=ERRORS_KEPT)
+        self.error_count = 0
+        self.state = HeadState.SERVING
+        self.reason: str | None = None  # why FAULTED (since ``_fault_at``) or BROKEN
         self._fault_at = 0.0
-        self._paused = False
         self._markers: dict[str, bool] = {}  # drain marker sent -> came back
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="pipeline-head", daemon=True)
         self._started = False
         self._generate_ids = itertools.count()
+
+    @property
+    def broken(self) -> str | None:
+        """Why the pipeline is down for good (None: it is not)."""
+        return self.reason if self.state is HeadState.BROKEN else None
+
+    @property
+    def fault(self) -> str | None:
+        """Why the head is paused waiting for a repair (None: it is not)."""
+        return self.reason if self.state is HeadState.FAULTED else None
+
+    @property
+    def _paused(self) -> bool:
+        return self.state in (HeadState.PAUSED, HeadState.FAULTED)
+
+    def _error(self, error: str) -> None:
+        self.errors.append(error)
+        self.error_count += 1
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -194,7 +227,7 @@ class PipelineHead:
             if not self._done.wait_for(lambda: not self._live, timeout_s):
                 stuck = ", ".join(sorted(self._live)[:5])
                 raise TimeoutError(f"{len(self._live)} requests unfinished after {timeout_s} s "
-                                   f"({stuck}); pipeline errors: {self.errors[-3:]}")
+                                   f"({stuck}); pipeline errors: {list(self.errors)[-3:]}")
 
     def generate(
         self,
@@ -228,7 +261,8 @@ class PipelineHead:
     def pause(self) -> None:
         """Issue nothing more; answers still coming back are taken in."""
         with self._lock:
-            self._paused = True
+            if self.state is HeadState.SERVING:
+                self.state = HeadState.PAUSED
 
     def drain(self, link: Link, timeout_s: float) -> None:
         """Wait until every message ahead of a marker sent into ``link`` reached the head:
@@ -267,9 +301,11 @@ class PipelineHead:
     def resume(self) -> None:
         """Go on: every microbatch not in flight takes its next step now."""
         with self._lock:
-            self._paused, self.fault = False, None
+            if self.state is HeadState.BROKEN:
+                return
+            self.state, self.reason = HeadState.SERVING, None
             for mb, busy in enumerate(self._in_flight):
-                if not busy and self.broken is None:
+                if not busy:
                     self._issue(mb)
 
     def running(self) -> list[Seq]:
@@ -355,7 +391,7 @@ class PipelineHead:
         try:
             self.to_first.send(_to_message(batch), self.step_timeout_s)
         except LinkTimeout as exc:
-            self.errors.append(str(exc))
+            self._error(str(exc))
             self.scheduler.fail(mb, f"first stage not taking work: {exc}")
             return
         self._in_flight[mb], self._sent_step[mb] = True, batch.step
@@ -372,7 +408,7 @@ class PipelineHead:
             return  # left in flight, unanswered: ``rewind`` redoes it
         self._in_flight[mb] = False
         if message.error is not None:
-            self.errors.append(message.error)
+            self._error(message.error)
             self.scheduler.fail(mb, message.error)
         else:
             self.scheduler.postprocess(mb, message.tokens)
@@ -393,7 +429,7 @@ class PipelineHead:
         try:
             self.to_first.send(probe, self.step_timeout_s)
         except LinkTimeout as exc:
-            self.errors.append(f"first stage not taking a KV probe: {exc}")
+            self._error(f"first stage not taking a KV probe: {exc}")
             return
         self._unreleased = {}
         self._probe_sent_at = self._last_probe = now
@@ -436,10 +472,10 @@ class PipelineHead:
         """A stage is lost: pause for a repair if one may come, else break."""
         if self.recover_timeout_s is None or self.broken is not None:
             self._break(error)
-        elif self.fault is None:
+        elif self.state is not HeadState.FAULTED:
             log.error("pipeline paused, waiting for a repair: %s", error)
-            self.fault, self._fault_at, self._paused = error, time.monotonic(), True
-            self.errors.append(error)
+            self.state, self.reason, self._fault_at = HeadState.FAULTED, error, time.monotonic()
+            self._error(error)
 
     def _fail_stalled(self) -> None:
         now = time.monotonic()
@@ -447,18 +483,18 @@ class PipelineHead:
             if busy and now - self._sent_at[mb] > self.step_timeout_s:
                 error = (f"microbatch {mb} step {self._sent_step[mb]} got no answer in "
                          f"{self.step_timeout_s} s{self._stall_hint()}")
-                self.errors.append(error)
+                self._error(error)
                 self._in_flight[mb] = False
                 self.scheduler.fail(mb, error)
         if self._probe_sent_at is not None and now - self._probe_sent_at > self.step_timeout_s:
-            self.errors.append(f"a KV probe got no answer in {self.step_timeout_s} s")
+            self._error(f"a KV probe got no answer in {self.step_timeout_s} s")
             self._probe_sent_at = None  # probe again; pending requests time out on their own
 
     def _break(self, error: str) -> None:
-        if self.broken is None:
+        if self.state is not HeadState.BROKEN:
             log.error("pipeline down: %s", error)
-            self.broken = error
-            self.errors.append(error)
+            self.state, self.reason = HeadState.BROKEN, error
+            self._error(error)
         self._fail_everything(error)
 
     def _fail_everything(self, error: str) -> None:

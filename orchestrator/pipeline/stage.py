@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -25,8 +26,8 @@ import torch
 
 from orchestrator.engine.base import Engine
 from orchestrator.engine.sampling import Sampler
-from orchestrator.kv.layout import KVCache
 from orchestrator.kv.transport.base import KVPoll
+from orchestrator.layout import KVCache
 from orchestrator.pipeline.link import (
     KVProbe,
     Link,
@@ -40,6 +41,7 @@ from orchestrator.pipeline.link import (
 from orchestrator.pipeline.swapper import KVPlacement
 
 log = logging.getLogger(__name__)
+TIMELINE_KEPT = 10_000  # busy intervals a long-lived stage keeps (the latest; benches read them)
 
 
 class PromptKVSource(Protocol):
@@ -111,7 +113,7 @@ class StageWorker:
         self.members: dict[int, list[int]] = {}  # microbatch -> its sequences, as last seen
         self._followed_by: dict[int, int] = {}  # microbatch -> the one that came after it
         self._previous: int | None = None
-        self.timeline: list[Interval] = []
+        self.timeline: deque[Interval] = deque(maxlen=TIMELINE_KEPT)
         self._handling = False  # a message taken and not yet passed on
         self._last_handled = time.monotonic()
         self._retired = threading.Event()
