@@ -50,6 +50,7 @@ from orchestrator.control.client import (
     tensor,
 )
 from orchestrator.control.errors import ControlError, ErrorCode
+from orchestrator.serving.metrics import Metrics
 from orchestrator.serving.params import GenerationParams
 from orchestrator.serving.router import NoNodeError, Router
 from orchestrator.serving.text import CONTEXT_TOKENS
@@ -169,11 +170,12 @@ class Frontend:
     def __init__(
         self, prefill_urls: list[str], decode_pipelines: list[list[str]],
         secret: bytes, timeout_s: float = 60.0, controller: str = "", watch_s: float = 0.5,
-        rerun_wait_s: float = 1.0,
+        rerun_wait_s: float = 1.0, metrics: Metrics | None = None,
     ) -> None:
         """``decode_pipelines``: each token pipeline's stage urls, stage 0 (its head) first;
         ``secret``: the cluster's (every request to a node is signed with it);
-        ``controller``: the fault controller's address (empty: none)."""
+        ``controller``: the fault controller's address (empty: none); ``metrics``: counts
+        the reruns."""
         self.prefill = Router(prefill_urls) if prefill_urls else None
         self.decode = Router([stages[0] for stages in decode_pipelines])
         self.later_stages = {stages[0]: stages[1:] for stages in decode_pipelines}
@@ -181,6 +183,7 @@ class Frontend:
         self.secret, self.pool = secret, ClientPool()
         self.control = ControlClient(secret, timeout_s, self.pool)
         self.prefill_clients = {url: connect(url) for url in prefill_urls}
+        self.metrics = metrics or Metrics()
         self.stopped = threading.Event()
         self.watcher = None
         if controller:
@@ -280,6 +283,7 @@ class Frontend:
                                        "after the first failure)") from exc
                 log.warning("%s; running the request again from its prompt in %.1f s", exc,
                             rerun_wait)
+                self.metrics.rerun("request")
                 self._wait(rerun_wait, is_cancelled)
                 rerun_wait = min(2 * rerun_wait, _MAX_RERUN_WAIT_S)
 
@@ -326,6 +330,7 @@ class Frontend:
                     first = self._prefill(request_id, prompt_ids, params, tickets)
                 except PrefillLost as lost:
                     log.warning("%s; running the prompt again on another P-node", lost)
+                    self.metrics.rerun("prompt")
                     stream.close(cancel=True)  # the head frees the slot on every stage
                     stream, admitted = None, False
                     request_id = uuid.uuid4().hex

@@ -1,4 +1,5 @@
-"""What a node counts: requests by outcome, queue length, KV streamed, resources held.
+"""What a node counts: requests by outcome, queue length, KV streamed, resources held,
+reruns.
 
 The serving library reports through this interface; inside Triton,
 :class:`orchestrator.serving.pb.TritonMetrics` publishes it on the server's
@@ -20,3 +21,7 @@ class Metrics:
 
     def held(self, what: str, count: int) -> None:
         """Request resources taken right now (``what``: staging_blocks, ...): 0 when idle."""
+
+    def rerun(self, what: str) -> None:
+        """The frontend ran a ``prompt`` again on another P-node, or a whole ``request``
+        again from its prompt (its pipeline lost it)."""

@@ -116,7 +116,10 @@ class TritonMetrics(Metrics):
         self.queue_metric = self.queue.Metric(labels={"node": node})
         self.kv_bytes_metric = self.kv_bytes.Metric(labels={"node": node})
         self.kv_seconds_metric = self.kv_seconds.Metric(labels={"node": node})
+        self.reruns = pb_utils.MetricFamily("dejavu_reruns", "prompts or requests run again",
+                                            counter)
         self.by_outcome: dict[str, object] = {}
+        self.by_rerun: dict[str, object] = {}
 
     def request_done(self, outcome: str) -> None:
         with _ipc:
@@ -124,6 +127,13 @@ class TritonMetrics(Metrics):
                 labels = {"node": self.node, "outcome": outcome}
                 self.by_outcome[outcome] = self.requests.Metric(labels=labels)
             self.by_outcome[outcome].increment(1)
+
+    def rerun(self, what: str) -> None:
+        with _ipc:
+            if what not in self.by_rerun:
+                labels = {"node": self.node, "what": what}
+                self.by_rerun[what] = self.reruns.Metric(labels=labels)
+            self.by_rerun[what].increment(1)
 
     def queue_length(self, requests: int) -> None:
         with _ipc:

@@ -16,9 +16,9 @@ class TritonPythonModel:
     def initialize(self, args):
         config = pb.node_config(args)
         self.secret = config.secret()
-        self.frontend = Frontend(list(config.prefill_urls), [list(p) for p in config.decode_urls],
-                                 self.secret, controller=config.controller)
         self.metrics = pb.TritonMetrics(config.name or "frontend")
+        self.frontend = Frontend(list(config.prefill_urls), [list(p) for p in config.decode_urls],
+                                 self.secret, controller=config.controller, metrics=self.metrics)
         self.limits = RequestLimits.for_node(config)
         self.held, self.lock = 0, threading.Lock()
         self.pool = ThreadPoolExecutor(max_workers=config.max_requests)
