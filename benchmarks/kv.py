@@ -39,11 +39,11 @@ from orchestrator.engine.checkpoint import PRESETS, make_checkpoint
 from orchestrator.engine.torch_engine import load_engine
 from orchestrator.kv.connector import KVReceiver, KVSender
 from orchestrator.kv.delta import DeltaStreamer
-from orchestrator.kv.layout import KVCache, KVLayout
 from orchestrator.kv.primitives import kv_spans
 from orchestrator.kv.transport.base import KVPoll, Region
 from orchestrator.kv.transport.nixl import NixlTransport
 from orchestrator.kv.wire import Ticket
+from orchestrator.layout import KVCache, KVLayout
 
 SECRET = b"dejavu-bench"
 MODES = ["none", "per-slice", "buffered", "layer-wise", "overlap"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import sys
 
+REPORT_MODULES = ("rich", "matplotlib")  # the ``bench`` extra: not installed on serving nodes
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("model", "make"): ("orchestrator.engine.checkpoint:main", "write a dummy checkpoint folder"),
     ("run",): ("orchestrator.engine.reference:main", "generate in one process (reference)"),
@@ -24,9 +25,9 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("generate",): ("clients.generate:main", "generate through Triton HTTP/gRPC"),
     ("plan",): ("orchestrator.planner.cli:plan_main", "size prompt and token pools"),
     ("simulate",): ("orchestrator.planner.cli:simulate_main", "simulate serving policies"),
-    ("bench", "kv"): ("orchestrator.kv.bench:main", "KV streaming ablation (Fig. 11)"),
-    ("bench", "recovery"): ("orchestrator.fault.bench:main", "failure recovery (Fig. 14, 15)"),
-    ("bench", "pipeline"): ("orchestrator.pipeline.bench:main", "pipeline bubbles and swapping"),
+    ("bench", "kv"): ("benchmarks.kv:main", "KV streaming ablation (Fig. 11)"),
+    ("bench", "recovery"): ("benchmarks.recovery:main", "failure recovery (Fig. 14, 15)"),
+    ("bench", "pipeline"): ("benchmarks.pipeline:main", "pipeline bubbles and swapping"),
     ("bench", "serving"): ("clients.perf:main", "perf_analyzer against the ensemble"),
 }
 
@@ -43,7 +44,14 @@ def main(argv: list[str] | None = None) -> int:
     for words, (target, _) in sorted(COMMANDS.items(), key=lambda kv: -len(kv[0])):
         if tuple(argv[: len(words)]) == words:
             module_name, func_name = target.split(":")
-            func = getattr(importlib.import_module(module_name), func_name)
+            try:
+                func = getattr(importlib.import_module(module_name), func_name)
+            except ModuleNotFoundError as exc:
+                if exc.name not in REPORT_MODULES:
+                    raise
+                print(f"dejavu {' '.join(words)} reports with {exc.name}: install the bench "
+                      "extra (pip install -e '.[bench]')", file=sys.stderr)
+                return 2
             return int(func(argv[len(words) :]) or 0)
     print(_usage(), file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
     return 0 if not argv or argv[0] in ("-h", "--help") else 2

@@ -3,68 +3,23 @@
 An engine owns a contiguous range of layers (a pipeline *stage*). The first
 stage embeds token ids, the last normalises and projects to the vocabulary;
 stages in between take and return hidden states. KV lives in per-sequence
-:class:`~orchestrator.kv.layout.KVCache` slots that the caller owns, so the KV
+:class:`~orchestrator.layout.KVCache` slots that the caller owns, so the KV
 library can stream, swap and replicate them without the engine knowing.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from orchestrator.kv.layout import KVCache, KVLayout
+from orchestrator.layout import KVCache, KVLayout, StageSpec
 
 # Called right after layer ``global_layer`` has written its KV for every
 # sequence of the batch: the hook that lets a P-node stream layer l while
 # layer l+1 computes.
 LayerHook = Callable[[int, Sequence[KVCache]], None]
-
-
-@dataclass(frozen=True)
-class StageSpec:
-    """Layers ``[first_layer, last_layer)`` of a model with ``num_layers`` layers."""
-
-    first_layer: int
-    last_layer: int
-    num_layers: int
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.first_layer < self.last_layer <= self.num_layers:
-            raise ValueError(
-                f"bad stage [{self.first_layer}, {self.last_layer}) of {self.num_layers} layers"
-            )
-
-    @property
-    def is_first(self) -> bool:
-        return self.first_layer == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.last_layer == self.num_layers
-
-    @property
-    def count(self) -> int:
-        return self.last_layer - self.first_layer
-
-    @classmethod
-    def whole(cls, num_layers: int) -> StageSpec:
-        return cls(0, num_layers, num_layers)
-
-    @classmethod
-    def split(cls, num_layers: int, depth: int) -> list[StageSpec]:
-        """Split evenly; earlier stages take the remainder."""
-        if not 1 <= depth <= num_layers:
-            raise ValueError(f"cannot split {num_layers} layers into {depth} stages")
-        base, extra = divmod(num_layers, depth)
-        stages, first = [], 0
-        for i in range(depth):
-            n = base + (1 if i < extra else 0)
-            stages.append(cls(first, first + n, num_layers))
-            first += n
-        return stages
 
 
 class Engine(Protocol):

@@ -11,8 +11,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator.engine.base import StageSpec
-from orchestrator.kv.layout import DTYPES, KVLayout
+from orchestrator.layout import DTYPES, KVLayout, StageSpec
 
 FAMILIES = ("gpt2", "opt", "llama")
 

@@ -12,11 +12,11 @@ from collections.abc import Sequence
 
 import torch
 
-from orchestrator.engine.base import StageSpec
 from orchestrator.engine.config import ModelConfig
 from orchestrator.engine.sampling import Sampler, SamplingParams
 from orchestrator.engine.tokenizer import load_tokenizer
 from orchestrator.engine.torch_engine import TorchEngine, load_engine
+from orchestrator.layout import StageSpec
 
 
 def generate(

@@ -16,11 +16,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from orchestrator.engine.base import LayerHook, StageSpec
+from orchestrator.engine.base import LayerHook
 from orchestrator.engine.config import ModelConfig
 from orchestrator.engine.layers import ACTIVATIONS, apply_rope, norm, rope_table
 from orchestrator.engine.weights import Params, StageWeights, load_stage_weights
-from orchestrator.kv.layout import DTYPES, KVCache
+from orchestrator.layout import DTYPES, KVCache, StageSpec
 
 # (q, k, v) of one layer, each [N, heads, head_dim] -> attention output [N, heads * head_dim]
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

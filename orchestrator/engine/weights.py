@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from orchestrator.engine.base import StageSpec
 from orchestrator.engine.config import ModelConfig
+from orchestrator.layout import StageSpec
 
 Params = dict[str, torch.Tensor | None]
 

@@ -11,7 +11,6 @@
 - ``recovery``: the four recovery steps (step 1, restoring a stage from its replica).
 - ``replicated``: a ``TokenPipeline`` with replicas, kills, detection and recovery; the
   recompute fallback and the restart-from-scratch baseline.
-- ``bench``: ``dejavu bench recovery`` (Fig. 14, 15) on that pipeline.
 """
 
 

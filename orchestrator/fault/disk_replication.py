@@ -22,7 +22,7 @@ import torch
 
 from orchestrator.engine.sampling import Sampler, SamplingParams
 from orchestrator.fault.replication import AckFn
-from orchestrator.kv.layout import KVCache
+from orchestrator.layout import KVCache
 from orchestrator.pipeline.node import StageNode
 
 

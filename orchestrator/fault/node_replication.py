@@ -50,8 +50,8 @@ from orchestrator.engine.sampling import Sampler, SamplingParams
 from orchestrator.fault.replication import AckFn, ReplicaStore, Replicator, send_cache
 from orchestrator.fault.rpc import RequestError, Stub, service_handler
 from orchestrator.kv.connector import KVSender
-from orchestrator.kv.layout import KVCache, KVLayout
 from orchestrator.kv.transport.base import Transport
+from orchestrator.layout import KVCache, KVLayout
 from orchestrator.pipeline.node import StageNode
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from orchestrator.engine.base import Engine
 from orchestrator.fault.replication import ReplicaStore, send_cache
 from orchestrator.kv.connector import KVSender
-from orchestrator.kv.layout import KVCache
+from orchestrator.layout import KVCache
 
 
 def restore_stage(

@@ -48,8 +48,8 @@ from orchestrator.fault.client import ControllerClient, NodeSpec, query_status
 from orchestrator.fault.recovery import restore_stage
 from orchestrator.fault.replication import ReplicaStore, Replicator
 from orchestrator.kv.connector import KVSender
-from orchestrator.kv.layout import KVCache
 from orchestrator.kv.transport.local import LocalFabric, LocalTransport
+from orchestrator.layout import KVCache
 from orchestrator.pipeline.link import KVProbe, StepMessage
 from orchestrator.pipeline.pipeline import TokenPipeline
 from orchestrator.pipeline.stage import StageLost

@@ -30,8 +30,8 @@ from typing import Protocol
 from orchestrator.kv.connector import KVReceiver, KVSender
 from orchestrator.kv.delta import DeltaStreamer
 from orchestrator.kv.errors import KVTransferError
-from orchestrator.kv.layout import KVCache, KVLayout
 from orchestrator.kv.transport.base import Transport
+from orchestrator.layout import KVCache, KVLayout
 
 log = logging.getLogger("dejavu.fault.replication")
 

@@ -1,10 +1,12 @@
-"""DejaVuLib: KV-cache layout, movement primitives, transports and the P/T connector.
+"""DejaVuLib: KV movement primitives, transports and the P/T connector.
 
-- ``layout``: the per-sequence slot every component agrees on.
+The per-sequence slot every component agrees on is :mod:`orchestrator.layout`.
+
 - ``transport/``: one interface (``base``), backends ``local`` (in-process) and ``nixl`` (UCX).
 - ``primitives``: flush/fetch, scatter/gather, stream_out/stream_in (DejaVu §4.1).
 - ``wire``: the checked, HMAC-authenticated block header and the signed ticket.
 - ``connector``: ``KVReceiver`` (decode node) and ``KVSender`` (prefill node).
 - ``delta``: token-step deltas, buffered and streamed in the background.
-- ``bench``: the Fig. 11 ablation (``dejavu bench kv``).
+
+Its benchmark (Fig. 11, ``dejavu bench kv``) is :mod:`benchmarks.kv`.
 """

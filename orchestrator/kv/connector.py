@@ -49,7 +49,6 @@ from dataclasses import dataclass, field
 import torch
 
 from orchestrator.kv.errors import KVTransferError, NoFreeSlot
-from orchestrator.kv.layout import KVCache, KVLayout
 from orchestrator.kv.primitives import kv_spans, pack, pair_spans, region_view, routes
 from orchestrator.kv.transport.base import KVPoll, Region, TransferHandle, Transport
 from orchestrator.kv.wire import (
@@ -63,6 +62,7 @@ from orchestrator.kv.wire import (
     encode_header,
     peek_request_id,
 )
+from orchestrator.layout import KVCache, KVLayout
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,6 @@ from dataclasses import dataclass
 import torch
 
 from orchestrator.kv.errors import KVTransferError
-from orchestrator.kv.layout import KVCache, KVLayout
 from orchestrator.kv.transport.base import KVPoll, Pair, Region, TransferHandle, Transport
 from orchestrator.kv.wire import (
     BlockHeader,
@@ -41,6 +40,7 @@ from orchestrator.kv.wire import (
     encode_header,
     layout_mismatch,
 )
+from orchestrator.layout import KVCache, KVLayout
 
 
 def gather_step(caches: Sequence[KVCache], positions: Sequence[int], out: torch.Tensor):

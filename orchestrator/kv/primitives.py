@@ -19,9 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from orchestrator.engine.base import StageSpec
-from orchestrator.kv.layout import KVCache, KVLayout
 from orchestrator.kv.transport.base import Pair, Region, TransferHandle, Transport
+from orchestrator.layout import KVCache, KVLayout, StageSpec
 
 # -- level 1: contiguous blocks ----------------------------------------------------------
 

@@ -29,7 +29,7 @@ import torch
 
 from orchestrator.control.auth import mac
 from orchestrator.kv.errors import KVTransferError
-from orchestrator.kv.layout import DTYPES, KVLayout
+from orchestrator.layout import DTYPES, KVLayout
 
 MAGIC = b"DJKV"
 VERSION = 1

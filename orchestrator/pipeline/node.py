@@ -63,8 +63,8 @@ from orchestrator.engine.config import ModelConfig
 from orchestrator.engine.torch_engine import load_engine
 from orchestrator.kv.connector import KVReceiver
 from orchestrator.kv.errors import KVTransferError
-from orchestrator.kv.layout import KVCache
 from orchestrator.kv.transport.base import KVPoll, Transport
+from orchestrator.layout import KVCache
 from orchestrator.pipeline import DEAD_AFTER_S, HEARTBEAT_S, SwapMode
 from orchestrator.pipeline.head import PipelineHead
 from orchestrator.pipeline.link import Link, QueueLink

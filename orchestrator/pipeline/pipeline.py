@@ -16,9 +16,10 @@ from pathlib import Path
 
 import torch
 
-from orchestrator.engine.base import Engine, StageSpec
+from orchestrator.engine.base import Engine
 from orchestrator.engine.config import ModelConfig
 from orchestrator.engine.torch_engine import TorchEngine, load_engine
+from orchestrator.layout import StageSpec
 from orchestrator.pipeline import SwapMode
 from orchestrator.pipeline.head import PipelineHead
 from orchestrator.pipeline.link import Link, QueueLink

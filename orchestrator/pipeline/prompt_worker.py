@@ -25,9 +25,9 @@ import torch
 from orchestrator.engine.base import Engine
 from orchestrator.engine.sampling import Sampler, SamplingParams
 from orchestrator.kv.connector import KVSender, SendHandle
-from orchestrator.kv.layout import KVCache, KVLayout
 from orchestrator.kv.primitives import region_view, routes
 from orchestrator.kv.transport.base import KVPoll
+from orchestrator.layout import KVCache, KVLayout
 from orchestrator.pipeline.sequence import FinishReason
 from orchestrator.pipeline.sequence import Sequence as Seq
 from orchestrator.pipeline.stage import Interval

@@ -21,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from orchestrator.kv.layout import KVCache, KVLayout
+from orchestrator.layout import KVCache, KVLayout
 
 
 class ArenaFull(RuntimeError):

@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from orchestrator.engine.sampling import SamplingParams
-from orchestrator.kv.layout import DTYPES
 from orchestrator.kv.transport.base import KVPoll, Region, Transport
+from orchestrator.layout import DTYPES
 from orchestrator.pipeline.link import (
     KVProbe,
     LinkError,

@@ -19,9 +19,9 @@ import torch
 
 from orchestrator.kv.connector import KVReceiver
 from orchestrator.kv.errors import KVTransferError
-from orchestrator.kv.layout import KVLayout
 from orchestrator.kv.transport.base import Transport
 from orchestrator.kv.transport.local import LocalFabric, LocalTransport
+from orchestrator.layout import KVLayout
 
 TRANSPORTS = ("nixl", "local")
 SECRET = b"dejavu-plan-profile"

@@ -24,7 +24,7 @@ import torch
 
 from orchestrator.engine.config import ModelConfig
 from orchestrator.kv.connector import KVSender
-from orchestrator.kv.layout import DTYPES, KVCache
+from orchestrator.layout import DTYPES, KVCache
 from orchestrator.planner.kv_sink import SECRET, KVSink
 
 

@@ -6,8 +6,8 @@ import csv
 
 import pytest
 
+from benchmarks.kv import MODES
 from orchestrator.cli import main as dejavu
-from orchestrator.kv.bench import MODES
 
 
 @pytest.mark.timeout(180)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import csv
 
-from orchestrator.fault.bench import main
+from benchmarks.recovery import main
 
 
 def test_bench_recovery_quick(tmp_path) -> None:

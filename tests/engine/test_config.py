@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.engine.base import StageSpec
 from orchestrator.engine.config import ModelConfig
+from orchestrator.layout import StageSpec
 
 LLAMA = {
     "model_type": "llama",

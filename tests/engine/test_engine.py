@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from orchestrator.engine.base import StageSpec
 from orchestrator.engine.reference import load_stages
 from orchestrator.engine.torch_engine import load_engine
+from orchestrator.layout import StageSpec
 
 ARCHS = ["gpt2", "opt", "llama"]
 PROMPTS = [[5, 17, 300, 42, 8, 99, 250], [77], [12, 256, 31, 9, 500]]

@@ -12,7 +12,7 @@ SECRET = b"nixl-test-secret"
 
 def model_kv(layout_dict: dict, seed: int) -> torch.Tensor:
     """The same random KV in every process."""
-    from orchestrator.kv.layout import KVLayout
+    from orchestrator.layout import KVLayout
 
     generator = torch.Generator().manual_seed(seed)
     return torch.randn(KVLayout(**layout_dict).shape, generator=generator)
@@ -30,9 +30,9 @@ def prefill_node(
     """Stream a prompt's KV layer by layer to the tickets it is sent, then ``deltas`` steps."""
     from orchestrator.kv.connector import KVSender
     from orchestrator.kv.delta import DeltaStreamer
-    from orchestrator.kv.layout import KVCache, KVLayout
     from orchestrator.kv.transport.base import KVPoll
     from orchestrator.kv.transport.nixl import NixlTransport
+    from orchestrator.layout import KVCache, KVLayout
 
     layout = KVLayout(**layout_dict)
     transport = NixlTransport(name="prefill-child")
@@ -69,8 +69,8 @@ def prefill_node(
 def decode_node(outbox: mp.Queue, layout_dict: dict, prompt_len: int) -> None:
     """Reserve a slot, hand out the ticket, then wait until killed."""
     from orchestrator.kv.connector import KVReceiver
-    from orchestrator.kv.layout import KVLayout
     from orchestrator.kv.transport.nixl import NixlTransport
+    from orchestrator.layout import KVLayout
 
     transport = NixlTransport(name="decode-child")
     receiver = KVReceiver(transport, KVLayout(**layout_dict), 1, SECRET)

@@ -11,11 +11,11 @@ import torch
 
 from orchestrator.kv.connector import KVReceiver, KVSender
 from orchestrator.kv.errors import KVTransferError
-from orchestrator.kv.layout import KVCache, KVLayout
 from orchestrator.kv.primitives import PipelineConfig
 from orchestrator.kv.transport.base import KVPoll, Pair, TransferHandle
 from orchestrator.kv.transport.local import LocalFabric, LocalTransport
 from orchestrator.kv.wire import BlockHeader, BlockKind, encode_header
+from orchestrator.layout import KVCache, KVLayout
 
 SECRET = b"s3cret"
 MODEL = KVLayout(num_layers=6, num_kv_heads=2, head_dim=4, max_seq_len=16)

@@ -10,9 +10,9 @@ import torch
 from orchestrator.kv.connector import KVReceiver, KVSender
 from orchestrator.kv.delta import DeltaStreamer, gather_step, scatter_step
 from orchestrator.kv.errors import KVTransferError
-from orchestrator.kv.layout import KVCache, KVLayout
 from orchestrator.kv.transport.base import KVPoll
 from orchestrator.kv.transport.local import LocalFabric, LocalTransport
+from orchestrator.layout import KVCache, KVLayout
 
 SECRET = b"s3cret"
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, max_seq_len=12, first_layer=3)

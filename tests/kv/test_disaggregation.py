@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from orchestrator.engine.base import StageSpec
 from orchestrator.engine.reference import generate
 from orchestrator.engine.torch_engine import load_engine
 from orchestrator.kv.connector import KVReceiver, KVSender
 from orchestrator.kv.transport.local import LocalFabric, LocalTransport
+from orchestrator.layout import StageSpec
 
 SECRET = b"disagg"
 PROMPTS = [[5, 17, 99, 3, 42, 7, 250, 11, 8], [1, 2, 3, 4]]

@@ -14,8 +14,8 @@ from nixl_peers import SECRET, decode_node, model_kv, prefill_node
 
 from orchestrator.kv.connector import KVReceiver, KVSender
 from orchestrator.kv.errors import KVTransferError
-from orchestrator.kv.layout import KVCache, KVLayout
 from orchestrator.kv.transport.nixl import NixlTransport
+from orchestrator.layout import KVCache, KVLayout
 
 pytestmark = pytest.mark.timeout(60)
 MODEL = KVLayout(num_layers=4, num_kv_heads=4, head_dim=16, max_seq_len=64)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from orchestrator.kv.layout import KVCache, KVLayout
 from orchestrator.kv.primitives import (
     PipelineConfig,
     Route,
@@ -23,6 +22,7 @@ from orchestrator.kv.primitives import (
 )
 from orchestrator.kv.transport.base import KVPoll, Region, tensor_region
 from orchestrator.kv.transport.local import LocalFabric, LocalTransport
+from orchestrator.layout import KVCache, KVLayout
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, max_seq_len=8, first_layer=2)
 

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from orchestrator.kv.errors import KVTransferError
-from orchestrator.kv.layout import KVLayout
 from orchestrator.kv.wire import (
     BlockHeader,
     BlockKind,
@@ -18,6 +17,7 @@ from orchestrator.kv.wire import (
     encode_header,
     peek_request_id,
 )
+from orchestrator.layout import KVLayout
 
 SECRET = b"cluster-secret"
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=8, max_seq_len=32, first_layer=4)

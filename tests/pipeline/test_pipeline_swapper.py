@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from orchestrator.kv.layout import KVCache, KVLayout
+from orchestrator.layout import KVCache, KVLayout
 from orchestrator.pipeline.swapper import (
     ArenaFull,
     DeviceArena,
