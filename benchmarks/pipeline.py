@@ -14,12 +14,15 @@ import csv
 import random
 import statistics
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from orchestrator.pipeline.pipeline import TokenPipeline, load_pipeline_engines, measure_step_time
+from orchestrator.pipeline.local import LocalPipeline
+from orchestrator.pipeline.node import PipelineConfig
+from orchestrator.pipeline.pipeline import load_pipeline_engines, measure_step_time
 from orchestrator.pipeline.sequence import FinishReason, Sequence
 from orchestrator.pipeline.stage import Interval
 from orchestrator.pipeline.swapper import measure_copy_bandwidth, should_swap
@@ -58,12 +61,12 @@ class RunResult:
     prefetch_hit: float | None  # swapped: share of sequences already on device when opened
 
 
-def busy_fraction(timeline: list[Interval], start: float, end: float) -> float:
+def busy_fraction(timeline: Iterable[Interval], start: float, end: float) -> float:
     busy = sum(max(0.0, min(i.end, end) - max(i.start, start)) for i in timeline)
     return busy / (end - start)
 
 
-def run(name: str, pipeline: TokenPipeline, prompts: list[list[int]], limits: list[int],
+def run(name: str, pipeline: LocalPipeline, prompts: list[list[int]], limits: list[int],
         timeout_s: float) -> tuple[RunResult, list[list[Interval]]]:
     with pipeline:
         start = time.monotonic()
@@ -76,26 +79,35 @@ def run(name: str, pipeline: TokenPipeline, prompts: list[list[int]], limits: li
         raise RuntimeError(f"{name}: {len(failed)} requests failed: {failed[0].error}")
     latencies = sorted(s.finish_time - s.arrival_time for s in seqs)
     busy = [busy_fraction(t, start, end) for t in pipeline.timelines]
-    worker = pipeline.prompt_worker
+    prefill = pipeline.prefill_timeline if pipeline.prompt_engines else None
+    config = pipeline.config
     kv = pipeline.kv
     fetched = sum(getattr(k, "prefetched", 0) for k in kv)
     opened = fetched + sum(getattr(k, "swapped_on_demand", 0) for k in kv)
     tokens = sum(len(s.output_ids) for s in seqs)
     result = RunResult(
-        name=name, mode=pipeline.mode, stages=pipeline.depth,
-        microbatches=pipeline.num_microbatches, batch=pipeline.batch_size, swap=pipeline.swap,
+        name=name, mode=config.mode, stages=config.depth,
+        microbatches=config.microbatches, batch=config.batch_size, swap=pipeline.swap,
         requests=len(seqs), tokens=tokens, wall_s=end - start, tokens_per_s=tokens / (end - start),
         latency_p50_s=statistics.median(latencies),
         latency_p90_s=latencies[int(0.9 * (len(latencies) - 1))],
         ttft_p50_s=statistics.median(s.first_token_time - s.arrival_time for s in seqs),
         stage_busy=" ".join(f"{b:.2f}" for b in busy), mean_busy=statistics.mean(busy),
-        prompt_worker_busy=busy_fraction(worker.timeline, start, end) if worker else None,
+        prompt_worker_busy=busy_fraction(prefill, start, end) if prefill else None,
         kv_budget_bytes=max(a.budget_bytes for a in pipeline.arenas),
         kv_peak_bytes=max(a.peak_bytes for a in pipeline.arenas),
         prefetch_hit=fetched / opened if opened else None,
     )
-    timelines = pipeline.timelines + ([worker.timeline] if worker else [])
+    timelines = pipeline.timelines + ([list(prefill)] if prefill else [])
     return result, [[_shift(i, start) for i in t] for t in timelines]
+
+
+def pipeline_of(engines: list, batch: int, prompt_engines: list | None = None,
+                **config) -> LocalPipeline:
+    """The stages as nodes in this process (``config``: PipelineConfig fields); the
+    P-side prefills ``batch`` prompts at a time."""
+    return LocalPipeline(engines, PipelineConfig(len(engines), batch, **config),
+                         prompt_engines=prompt_engines, prompt_batch=batch)
 
 
 def _shift(interval: Interval, origin: float) -> Interval:
@@ -172,9 +184,8 @@ def main(argv: list[str]) -> int:
 
     results, timelines = [], {}
     for name, pipeline in [
-        ("colocated", TokenPipeline(engines, args.batch, mode="colocated")),
-        ("disaggregated", TokenPipeline(engines, args.batch, prompt_engines=prompt_engines,
-                                        prompt_batch=args.batch)),
+        ("colocated", pipeline_of(engines, args.batch, mode="colocated")),
+        ("disaggregated", pipeline_of(engines, args.batch, prompt_engines)),
     ]:
         result, timelines[name] = run(name, pipeline, prompts, limits, args.timeout)
         results.append(result)
@@ -185,9 +196,8 @@ def main(argv: list[str]) -> int:
     budget = mbs * args.batch * slot
     swap_batch = budget // (2 * slot)
     for name, batch, swap in [("resident", args.batch, "off"), ("swapped", swap_batch, "on")]:
-        pipeline = TokenPipeline(engines, batch, num_microbatches=mbs, swap=swap,
-                                 device_kv_budget=budget, prompt_engines=prompt_engines,
-                                 prompt_batch=batch)
+        pipeline = pipeline_of(engines, batch, prompt_engines, num_microbatches=mbs, swap=swap,
+                               device_kv_budget=budget)
         results.append(run(name, pipeline, prompts, limits, args.timeout)[0])
     bandwidth = measure_copy_bandwidth(engines[0].device)
     token_bytes = engines[0].kv_layout.token_bytes_per_layer() * engines[0].kv_layout.num_layers

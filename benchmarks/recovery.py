@@ -1,8 +1,9 @@
 """Recovery benchmark (DejaVu Fig. 14 and 15): replicas + four-step recovery vs restart.
 
-Runs on the real token pipeline (:class:`~orchestrator.pipeline.pipeline.TokenPipeline`,
-colocated, stages as threads) wrapped by
-:class:`~orchestrator.fault.replicated.ReplicatedPipeline`. Fig. 14: the
+Runs the T-nodes' own code in one process: stage nodes over the in-process transport
+(:class:`~orchestrator.pipeline.local.LocalPipeline`, colocated) with their replicas,
+controller clients and recovery steps (:class:`~orchestrator.fault.local.ReplicatedPipeline`:
+a lost stage's slot goes to a hot spare). Fig. 14: the
 cumulative latency of one microbatch, a stage killed at step k, with KV
 replication and recovery vs restart-from-scratch, each against its own
 failure-free run. Fig. 15: requests completed over time, stages killed at three
@@ -25,8 +26,9 @@ from orchestrator.engine.checkpoint import make_checkpoint
 from orchestrator.engine.reference import load_stages
 from orchestrator.engine.torch_engine import TorchEngine
 from orchestrator.fault.controller import spawn
-from orchestrator.fault.replicated import SECRET, Kill, Recovery, ReplicatedPipeline
-from orchestrator.pipeline.pipeline import TokenPipeline
+from orchestrator.fault.local import SECRET, Kill, Recovery, ReplicatedPipeline
+from orchestrator.pipeline.local import LocalPipeline
+from orchestrator.pipeline.node import PipelineConfig
 from orchestrator.pipeline.sequence import FinishReason, Sequence
 
 PAPER = {"recovery": 1.24, "restart": 1.91}
@@ -45,7 +47,7 @@ class Run:
     name: str
     replicate: bool
     kills: list[Kill]
-    # Fig. 15: stage i % D dies once this many of the run's tokens were generated (each
+    # Fig. 15: stage 1 + i % (D - 1) dies once this many of the run's tokens were generated (each
     # position counted once: tokens a restart generates again do not move it on).
     kill_at: list[int] = field(default_factory=list)
     result: RunResult | None = None
@@ -54,8 +56,10 @@ class Run:
 
 def run_pipeline(args, engines: list[TorchEngine], controller: str, run: Run,
                  prompts: list[list[int]]) -> None:
-    pipeline = TokenPipeline(engines, args.batch, mode="colocated",
-                             num_microbatches=args.depth)
+    # The controller decides a stage is lost; a node's own silence timeout stays out of it.
+    config = PipelineConfig(args.depth, args.batch, mode="colocated",
+                            dead_after_s=30 * args.timeout_s, recover_timeout_s=120.0)
+    pipeline = LocalPipeline(engines, config)
     ft = ReplicatedPipeline(pipeline, controller, f"{run.name}-{time.monotonic_ns()}",
                             replicate=run.replicate, kills=run.kills,
                             heartbeat_s=args.heartbeat_s)
@@ -66,7 +70,7 @@ def run_pipeline(args, engines: list[TorchEngine], controller: str, run: Run,
     def on_token(seq: Sequence, token: int | None, done: bool) -> None:
         reached[seq.request_id] = max(reached.get(seq.request_id, 0), len(seq.output_ids))
         while later and sum(reached.values()) >= later[0][1]:  # a stage dies at its next step
-            ft.inject(Kill(stage=later.pop(0)[0] % args.depth, settled=False))
+            ft.inject(Kill(stage=1 + later.pop(0)[0] % (args.depth - 1), settled=False))
         if done:
             finished.append((time.monotonic() - ft.started_at, seq.request_id))
 
@@ -117,7 +121,8 @@ def fig14(args, engines, controller: str, vocab: int) -> list[Run]:
 def fig15(args, engines, controller: str, vocab: int) -> list[Run]:
     """A stream of requests, microbatches refilled as they finish; three failures."""
     prompts = make_prompts(args.batch * args.depth * args.rounds, args.prompt, vocab, seed=1)
-    # Stage i % D dies a quarter, half, three quarters of the way (mid-request: 3 rounds).
+    # Stage 1 + i % (D - 1) dies a quarter, half, three quarters of the way (stage 0 holds
+    # the head: its loss reruns requests elsewhere); mid-request: 3 rounds.
     at = [len(prompts) * args.tokens * (i + 1) // 4 for i in range(3)]
     runs = [Run("no failure", True, []), Run("recovery, 3 failures", True, [], at),
             Run("restart, 3 failures", False, [], at)]

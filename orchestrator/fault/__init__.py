@@ -6,11 +6,11 @@
 - ``node_replication``: the same replicas across processes, for a ``StageNode``
   (holder's control calls over gRPC, KV over the node's own NIXL endpoint).
 - ``disk_replication``: a ``StageNode``'s replicas on its own local disk instead.
-- ``stage_recovery``: the recovery steps as a T-node's operations, and their order
-  across nodes (a lost stage replaced; a dropped connection made again).
-- ``recovery``: the four recovery steps (step 1, restoring a stage from its replica).
-- ``replicated``: a ``TokenPipeline`` with replicas, kills, detection and recovery; the
-  recompute fallback and the restart-from-scratch baseline.
+- ``stage_recovery``: the four recovery steps (DejaVu §4.3, Fig. 10) as a T-node's
+  operations, and their order across nodes (a lost stage replaced; a dropped
+  connection made again).
+- ``local``: the same nodes, replicas and steps on an in-process pipeline (tests, the
+  recovery benchmark), kill drills, the recompute fallback and the restart baseline.
 """
 
 

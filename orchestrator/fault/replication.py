@@ -233,4 +233,7 @@ class Replicator:
                 elif isinstance(entry, str):
                     self._free(entry)
                 elif self.error is None:
-                    self.holder.landed(self.stage, *entry)
+                    try:
+                        self.holder.landed(self.stage, *entry)
+                    except Exception as error:  # the holder is gone: replicate no more
+                        self._broken(KVTransferError("replica holder", f"ack: {error}"))

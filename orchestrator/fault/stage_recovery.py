@@ -92,11 +92,12 @@ class RecoveryOps:
 
     def _rewind(self, resume: bytes) -> bytes:
         """``resume``: JSON {microbatch: step}, or ``answered``: each microbatch's first
-        step the head has no answer for."""
+        step the head has no answer for (a connection dropped: no stage, no KV was lost)."""
         head = self._head()
-        steps = (dict.fromkeys(range(head.num_microbatches), 1 << 62) if resume == b"answered"
-                 else {int(j): int(t) for j, t in json.loads(resume).items()})
-        lengths = head.rewind(steps)
+        lost = resume != b"answered"
+        steps = ({int(j): int(t) for j, t in json.loads(resume).items()} if lost
+                 else dict.fromkeys(range(head.num_microbatches), 1 << 62))
+        lengths = head.rewind(steps, prompt_kv_lost=lost)
         sampling = {s.seq_id: asdict(s.sampling) for s in head.running() if s.seq_id in lengths}
         return json.dumps({"lengths": lengths, "sampling": sampling}).encode()
 
@@ -136,10 +137,11 @@ class RecoveryOps:
 
 
 def recover_stage(call: Call, urls: list[str], plan: dict, quiet_timeout_s: float = 30.0
-                  ) -> None:
+                  ) -> dict[str, int]:
     """Carry out the controller's ``plan`` on a pipeline whose stages are at ``urls`` (stage
-    0 first; a replacement's url in each lost slot). Raises on any failed call (the head
-    then breaks at its ``recover_timeout_s``)."""
+    0 first; a replacement's url in each lost slot); returns the KV length each running
+    request kept (the others start over). Raises on any failed call (the head then breaks
+    at its ``recover_timeout_s``)."""
     failed, depth = [int(x) for x in plan["failed"]], len(urls)
     if 0 in failed:
         raise ValueError("stage 0 is lost: its head and its clients' streams went with it "
@@ -166,6 +168,7 @@ def recover_stage(call: Call, urls: list[str], plan: dict, quiet_timeout_s: floa
     _resume(call, urls, survivors, lengths, failed, plan["epoch"])
     log.warning("stages %s recovered: %s", failed, "recomputed from prompts" if recompute
                 else f"resumed at {resume} with {len(rewound['lengths'])} requests kept")
+    return rewound["lengths"]
 
 
 def repair_links(call: Call, urls: list[str], quiet_timeout_s: float = 30.0) -> None:

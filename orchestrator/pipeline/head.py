@@ -5,9 +5,9 @@ It sends each microbatch's next step into ``to_first`` (the first stage's
 inbox), gets the step's tokens back from ``from_last`` (the last stage's
 outbox), hands every request its tokens through its callback, and refills the
 slots of requests that stopped early. It never touches an engine or KV, so
-it is the same object whether the stages are threads beside it
-(:class:`~orchestrator.pipeline.pipeline.TokenPipeline`) or processes
-elsewhere (:class:`~orchestrator.pipeline.node.StageNode`).
+it runs the same on node 0 of a pipeline whose stages are other processes
+(:class:`~orchestrator.pipeline.node.StageNode`) as in one process
+(:class:`~orchestrator.pipeline.local.LocalPipeline`).
 
 Admission of requests prefilled elsewhere: ``submit_prefilled(seq)`` without a
 first token parks the request; the head sends a
@@ -19,12 +19,14 @@ failed, and fails with the stage's name those still missing after
 ``kv_timeout_s``. Prompt KV that will never be used (cancel, failure) is
 released on every stage by the next probe.
 
-Faults: a stage that reports it cannot send on, or that ``health()`` finds
-dead, *breaks* the pipeline: every request in it ends with that error, and new
-submissions are refused. Repairing it is the fault-tolerance layer's job
-(:mod:`orchestrator.fault.replicated`): it ``pause`` s the head, sees the steps
-in flight out (``drain``), repairs the stages, and ``resume`` s the head at the
-step of each microbatch its controller picked.
+Faults (:class:`HeadState`): a stage that reports it cannot send on, or that
+``health()`` finds dead, *breaks* the pipeline: every request in it ends with
+that error, and new submissions are refused; with ``recover_timeout_s`` the
+head is *faulted* instead, its requests wait for a repair. Repairing it is the
+fault-tolerance layer's job (:func:`orchestrator.fault.stage_recovery.recover_stage`):
+it ``pause`` s the head, waits until the stages are quiet, repairs them,
+``rewind`` s the head to the step of each microbatch its controller picked and
+``resume`` s it.
 """
 
 from __future__ import annotations
@@ -100,6 +102,10 @@ class PipelineHead:
         self.probe_interval_s, self.poll_s = probe_interval_s, poll_s
         self.health = health
         self.recover_timeout_s = recover_timeout_s
+        # Prefilled elsewhere, a request whose prompt KV a failed stage lost: whoever can
+        # prefill it again (an in-process P-side) takes it; None: it ends with an error and
+        # the frontend runs it again.
+        self.prefill_again: Callable[[Seq], None] | None = None
 
         self._lock = threading.RLock()
         self._done = threading.Condition(self._lock)
@@ -214,7 +220,6 @@ class PipelineHead:
             pending = self._pending_kv.pop(seq.seq_id, None) is not None
             unadmitted = pending or seq.status is Status.READY
             if self.scheduler.cancel(request_id) is None:
-                self._cancel_elsewhere(request_id)
                 seq.finish(FinishReason.CANCELLED)  # e.g. mid-prefill: dropped when it returns
             if unadmitted:
                 self._discard_prompt_kv(seq)
@@ -235,15 +240,17 @@ class PipelineHead:
         max_tokens: int | Sequence[int],
         eos_id: int | None = None,
         timeout_s: float = 120.0,
+        submit: Callable[[Seq], Seq] | None = None,
     ) -> list[list[int]]:
-        """Submit prompts (``max_tokens`` one for all or one each) and wait for the outputs."""
+        """Submit prompts (``max_tokens`` one for all or one each, through ``submit``:
+        default :meth:`submit`) and wait for the outputs."""
         limits = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
         if len(limits) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(limits)} max_tokens")
         seqs = [Seq(f"gen-{next(self._generate_ids)}", list(p), m, eos_id)
                 for p, m in zip(prompts, limits, strict=True)]
         for seq in seqs:
-            self.submit(seq)
+            (submit or self.submit)(seq)
         self.wait(timeout_s)
         failed = [s for s in seqs if s.finish_reason is FinishReason.ERROR]
         if failed:
@@ -278,10 +285,12 @@ class PipelineHead:
         if not drained:
             raise TimeoutError(f"the pipeline did not drain in {timeout_s} s")
 
-    def rewind(self, resume: dict[int, int]) -> dict[int, int]:
+    def rewind(self, resume: dict[int, int], prompt_kv_lost: bool = False) -> dict[int, int]:
         """Paused: microbatch j redoes from step ``min(resume.get(j, 0), first step the head
         has no answer for)``. Cuts tokens from there on, queues again the sequences that
-        joined later; returns every running sequence's KV length before its redo step."""
+        joined later; returns every running sequence's KV length before its redo step.
+        ``prompt_kv_lost`` (a stage was replaced): prompt KV prefilled elsewhere and not yet
+        taken into a microbatch went with the stage, so those requests start over too."""
         lengths: dict[int, int] = {}
         restarted: list[Seq] = []
         with self._lock:
@@ -293,6 +302,13 @@ class PipelineHead:
                 lengths |= kept
                 restarted += lost
                 self._in_flight[mb] = False
+            if prompt_kv_lost and self.mode != "colocated":
+                for seq in self.scheduler.waiting:  # admitted: it has its first token
+                    seq.output_ids.clear()
+                    seq.status = Status.WAITING
+                restarted += [*self.scheduler.waiting, *(s for s, _ in self._pending_kv.values())]
+                self.scheduler.waiting.clear()
+                self._pending_kv.clear()
             for seq in reversed(restarted):  # ahead of the waiting queue, in their old order
                 self._restart(seq)
             self._probe_sent_at = None  # a KV probe in flight may have died too: probe again
@@ -315,24 +331,20 @@ class PipelineHead:
 
     def _restart(self, seq: Seq) -> None:
         """A sequence whose prompt KV was lost starts over: colocated, its prompt runs
-        again; prefilled elsewhere, it cannot (a pipeline with its own P-worker can)."""
+        again; prefilled elsewhere, only if ``prefill_again`` can prefill it."""
         if self.mode == "colocated":
             self.scheduler.waiting.appendleft(seq)
+        elif self.prefill_again is not None:
+            self._pending_kv[seq.seq_id] = (seq, time.monotonic())
+            self.prefill_again(seq)
         else:
             seq.finish(FinishReason.ERROR, f"request {seq.request_id!r}: prompt KV lost with "
                                            "a failed stage; prefill it again")
-
-    # -- hooks for a head whose stages live beside it -------------------------------------
-
-    def _cancel_elsewhere(self, request_id: str) -> None:
-        """The request is neither scheduled nor pending here (e.g. in a local P-worker)."""
+            self._discard_prompt_kv(seq)  # what the surviving stages hold of it
 
     def _discard_prompt_kv(self, seq: Seq) -> None:
         """Its prompt KV will never be taken: the next probe releases it on every stage."""
         self._unreleased[seq.seq_id] = seq.request_id
-
-    def _stall_hint(self) -> str:
-        return ""
 
     # -- the loop -------------------------------------------------------------------
 
@@ -482,7 +494,7 @@ class PipelineHead:
         for mb, busy in enumerate(self._in_flight):
             if busy and now - self._sent_at[mb] > self.step_timeout_s:
                 error = (f"microbatch {mb} step {self._sent_step[mb]} got no answer in "
-                         f"{self.step_timeout_s} s{self._stall_hint()}")
+                         f"{self.step_timeout_s} s")
                 self._error(error)
                 self._in_flight[mb] = False
                 self.scheduler.fail(mb, error)

@@ -1,10 +1,10 @@
-"""A token pipeline across processes: one :class:`StageNode` per process (a Triton T-node).
+"""A token pipeline's stage: one :class:`StageNode` per process (a Triton T-node).
 
 Each node holds one stage (its layers, its engine, its sequences' KV) and runs
-the same :class:`~orchestrator.pipeline.stage.StageWorker` as the in-process
-:class:`~orchestrator.pipeline.pipeline.TokenPipeline`; node 0 also runs the
+a :class:`~orchestrator.pipeline.stage.StageWorker`; node 0 also runs the
 :class:`~orchestrator.pipeline.head.PipelineHead` (scheduling, token callbacks,
-refill). Steps go 0 -> 1 -> ... -> D-1 -> back to node 0, each hop one NIXL
+refill). In-process runs (tests, benchmarks) are the same nodes over an
+in-process transport (:class:`~orchestrator.pipeline.local.LocalPipeline`). Steps go 0 -> 1 -> ... -> D-1 -> back to node 0, each hop one NIXL
 WRITE into the next node's ring (:mod:`orchestrator.pipeline.transport_link`).
 
 Bootstrap (a coordinator, e.g. the Triton launcher, carries opaque bytes)::
@@ -44,7 +44,8 @@ the stage, and ``submit_prefilled`` refuses new ones. With ``recover_timeout_s``
 the head pauses instead and its requests wait for the fault layer to replace
 the stage (:mod:`orchestrator.fault.stage_recovery`; ``reconnect`` points a
 node at a replaced successor, ``repaired`` resets node 0's liveness view).
-Only ``mode="disaggregated"`` spans processes.
+``mode="colocated"`` (prompts run inside microbatch steps) needs no prompt KV
+receiver; a serving T-node runs it at depth 1 only.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ from orchestrator.pipeline import DEAD_AFTER_S, HEARTBEAT_S, SwapMode
 from orchestrator.pipeline.head import PipelineHead
 from orchestrator.pipeline.link import Link, QueueLink
 from orchestrator.pipeline.pipeline import link_capacity, make_placement, resolve_swap, stage_specs
-from orchestrator.pipeline.prompt_worker import decode_first_token
+from orchestrator.pipeline.prefill import decode_first_token
 from orchestrator.pipeline.stage import StageWorker
 from orchestrator.pipeline.transport_link import LinkTicket, TransportReceiver, TransportSender
 
@@ -84,6 +85,7 @@ class PipelineConfig:
 
     depth: int
     batch_size: int
+    mode: str = "disaggregated"  # or colocated: prompts run in the pipeline's own steps
     num_microbatches: int | None = None  # default: depth
     layers: tuple[int, ...] | None = None  # layers per stage; default: an even split
     swap: SwapMode = SwapMode.OFF  # auto: each stage decides, on its own measurements
@@ -147,7 +149,7 @@ class StageNode:
 
     def __init__(
         self,
-        model_dir: str | Path,
+        model_dir: str | Path | None,
         stage_index: int,
         config: PipelineConfig,
         *,
@@ -161,6 +163,8 @@ class StageNode:
         for its ring and one for its prompt KV, since each drains its own notifications.
         ``name``: unique in the cluster (its transports are ``<name>-link``, ``<name>-kv``).
         ``engine``: an already loaded stage engine (else loaded from ``model_dir``)."""
+        if (model_dir is None) == (engine is None):
+            raise ValueError("give model_dir or an engine")
         if not 0 <= stage_index < config.depth:
             raise ValueError(f"stage_index {stage_index} not in [0, {config.depth})")
         if make_transport is None:
@@ -184,10 +188,15 @@ class StageNode:
                                  config.swap_workload, mbs, batch)
         self.kv = make_placement(engine, batch, mbs, self.swap, config.device_kv_budget)
 
-        self.kv_transport = make_transport(f"{self.name}-kv")
-        self.receiver = KVReceiver(self.kv_transport, engine.kv_layout, config.prompt_slots,
-                                   secret, timeout_s=config.kv_timeout_s)
-        self.prompt_kv = ReceiverKVSource(self.receiver)
+        self.kv_transport: Transport | None = None
+        self.receiver: KVReceiver | None = None  # prompt KV from P-nodes (disaggregated)
+        self.prompt_kv: ReceiverKVSource | None = None
+        if config.mode != "colocated":
+            self.kv_transport = make_transport(f"{self.name}-kv")
+            self.receiver = KVReceiver(self.kv_transport, engine.kv_layout,
+                                       config.prompt_slots, secret,
+                                       timeout_s=config.kv_timeout_s)
+            self.prompt_kv = ReceiverKVSource(self.receiver)
 
         capacity = link_capacity(mbs)
         self.link_transport: Transport | None = None
@@ -202,7 +211,8 @@ class StageNode:
             results: Link = self.ring or QueueLink("stage-0->head", capacity)
             self.head = PipelineHead(
                 self._head_link, results, num_microbatches=mbs, batch_size=batch,
-                max_seq_len=engine.kv_layout.max_seq_len, step_timeout_s=config.step_timeout_s,
+                max_seq_len=engine.kv_layout.max_seq_len, mode=config.mode,
+                step_timeout_s=config.step_timeout_s,
                 kv_timeout_s=config.kv_timeout_s, health=self._health,
                 recover_timeout_s=config.recover_timeout_s,
             )
@@ -303,7 +313,8 @@ class StageNode:
         if self.worker is not None and self.worker.thread.is_alive():
             # after node 0's close, the Shutdown has passed (or the pipeline is broken)
             self.worker.thread.join(min(timeout_s, 1.0))
-        self.receiver.close()
+        if self.receiver is not None:
+            self.receiver.close()
         for transport in (self.kv_transport, self.link_transport):
             if transport is not None:
                 transport.close()
@@ -312,12 +323,17 @@ class StageNode:
 
     def reserve_prompt(self, request_id: str, prompt_len: int) -> bytes:
         """A KV slot for the request's prompt on this stage; the ticket goes to the P-node."""
-        return self.receiver.reserve(request_id, prompt_len)
+        return self._receiver().reserve(request_id, prompt_len)
 
     def release_prompt(self, request_id: str) -> None:
         """Free a reservation whose request was never submitted (submitted ones are freed by
         the pipeline)."""
-        self.receiver.release(request_id)
+        self._receiver().release(request_id)
+
+    def _receiver(self) -> KVReceiver:
+        if self.receiver is None:
+            raise ValueError(f"stage {self.index}: a colocated pipeline takes no prompt KV")
+        return self.receiver
 
     # -- liveness ---------------------------------------------------------------------
 
@@ -373,5 +389,8 @@ class StageNode:
 
     def _slot_bytes(self) -> int:
         """One step message: a JSON header (ids, sampling of admitted sequences) and a
-        [batch, hidden] tensor."""
-        return (64 << 10) + self.config.batch_size * self.engine.hidden_size * 8
+        [batch, hidden] tensor (colocated: and the prompts' [length, hidden] each)."""
+        rows = self.config.batch_size
+        if self.config.mode == "colocated":
+            rows += self.config.batch_size * self.engine.kv_layout.max_seq_len
+        return (64 << 10) + rows * self.engine.hidden_size * 8

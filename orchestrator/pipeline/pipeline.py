@@ -1,17 +1,17 @@
-"""The token pipeline in one process: a head and D stage workers, microbatches in flight.
+"""What every stage of a token pipeline is built from: its layer range, its KV placement.
 
-``TokenPipeline`` is a :class:`~orchestrator.pipeline.head.PipelineHead` whose
-stages are threads beside it, linked by in-process queues (or any ``make_link``).
-A depth-1 pipeline is one T-node; across processes the same head and the same
-:class:`~orchestrator.pipeline.stage.StageWorker` run split over
-:class:`~orchestrator.pipeline.node.StageNode` s. ``mode="colocated"`` is the
-baseline: prompts enter the same pipeline and run inside microbatch steps.
+A pipeline's stages are :class:`~orchestrator.pipeline.node.StageNode` s, one
+per T-node, or all in one process
+(:class:`~orchestrator.pipeline.local.LocalPipeline`); each decides here
+which layers it holds (:func:`stage_specs`), whether its KV swaps
+(:func:`resolve_swap`, DejaVu Appendix E) and where it lives
+(:func:`make_placement`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -21,11 +21,6 @@ from orchestrator.engine.config import ModelConfig
 from orchestrator.engine.torch_engine import TorchEngine, load_engine
 from orchestrator.layout import StageSpec
 from orchestrator.pipeline import SwapMode
-from orchestrator.pipeline.head import PipelineHead
-from orchestrator.pipeline.link import Link, QueueLink
-from orchestrator.pipeline.prompt_worker import PromptKVStore, PromptWorker
-from orchestrator.pipeline.sequence import Sequence as Seq
-from orchestrator.pipeline.stage import Interval, PromptKVSource, StageWorker
 from orchestrator.pipeline.swapper import (
     DeviceArena,
     KVPlacement,
@@ -60,148 +55,6 @@ def load_pipeline_engines(
     num_layers = ModelConfig.from_dir(model_dir).num_layers
     return [load_engine(model_dir, spec, **engine_kwargs)
             for spec in stage_specs(num_layers, depth, layers)]
-
-
-class TokenPipeline(PipelineHead):
-    """A head and all its stages in this process, one thread each, linked by ``make_link``."""
-
-    def __init__(
-        self,
-        engines: Sequence[Engine],
-        batch_size: int,
-        *,
-        mode: str = "disaggregated",
-        num_microbatches: int | None = None,
-        swap: str = "off",
-        device_kv_budget: int | None = None,
-        swap_workload: tuple[int, int] | None = None,
-        prompt_engines: Sequence[Engine] | None = None,
-        prompt_kv: PromptKVSource | None = None,
-        prompt_batch: int = 4,
-        step_timeout_s: float = 60.0,
-        poll_s: float = 0.005,
-        make_link: Callable[[str, int], Link] = QueueLink,
-    ) -> None:
-        """``device_kv_budget``: device KV bytes per stage (default: just what the mode needs).
-        ``swap_workload``: (prompt_len, new_tokens) the ``auto`` swap rule is evaluated for.
-        ``prompt_engines``: an in-process P-worker's stages (disaggregated); without them,
-        prompt KV arrives from elsewhere through ``prompt_kv`` and ``submit_prefilled``.
-        ``make_link(name, capacity)``: the stage-to-stage links (default in-process queues)."""
-        _check_chain(engines)
-        self.engines, self.depth = list(engines), len(engines)
-        num_microbatches = num_microbatches or self.depth
-        capacity = link_capacity(num_microbatches)
-        self.links = [make_link(f"link-{i}", capacity) for i in range(self.depth + 1)]
-        super().__init__(
-            self.links[0], self.links[-1], num_microbatches=num_microbatches,
-            batch_size=batch_size, max_seq_len=min(e.kv_layout.max_seq_len for e in engines),
-            mode=mode, step_timeout_s=step_timeout_s, poll_s=poll_s,
-        )
-        self.swap = resolve_swap(self.engines, swap, device_kv_budget, swap_workload,
-                                 num_microbatches, batch_size)
-        self.kv = [make_placement(engine, batch_size, num_microbatches, self.swap,
-                                  device_kv_budget) for engine in engines]
-
-        self.prompt_store = PromptKVStore()
-        self.prompt_kv: PromptKVSource = prompt_kv or self.prompt_store
-        self.prompt_worker: PromptWorker | None = None
-        if prompt_engines is not None:
-            if prompt_kv is not None:
-                raise ValueError("give prompt_engines (in-process P-worker) or prompt_kv, not both")
-            if mode == "colocated":
-                raise ValueError("colocated pipelines run their own prompts; drop prompt_engines")
-            _check_chain(prompt_engines)
-            self.prompt_worker = PromptWorker(
-                prompt_engines, [e.kv_layout for e in engines], self.prompt_store,
-                self._admit_prefilled, prompt_batch,
-            )
-        self.device_kv_budget = device_kv_budget
-        self.stages = [self._make_stage(i) for i in range(self.depth)]
-
-    def _make_stage(self, index: int) -> StageWorker:
-        return StageWorker(index, self.engines[index], self.kv[index], self.links[index],
-                           self.links[index + 1], self.num_microbatches, self.prompt_kv,
-                           send_timeout_s=self.step_timeout_s, report=self.report_failure)
-
-    def replace_stage(self, index: int) -> StageWorker:
-        """Fault recovery: a fresh worker for stage ``index`` on the same engine (a hot spare
-        with the weights loaded) and links, with empty KV and the old one's hooks; not
-        started. The old worker's thread must have ended."""
-        old = self.stages[index]
-        if old.thread.is_alive():
-            raise RuntimeError(f"stage {index} is still running; it cannot be replaced")
-        old.kv.shutdown()
-        self.kv[index] = make_placement(self.engines[index], self.batch_size,
-                                        self.num_microbatches, self.swap, self.device_kv_budget)
-        self.stages[index] = new = self._make_stage(index)
-        new.on_step, new.on_release = old.on_step, old.on_release
-        return new
-
-    # -- lifecycle ------------------------------------------------------------------
-
-    def start(self) -> TokenPipeline:
-        for stage in self.stages:
-            stage.start()
-        if self.prompt_worker is not None:
-            self.prompt_worker.start()
-        super().start()
-        return self
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """Stop the P-worker, the head, then every stage in order."""
-        if not self._started:
-            return
-        if self.prompt_worker is not None:
-            self.prompt_worker.stop(timeout_s)
-        deadline = time.monotonic() + timeout_s
-        super().stop(timeout_s)
-        for stage in self.stages:
-            stage.thread.join(max(0.0, deadline - time.monotonic()))
-
-    # -- requests ---------------------------------------------------------------------
-
-    def submit(self, seq: Seq) -> Seq:
-        """A new request: colocated, queued as a prompt; disaggregated, to the P-worker."""
-        if self.prompt_worker is None:
-            return super().submit(seq)
-        with self._lock:
-            self._register(seq)
-            self.prompt_worker.submit(seq)
-        return seq
-
-    def _cancel_elsewhere(self, request_id: str) -> None:
-        if self.prompt_worker is not None:
-            self.prompt_worker.cancel(request_id)
-
-    def _restart(self, seq: Seq) -> None:
-        """With its own P-worker, a sequence whose prompt KV was lost is prefilled again."""
-        if self.prompt_worker is None:
-            super()._restart(seq)
-        else:
-            self.prompt_worker.submit(seq)
-
-    def _discard_prompt_kv(self, seq: Seq) -> None:
-        if self.prompt_kv is self.prompt_store:
-            self.prompt_store.discard(seq.seq_id)
-        else:
-            super()._discard_prompt_kv(seq)
-
-    def _stall_hint(self) -> str:
-        return f" (stage threads alive: {[s.thread.is_alive() for s in self.stages]})"
-
-    # -- what benchmarks and tests read ---------------------------------------------------
-
-    @property
-    def timelines(self) -> list[list[Interval]]:
-        return [stage.timeline for stage in self.stages]
-
-    @property
-    def arenas(self) -> list[DeviceArena]:
-        return [kv.arena for kv in self.kv]
-
-    def kv_held(self) -> int:
-        """Sequences whose KV any stage or the prompt store still holds."""
-        return sum(len(kv) for kv in self.kv) + len(self.prompt_store)
 
 
 def link_capacity(num_microbatches: int) -> int:
@@ -281,7 +134,7 @@ def measure_step_time(engine: Engine, batch_size: int, context_len: int, repeats
     return best
 
 
-def _check_chain(engines: Sequence[Engine]) -> None:
+def check_chain(engines: Sequence[Engine]) -> None:
     """The engines must cover the model's layers in order, first to last."""
     if not engines:
         raise ValueError("no engines")

@@ -127,21 +127,6 @@ class TransportSender:
             time.sleep(self.poll_s)  # the staging buffer is reused: wait until it has left
 
 
-class TransportLink:
-    """Both halves in one object, for a link whose two ends live in one process."""
-
-    def __init__(self, sender_transport: Transport, receiver_transport: Transport, slots: int,
-                 slot_bytes: int) -> None:
-        self.receiver = TransportReceiver(receiver_transport, slots, slot_bytes)
-        self.sender = TransportSender(sender_transport, self.receiver.ticket())
-
-    def send(self, message: Message, timeout_s: float) -> None:
-        self.sender.send(message, timeout_s)
-
-    def recv(self, timeout_s: float) -> Message | None:
-        return self.receiver.recv(timeout_s)
-
-
 # -- the wire format ---------------------------------------------------------------------
 
 

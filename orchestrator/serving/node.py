@@ -5,14 +5,12 @@ from __future__ import annotations
 import torch
 
 from orchestrator.engine.reference import load_stages
-from orchestrator.engine.torch_engine import load_engine
 from orchestrator.fault import ReplicateMode
 from orchestrator.fault.client import ControllerClient, NodeSpec
 from orchestrator.fault.disk_replication import DiskReplication
 from orchestrator.fault.node_replication import NodeReplication
 from orchestrator.fault.stage_recovery import RecoveryOps
 from orchestrator.pipeline.node import PipelineConfig, StageNode
-from orchestrator.pipeline.pipeline import TokenPipeline
 from orchestrator.serving.config import Mode, NodeConfig, Role
 from orchestrator.serving.metrics import Metrics
 from orchestrator.serving.prefill_worker import PrefillWorker
@@ -36,11 +34,12 @@ def load_token_service(config: NodeConfig, metrics: Metrics | None = None,
                        controller: ControllerClient | None = None) -> TokenService:
     """``controller``: the node's controller client (replication acks go through it)."""
     torch.set_num_threads(config.threads)
-    if config.mode is Mode.COLOCATED:
-        engine = load_engine(config.model_dir, device=config.device, max_seq_len=config.max_seq_len)
-        pipeline = TokenPipeline([engine], config.max_batch, mode="colocated",
-                                 swap=config.swap).start()
-        return TokenService(engine, pipeline=pipeline, metrics=metrics)
+    if config.mode is Mode.COLOCATED:  # a depth-1 pipeline that prefills its own prompts
+        colocated = PipelineConfig(depth=1, batch_size=config.max_batch, mode=config.mode,
+                                   swap=config.swap, max_seq_len=config.max_seq_len)
+        node = StageNode(config.model_dir, 0, colocated, secret=b"",  # takes no prompt KV
+                         device=config.device, name=config.name or None).start()
+        return TokenService(node.engine, node=node, metrics=metrics)
     slots = {"prompt_slots": config.num_slots} if config.num_slots else {}
     pipeline_config = PipelineConfig(
         depth=config.depth, batch_size=config.max_batch, swap=config.swap,

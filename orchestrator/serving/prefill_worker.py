@@ -1,7 +1,7 @@
 """The P-node's job: prefill a batch of prompts, streaming each layer's KV as it is made.
 
 The P-node runs the prompt pipeline's D_p stages in this one process
-(:func:`~orchestrator.pipeline.prompt_worker.stream_prefill`); each layer goes
+(:func:`~orchestrator.pipeline.prefill.stream_prefill`); each layer goes
 to the token-pipeline stage that holds it (one ticket per T-stage) while the
 next layer computes (DejaVu §4.1, Splitwise's layer-wise transfer), so
 D_p != D_t regroups the KV on the way. The first token travels twice: back to
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from orchestrator.engine.base import Engine
-from orchestrator.pipeline.prompt_worker import stream_prefill
+from orchestrator.pipeline.prefill import stream_prefill
 from orchestrator.serving.metrics import Metrics
 from orchestrator.serving.params import GenerationParams
 

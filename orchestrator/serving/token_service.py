@@ -5,8 +5,8 @@ Stage 0 holds the pipeline's head: a request reserves its prompt KV slot
 here (the ticket is the first response; the frontend reserved one on every
 other stage before), joins the head at once, and streams every token after
 the first (the P-node's, which the client already has). Colocated: a depth-1
-:class:`~orchestrator.pipeline.pipeline.TokenPipeline` prefills the prompts
-itself. Either way the token loop is the pipeline library's.
+StageNode in ``mode="colocated"`` prefills the prompts itself. Either way the
+token loop is the pipeline library's.
 
 Control requests bootstrap a pipeline (``endpoints``, ``connect``, ``start``)
 and reserve or release prompt KV (``reserve``, ``release``) on any stage; with
@@ -27,7 +27,6 @@ from orchestrator.engine.base import Engine
 from orchestrator.fault.stage_recovery import RecoveryOps
 from orchestrator.pipeline.head import PipelineHead
 from orchestrator.pipeline.node import StageNode
-from orchestrator.pipeline.pipeline import TokenPipeline
 from orchestrator.pipeline.sequence import FinishReason, Sequence
 from orchestrator.serving.metrics import Metrics
 from orchestrator.serving.params import GenerationParams, RequestError, check_prompt
@@ -57,25 +56,22 @@ class _Client:
 
 
 class TokenService:
-    """One stage (``node``) of a disaggregated pipeline, or a colocated ``pipeline``."""
+    """One stage (``node``) of a disaggregated pipeline, or a colocated depth-1 pipeline."""
 
     def __init__(
         self,
         engine: Engine,
         *,
-        node: StageNode | None = None,
-        pipeline: TokenPipeline | None = None,
+        node: StageNode,
         recovery: RecoveryOps | None = None,
         metrics: Metrics | None = None,
         cancel_poll_s: float = 0.05,
     ) -> None:
         """``recovery``: the node's replication and recovery operations (replication on)."""
-        if (node is None) == (pipeline is None):
-            raise ValueError("give a StageNode (disaggregated) or a TokenPipeline (colocated)")
-        self.engine, self.node, self.pipeline = engine, node, pipeline
+        self.engine, self.node = engine, node
         self.recovery = recovery
         self.ops = self._control_ops()
-        self.head: PipelineHead | None = pipeline if pipeline is not None else node.head
+        self.head: PipelineHead | None = node.head
         self.metrics = metrics or Metrics()
         self.clients: dict[str, _Client] = {}
         self.lock = threading.Lock()
@@ -88,13 +84,13 @@ class TokenService:
 
     @property
     def colocated(self) -> bool:
-        return self.pipeline is not None
+        return self.node.config.mode == "colocated"
 
     # -- control requests --------------------------------------------------------------
 
     def _control_ops(self) -> dict[str, Callable[[ControlRequest], bytes | None]]:
         held = {"held": lambda _: json.dumps(self.held()).encode()}
-        if self.node is None:
+        if self.colocated:
             return held
         node = self.node
         ops: dict[str, Callable[[ControlRequest], bytes | None]] = {
@@ -113,7 +109,7 @@ class TokenService:
         """Run the control operation named ``op``; the bytes to answer with."""
         handler = self.ops.get(op)
         if handler is None:
-            where = "a colocated node has no pipeline" if self.node is None else (
+            where = "a colocated node has no pipeline" if self.colocated else (
                 "this node does not replicate its KV" if self.recovery is None else "")
             raise RequestError(f"unknown op {op!r}{f' ({where})' if where else ''}: "
                                f"this node answers {sorted(self.ops) or 'none'}")
@@ -239,9 +235,6 @@ class TokenService:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self.stopped.set()
-        if self.pipeline is not None:
-            self.pipeline.stop(timeout_s)
-        else:
-            self.node.close(timeout_s)
+        self.node.close(timeout_s)
         if self.recovery is not None:
             self.recovery.close()

@@ -23,7 +23,7 @@ from orchestrator.fault.node_replication import NodeReplication
 from orchestrator.kv.connector import KVSender
 from orchestrator.kv.transport.nixl import NixlTransport
 from orchestrator.pipeline.node import PipelineConfig, StageNode
-from orchestrator.pipeline.prompt_worker import stream_prefill
+from orchestrator.pipeline.prefill import stream_prefill
 from orchestrator.pipeline.sequence import Sequence
 
 MAX_SEQ = 64

@@ -1,5 +1,6 @@
-"""Recovery on the real token pipeline: a stage of a TokenPipeline is killed mid-run, the
-controller (a process) detects it, the four steps restore it; outputs are token-exact."""
+"""Recovery on an in-process pipeline of stage nodes: a stage is killed mid-run, the
+controller (a process) detects it, a hot spare takes its slot and the T-nodes' own four
+steps restore it; outputs are token-exact."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import pytest
 import torch
 
 from orchestrator.engine.reference import generate, load_stages
-from orchestrator.fault.replicated import Kill, ReplicatedPipeline
-from orchestrator.pipeline.pipeline import TokenPipeline
+from orchestrator.fault.local import Kill, ReplicatedPipeline
+from orchestrator.pipeline.local import LocalPipeline
+from orchestrator.pipeline.node import PipelineConfig
 from orchestrator.pipeline.sequence import FinishReason, Sequence
 
 MAX_SEQ = 64
@@ -27,13 +29,19 @@ def reference(model, prompts) -> list[list[int]]:
     return [generate(engines, [p], m)[0] for p, m in zip(prompts, LIMITS, strict=True)]
 
 
+def config(depth: int, **fields) -> PipelineConfig:
+    """Two sequences per microbatch; a lost stage pauses the head for a repair. Silence
+    counts only after the controller's own timeout would have (it decides)."""
+    return PipelineConfig(depth, 2, recover_timeout_s=60.0, dead_after_s=30.0, **fields)
+
+
 def run(controller: str, model, depth: int, kills: list[Kill], name: str, swap: str = "off",
         replicate: bool = True, mode: str = "colocated"):
     """Returns (outputs, finish events per request, the wrapper, replicas left) once every
-    request ended. Disaggregated, an in-process P-worker prefills."""
+    request ended. Disaggregated, an in-process P-side prefills."""
     engines = load_stages(str(model), depth, max_seq_len=MAX_SEQ)
     prompt = load_stages(str(model), 1, max_seq_len=MAX_SEQ) if mode != "colocated" else None
-    pipeline = TokenPipeline(engines, 2, mode=mode, swap=swap, prompt_engines=prompt)
+    pipeline = LocalPipeline(engines, config(depth, mode=mode, swap=swap), prompt_engines=prompt)
     ft = ReplicatedPipeline(pipeline, controller, name, replicate=replicate, kills=kills,
                             heartbeat_s=0.03)
     finishes: dict[str, int] = {}
@@ -57,8 +65,8 @@ def run(controller: str, model, depth: int, kills: list[Kill], name: str, swap: 
 @pytest.mark.parametrize(
     ("arch", "depth", "swap", "mode", "kill"),
     [("gpt2", 3, "off", "colocated", Kill(stage=1, microbatch=0, step=6)),
-     # stage 0's holder is stage 1; prompts prefilled by a P-worker
-     ("llama", 2, "off", "disaggregated", Kill(stage=0, microbatch=1, step=5)),
+     # the last stage's holder is stage 0; prompts prefilled by an in-process P-side
+     ("llama", 2, "off", "disaggregated", Kill(stage=1, microbatch=1, step=5)),
      ("opt", 3, "on", "colocated", Kill(stage=2, microbatch=2, step=4)),  # last stage, swap
      ("gpt2", 3, "on", "disaggregated", Kill(stage=1, microbatch=1, step=8))],
 )
@@ -91,7 +99,7 @@ def test_unsettled_kill_redoes_no_later_step_and_stays_exact(controller, tiny_mo
 
 @pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
 def test_holder_also_lost_falls_back_to_recompute(controller, tiny_model, mode) -> None:
-    """Colocated, the prompts run again in the pipeline; disaggregated, the P-worker
+    """Colocated, the prompts run again in the pipeline; disaggregated, the P-side
     prefills them again."""
     model = tiny_model("gpt2")
     kill = Kill(stage=1, microbatch=0, step=4, also=(2,))  # stage 2 holds stage 1's replicas
@@ -119,9 +127,13 @@ def test_restart_from_scratch_baseline_is_token_exact(controller, tiny_model) ->
 
 def test_bad_setups_are_named(controller, tiny_model) -> None:
     model = str(tiny_model("gpt2"))
-    two = TokenPipeline(load_stages(model, 2, max_seq_len=MAX_SEQ), 2, mode="colocated")
-    with pytest.raises(ValueError, match="no stage 5 in a depth-2 pipeline"):
-        ReplicatedPipeline(two, controller, kills=[Kill(stage=5, microbatch=0, step=1)])
-    one = TokenPipeline(load_stages(model, 1, max_seq_len=MAX_SEQ), 2, mode="colocated")
+    two = LocalPipeline(load_stages(model, 2, max_seq_len=MAX_SEQ), config(2, mode="colocated"))
+    with pytest.raises(ValueError, match="stages 1..1 of a depth-2 pipeline"):
+        ReplicatedPipeline(two, controller, "bad", kills=[Kill(stage=5, microbatch=0, step=1)])
+    with pytest.raises(ValueError, match="stage 0 holds the head"):
+        ReplicatedPipeline(two, controller, "bad", kills=[Kill(stage=0)])
+    one = LocalPipeline(load_stages(model, 1, max_seq_len=MAX_SEQ), config(1, mode="colocated"))
     with pytest.raises(ValueError, match="replication needs depth >= 2"):
-        ReplicatedPipeline(one, controller)
+        ReplicatedPipeline(one, controller, "bad")
+    two.stop()
+    one.stop()

@@ -47,7 +47,7 @@ def prompt_node(model_dir: Path, depth: int, max_seq_len: int, inbox: mp.Queue,
     from orchestrator.engine.reference import load_stages
     from orchestrator.kv.connector import KVSender
     from orchestrator.kv.transport.nixl import NixlTransport
-    from orchestrator.pipeline.prompt_worker import stream_prefill
+    from orchestrator.pipeline.prefill import stream_prefill
 
     torch.set_num_threads(1)
     engines = load_stages(str(model_dir), depth, max_seq_len=max_seq_len)

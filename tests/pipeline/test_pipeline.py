@@ -11,7 +11,9 @@ import torch
 
 from orchestrator.engine.reference import generate, load_stages
 from orchestrator.engine.torch_engine import load_engine
-from orchestrator.pipeline.pipeline import TokenPipeline, stage_specs
+from orchestrator.pipeline.local import LocalPipeline
+from orchestrator.pipeline.node import PipelineConfig
+from orchestrator.pipeline.pipeline import stage_specs
 from orchestrator.pipeline.sequence import FinishReason, Sequence
 
 MAX_SEQ = 96
@@ -43,12 +45,17 @@ def eos_id(reference):
     return reference[3][4]
 
 
-def make_pipeline(model, depth: int, mode: str, swap: str, **kwargs) -> TokenPipeline:
+def pipeline_of(engines, batch: int, prompt_engines=None, **config) -> LocalPipeline:
+    """The stages' nodes in this process; ``config``: PipelineConfig fields."""
+    return LocalPipeline(engines, PipelineConfig(depth=len(engines), batch_size=batch, **config),
+                         prompt_engines=prompt_engines)
+
+
+def make_pipeline(model, depth: int, mode: str, swap: str, **config) -> LocalPipeline:
     engines = load_stages(model, depth, max_seq_len=MAX_SEQ)
-    if mode == "disaggregated":
-        kwargs.setdefault("prompt_engines", load_stages(model, 1, max_seq_len=MAX_SEQ))
-    kwargs.setdefault("num_microbatches", max(depth, 2))
-    return TokenPipeline(engines, 2, mode=mode, swap=swap, **kwargs)
+    prompt = load_stages(model, 1, max_seq_len=MAX_SEQ) if mode == "disaggregated" else None
+    config.setdefault("num_microbatches", max(depth, 2))
+    return pipeline_of(engines, 2, prompt, mode=mode, swap=swap, **config)
 
 
 @pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
@@ -86,27 +93,27 @@ def test_resident_batch_that_does_not_fit_the_budget_is_refused(model):
     engines = load_stages(model, 2, max_seq_len=MAX_SEQ)
     slot = engines[0].kv_layout.slot_bytes()
     with pytest.raises(ValueError, match="needs 4 slots"):
-        TokenPipeline(engines, 2, swap="off", device_kv_budget=3 * slot)
+        pipeline_of(engines, 2, swap="off", device_kv_budget=3 * slot)
     # the same budget fits batch 2 when swapping (2 microbatches x 2 would not)
-    TokenPipeline(engines, 2, swap="on", device_kv_budget=4 * slot)
+    pipeline_of(engines, 2, swap="on", device_kv_budget=4 * slot).stop()
     # auto keeps KV resident when it fits
-    assert not TokenPipeline(engines, 1, swap="auto", device_kv_budget=3 * slot).swap
+    assert not pipeline_of(engines, 1, swap="auto", device_kv_budget=3 * slot).swap
     with pytest.raises(ValueError, match="swap_workload"):
-        TokenPipeline(engines, 2, swap="auto", device_kv_budget=3 * slot)
+        pipeline_of(engines, 2, swap="auto", device_kv_budget=3 * slot)
     # auto swaps when not even one sequence per microbatch fits resident (4 > 3 slots)
-    assert TokenPipeline(engines, 1, num_microbatches=4, swap="auto", device_kv_budget=3 * slot,
-                         swap_workload=(16, 8)).swap
+    assert pipeline_of(engines, 1, num_microbatches=4, swap="auto", device_kv_budget=3 * slot,
+                       swap_workload=(16, 8)).swap
     # otherwise it measures step time and copy bandwidth and applies the Appendix E rule; a
     # tiny model's 1 KB per token per stage comes back in microseconds, under one step
-    assert TokenPipeline(engines, 2, num_microbatches=3, swap="auto", device_kv_budget=5 * slot,
-                         swap_workload=(16, 8)).swap
+    assert pipeline_of(engines, 2, num_microbatches=3, swap="auto", device_kv_budget=5 * slot,
+                       swap_workload=(16, 8)).swap
 
 
 def test_explicit_layer_map(model, prompts, reference):
     specs = stage_specs(4, layers=[1, 3])
     assert [(s.first_layer, s.last_layer) for s in specs] == [(0, 1), (1, 4)]
     engines = [load_engine(model, s, max_seq_len=MAX_SEQ) for s in specs]
-    with TokenPipeline(engines, 3, mode="colocated") as pipeline:
+    with pipeline_of(engines, 3, mode="colocated") as pipeline:
         assert pipeline.generate(prompts, LIMITS, timeout_s=60) == reference
     with pytest.raises(ValueError, match="do not split"):
         stage_specs(4, layers=[1, 2])
@@ -122,7 +129,7 @@ def test_llama_gqa_disaggregated_prompt_stages_differ_from_token_stages(tiny_mod
     prompt_engines = [load_engine(model, s, max_seq_len=MAX_SEQ)
                       for s in stage_specs(4, layers=[1, 3])]
     engines = [load_engine(model, s, max_seq_len=MAX_SEQ) for s in stage_specs(4, layers=[2, 1, 1])]
-    with TokenPipeline(engines, 1, prompt_engines=prompt_engines, swap="on") as pipeline:
+    with pipeline_of(engines, 1, prompt_engines, swap="on") as pipeline:
         assert pipeline.generate(prompts, limits, timeout_s=60) == expected
 
 
@@ -191,7 +198,7 @@ class FailingEngine:
 def test_a_failing_stage_ends_requests_with_its_error_and_frees_kv(model, prompts):
     engines = load_stages(model, 2, max_seq_len=MAX_SEQ)
     engines[1] = FailingEngine(engines[1])
-    with TokenPipeline(engines, 2, mode="colocated", swap="on") as pipeline:
+    with pipeline_of(engines, 2, mode="colocated", swap="on") as pipeline:
         with pytest.raises(RuntimeError, match="stage 1: injected decode failure"):
             pipeline.generate(prompts, LIMITS, timeout_s=30)
         assert pipeline.errors
@@ -208,16 +215,16 @@ def test_bad_requests_are_refused_with_a_reason(model):
         pipeline.wait(30)
     engines = load_stages(model, 2, max_seq_len=MAX_SEQ)
     with pytest.raises(ValueError, match="chain"):
-        TokenPipeline(engines[::-1], 1)
+        pipeline_of(engines[::-1], 1)
     with pytest.raises(ValueError, match="swap"):
-        TokenPipeline(engines, 1, swap="maybe")
-    with pytest.raises(ValueError, match="submit_prefilled"), TokenPipeline(engines, 1) as p:
+        pipeline_of(engines, 1, swap="maybe")
+    with pytest.raises(ValueError, match="submit_prefilled"), pipeline_of(engines, 1) as p:
         p.submit(Sequence("x", [1], 2))
 
 
 def test_a_stalled_stage_times_out_instead_of_hanging(model, prompts):
     engines = load_stages(model, 2, max_seq_len=MAX_SEQ)
     engines[0] = FailingEngine(engines[0], stall_s=1.5)
-    pipeline = TokenPipeline(engines, 2, mode="colocated", step_timeout_s=0.3)
+    pipeline = pipeline_of(engines, 2, mode="colocated", step_timeout_s=0.3)
     with pipeline, pytest.raises(RuntimeError, match="got no answer in 0.3 s"):
         pipeline.generate(prompts, LIMITS, timeout_s=30)

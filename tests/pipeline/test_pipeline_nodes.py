@@ -11,7 +11,7 @@ from orchestrator.engine.reference import generate, load_stages
 from orchestrator.kv.connector import KVSender
 from orchestrator.kv.transport.local import LocalFabric, LocalTransport
 from orchestrator.pipeline.node import PipelineConfig, StageNode
-from orchestrator.pipeline.prompt_worker import stream_prefill
+from orchestrator.pipeline.prefill import stream_prefill
 from orchestrator.pipeline.sequence import FinishReason, Sequence
 
 MAX_SEQ = 64

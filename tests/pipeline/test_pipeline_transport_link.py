@@ -10,8 +10,15 @@ from orchestrator.engine.reference import generate, load_stages
 from orchestrator.engine.sampling import SamplingParams
 from orchestrator.kv.transport.local import LocalFabric, LocalTransport
 from orchestrator.pipeline.link import KVProbe, Shutdown, StepMessage, TokenMessage
-from orchestrator.pipeline.pipeline import TokenPipeline
-from orchestrator.pipeline.transport_link import LinkError, TransportLink, decode, encode
+from orchestrator.pipeline.local import LocalPipeline
+from orchestrator.pipeline.node import PipelineConfig
+from orchestrator.pipeline.transport_link import (
+    LinkError,
+    TransportReceiver,
+    TransportSender,
+    decode,
+    encode,
+)
 
 MAX_SEQ = 64
 SLOT_BYTES = 1 << 20
@@ -42,27 +49,17 @@ def test_messages_survive_the_wire_format():
 
 def test_messages_arrive_in_order_through_the_ring_and_a_dead_peer_fails_the_send():
     fabric = LocalFabric()
-    link = TransportLink(LocalTransport(fabric), LocalTransport(fabric), slots=3, slot_bytes=4096)
-    assert link.recv(0.01) is None
+    receiver = TransportReceiver(LocalTransport(fabric), slots=3, slot_bytes=4096)
+    sender = TransportSender(LocalTransport(fabric), receiver.ticket())
+    assert receiver.recv(0.01) is None
     for round_ in range(4):  # more messages than ring slots, consumed as they come
         sent = [TokenMessage(i, round_, {i: round_}) for i in range(3)]
         for message in sent:
-            link.send(message, 1.0)
-        assert [link.recv(1.0) for _ in sent] == sent
-    fabric.leave(link.receiver.transport.name)
+            sender.send(message, 1.0)
+        assert [receiver.recv(1.0) for _ in sent] == sent
+    fabric.leave(receiver.transport.name)
     with pytest.raises(LinkError):
-        link.send(Shutdown(), 1.0)
-
-
-def transport_links(make_transport):
-    made = []
-
-    def make_link(name: str, capacity: int) -> TransportLink:
-        link = TransportLink(make_transport(), make_transport(), capacity, SLOT_BYTES)
-        made.append(link)
-        return link
-
-    return make_link, made
+        sender.send(Shutdown(), 1.0)
 
 
 @pytest.fixture(scope="module")
@@ -75,28 +72,13 @@ def case(tiny_model):
     return model, prompts, limits, expected
 
 
-@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
-def test_pipeline_over_local_transport_links_is_token_exact(case, mode):
-    model, prompts, limits, expected = case
-    fabric = LocalFabric()
-    make_link, _ = transport_links(lambda: LocalTransport(fabric))
-    extra = {"prompt_engines": load_stages(model, 1, max_seq_len=MAX_SEQ)} if mode == (
-        "disaggregated") else {}
-    with TokenPipeline(load_stages(model, 2, max_seq_len=MAX_SEQ), 2, mode=mode, swap="on",
-                       make_link=make_link, **extra) as pipeline:
-        assert pipeline.generate(prompts, limits, timeout_s=60) == expected
-
-
 def test_pipeline_over_nixl_links_is_token_exact(case):
+    """Every link, prompt KV and the P-side over real NIXL/UCX agents, in one process."""
     from orchestrator.kv.transport.nixl import NixlTransport
 
     model, prompts, limits, expected = case
-    make_link, links = transport_links(NixlTransport)
-    try:
-        with TokenPipeline(load_stages(model, 2, max_seq_len=MAX_SEQ), 2, mode="colocated",
-                           make_link=make_link) as pipeline:
-            assert pipeline.generate(prompts, limits, timeout_s=60) == expected
-    finally:
-        for link in links:
-            link.sender.transport.close()
-            link.receiver.transport.close()
+    config = PipelineConfig(depth=2, batch_size=2, max_seq_len=MAX_SEQ)
+    with LocalPipeline(load_stages(model, 2, max_seq_len=MAX_SEQ), config,
+                       prompt_engines=load_stages(model, 1, max_seq_len=MAX_SEQ),
+                       make_transport=NixlTransport) as pipeline:
+        assert pipeline.generate(prompts, limits, timeout_s=60) == expected

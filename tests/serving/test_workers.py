@@ -16,7 +16,6 @@ from orchestrator.engine.torch_engine import load_engine
 from orchestrator.kv.connector import KVSender
 from orchestrator.kv.transport.local import LocalFabric, LocalTransport
 from orchestrator.pipeline.node import PipelineConfig, StageNode
-from orchestrator.pipeline.pipeline import TokenPipeline
 from orchestrator.serving.params import GenerationParams, RequestError
 from orchestrator.serving.prefill_worker import PrefillJob, PrefillWorker
 from orchestrator.serving.token_service import ControlRequest, TokenService
@@ -69,7 +68,9 @@ def engine(model):
 
 
 def colocated(engine, batch: int) -> TokenService:
-    return TokenService(engine, pipeline=TokenPipeline([engine], batch, mode="colocated").start())
+    config = PipelineConfig(depth=1, batch_size=batch, mode="colocated")
+    node = StageNode(None, 0, config, secret=b"", engine=engine).start()
+    return TokenService(engine, node=node)
 
 
 def admit(service: TokenService, rid: str, prompt: list[int], params, client: Client) -> None:

@@ -1,0 +1,79 @@
+"""The prompt side: prefill on its own engines, stream the KV to the token stages.
+
+:func:`stream_prefill` runs whole prompts (its engines may be a different split
+of the same model), samples each first token, and streams each layer as it is
+made through the KV library's ``KVSender`` into every token stage's
+``KVReceiver`` (the library routes layers to the stage holding them: DejaVu's
+stream_out/stream_in), with the first token as the transfer's ``extra``. A
+P-node runs it (:class:`~orchestrator.serving.prefill_worker.PrefillWorker`),
+and so does an in-process pipeline
+(:class:`~orchestrator.pipeline.local.LocalPipeline`).
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from orchestrator.engine.base import Engine
+from orchestrator.engine.sampling import Sampler, SamplingParams
+from orchestrator.kv.connector import KVSender, SendHandle
+from orchestrator.layout import KVCache
+
+log = logging.getLogger(__name__)
+_FIRST_TOKEN = struct.Struct("<I")  # what the serving P-node sends too
+
+
+def encode_first_token(token: int) -> bytes:
+    return _FIRST_TOKEN.pack(token)
+
+
+def decode_first_token(extra: bytes) -> int:
+    if len(extra) != _FIRST_TOKEN.size:
+        raise ValueError(f"expected a {_FIRST_TOKEN.size}-byte first token after the prompt KV, "
+                         f"got {len(extra)} bytes")
+    return _FIRST_TOKEN.unpack(extra)[0]
+
+
+def stream_prefill(
+    engines: Sequence[Engine],
+    senders: Sequence[KVSender],
+    prompts: Mapping[str, Sequence[int]],
+    tickets: Mapping[str, Sequence[bytes]],
+    sampling: Mapping[str, SamplingParams] | None = None,
+    save_timeout_s: float = 30.0,
+) -> dict[str, int]:
+    """Prefill ``prompts`` (request id -> ids) on the prompt stages ``engines`` (one
+    ``KVSender`` each), streaming every layer's KV while the next computes to the token
+    stages that reserved ``tickets[request_id]`` (one ticket per token stage). Returns each
+    first token; raises ``KVTransferError`` naming the token stage a transfer failed to."""
+    sampling = sampling or {}
+    rids = list(prompts)
+    x: list[torch.Tensor] = [torch.tensor(prompts[r], dtype=torch.long) for r in rids]
+    taken: list[tuple[KVSender, SendHandle]] = []  # every staging block, given back on any exit
+    try:
+        for engine, sender in zip(engines, senders, strict=True):
+            stage_handles = []
+            for rid in rids:
+                stage_handles.append(sender.start(rid, list(tickets[rid])))
+                taken.append((sender, stage_handles[-1]))
+
+            def save(layer: int, caches: Sequence[KVCache], sender=sender,
+                     hs=stage_handles) -> None:
+                for handle, cache in zip(hs, caches, strict=True):
+                    sender.save_layer(handle, layer, cache)
+
+            x = engine.prefill(x, [engine.new_cache() for _ in rids], on_layer=save)
+        first = {rid: int(Sampler(sampling.get(rid))(logits[None])[0])
+                 for rid, logits in zip(rids, x, strict=True)}
+        for sender, handle in taken:
+            sender.finish(handle, extra=encode_first_token(first[handle.request_id]))
+        for sender, handle in taken:
+            sender.wait_for_save(handle, save_timeout_s)
+    finally:
+        for sender, handle in taken:
+            sender.release(handle)
+    return first
