@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
-import sys
 
 import pytest
 import tokenizers
 import transformers
 
+from orchestrator.cli import main
 from orchestrator.engine.checkpoint import INIT_STD, PRESETS, hf_config, make_checkpoint
 from orchestrator.engine.config import ModelConfig
 from orchestrator.engine.tokenizer import load_tokenizer
@@ -59,12 +61,15 @@ def test_medium_preset_is_gpt2_medium_sized_and_loads_in_the_engine(arch):
 
 
 def dejavu(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", *argv],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    """The ``dejavu`` command in this process (a subprocess would import torch and
+    transformers again, ~10 s each here): its exit code and what it printed."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(argv))
+        except SystemExit as exc:  # argparse refusing the arguments
+            code = exc.code
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
 def test_cli_make_then_run_json(tmp_path):
