@@ -10,6 +10,7 @@ import pytest
 from orchestrator.engine.reference import generate, load_stages
 from orchestrator.kv.connector import KVSender
 from orchestrator.kv.transport.local import LocalFabric, LocalTransport
+from orchestrator.pipeline.local import LocalPipeline
 from orchestrator.pipeline.node import PipelineConfig, StageNode
 from orchestrator.pipeline.prefill import stream_prefill
 from orchestrator.pipeline.sequence import FinishReason, Sequence
@@ -21,33 +22,27 @@ LIMITS = [6, 2, 9, 1, 5]
 
 
 class LocalCluster:
-    """``depth`` stage nodes and a P-worker of ``prompt_depth`` stages on one local fabric."""
+    """A pipeline of ``depth`` stage nodes in this process, and a P-side of ``prompt_depth``
+    stages the tests drive step by step (reserve, submit, prefill)."""
 
     def __init__(self, model, config: PipelineConfig, prompt_depth: int = 1) -> None:
-        fabric = LocalFabric()
-        self.nodes = [StageNode(model, i, config, secret=SECRET,
-                                make_transport=lambda name: LocalTransport(fabric, name))
-                      for i in range(config.depth)]
-        endpoints = [node.endpoints() for node in self.nodes]
-        for i, node in enumerate(self.nodes):
-            node.connect(endpoints[(i + 1) % config.depth], endpoints[0])
-        for node in reversed(self.nodes):
-            node.start()
-        self.head = self.nodes[0].head
+        engines = load_stages(model, config.depth, max_seq_len=config.max_seq_len)
+        self.pipeline = LocalPipeline(engines, config, secret=SECRET).start()
+        self.nodes, self.head = self.pipeline.nodes, self.pipeline.head
         self.prompt_engines = load_stages(model, prompt_depth, max_seq_len=MAX_SEQ)
-        transport = LocalTransport(fabric, "pnode")
-        self.senders = [KVSender(transport, e.kv_layout, SECRET, max_inflight=8)
+        self.pnode = self.pipeline.transport("pnode")
+        self.senders = [KVSender(self.pnode, e.kv_layout, SECRET, max_inflight=8)
                         for e in self.prompt_engines]
 
     def reserve(self, rid: str, prompt: list[int]) -> list[bytes]:
-        return [node.reserve_prompt(rid, len(prompt)) for node in self.nodes]
+        return self.pipeline.reserve(rid, len(prompt))
 
     def prefill(self, prompts: dict[str, list[int]], tickets: dict[str, list[bytes]]):
         return stream_prefill(self.prompt_engines, self.senders, prompts, tickets)
 
     def close(self) -> None:
-        for node in self.nodes:
-            node.close(timeout_s=5)
+        self.pipeline.stop(timeout_s=5)
+        self.pnode.close()
 
 
 def holds_slot(node: StageNode, rid: str) -> bool:
