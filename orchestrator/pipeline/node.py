@@ -4,8 +4,9 @@ Each node holds one stage (its layers, its engine, its sequences' KV) and runs
 a :class:`~orchestrator.pipeline.stage.StageWorker`; node 0 also runs the
 :class:`~orchestrator.pipeline.head.PipelineHead` (scheduling, token callbacks,
 refill). In-process runs (tests, benchmarks) are the same nodes over an
-in-process transport (:class:`~orchestrator.pipeline.local.LocalPipeline`). Steps go 0 -> 1 -> ... -> D-1 -> back to node 0, each hop one NIXL
-WRITE into the next node's ring (:mod:`orchestrator.pipeline.transport_link`).
+in-process transport (:class:`~orchestrator.pipeline.local.LocalPipeline`).
+Steps go 0 -> 1 -> ... -> D-1 -> back to node 0, each hop one NIXL WRITE into
+the next node's ring (:mod:`orchestrator.pipeline.transport_link`).
 
 Bootstrap (a coordinator, e.g. the Triton launcher, carries opaque bytes)::
 
