@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from orchestrator.fault.controller import spawn
-from orchestrator.fault.replicated import SECRET  # the in-process pipelines' secret
+from orchestrator.fault.local import SECRET  # the in-process pipelines' secret
 
 
 def stop(proc: subprocess.Popen) -> None:

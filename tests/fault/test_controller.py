@@ -17,7 +17,7 @@ import pytest
 from orchestrator.control.auth import ENV
 from orchestrator.fault.client import ControllerClient, NodeSpec, query_status
 from orchestrator.fault.controller import ControllerState
-from orchestrator.fault.replicated import SECRET
+from orchestrator.fault.local import SECRET
 from orchestrator.fault.rpc import RequestError, Stub
 
 NODE_PROC = Path(__file__).with_name("node_proc.py")
