@@ -130,11 +130,6 @@ class KVReceiver:
         self._requests: dict[str, _Incoming] = {}
         self._lock = threading.RLock()
 
-    def __len__(self) -> int:
-        """Requests holding a slot."""
-        with self._lock:
-            return len(self._requests)
-
     def _slot_addr(self, slot: int) -> int:
         return self._base + slot * self.layout.slot_bytes()
 

@@ -208,5 +208,5 @@ class LocalPipeline:
 
     def kv_held(self) -> int:
         """Sequences whose KV a stage holds, and prompt KV slots still reserved."""
-        return sum(len(node.kv) + len(node.receiver or ())
+        return sum(len(node.kv) + (node.receiver.held() if node.receiver else 0)
                    for node in self.nodes)

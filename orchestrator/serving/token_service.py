@@ -134,8 +134,9 @@ class TokenService:
         prompt-KV slots, sequences' KV, replicas and restored KV."""
         with self.lock:
             counts = {"clients": len(self.clients)}
-        if self.node is not None:
-            counts |= {"slots": self.node.receiver.held(), "kv": len(self.node.kv)}
+        counts["kv"] = len(self.node.kv)
+        if self.node.receiver is not None:  # disaggregated: prompt KV slots
+            counts["slots"] = self.node.receiver.held()
         if self.recovery is not None:
             counts |= self.recovery.replication.held_counts()
         return counts

@@ -170,7 +170,7 @@ def test_kv_that_never_comes_fails_the_request_and_frees_the_slot(model):
 def test_a_failing_prefill_gives_its_staging_block_back(model, engine, monkeypatch):
     """A step that fails after the KV transfer started (the first token's sampling, here
     made to fail) leaves no staging block taken: before, 16 such requests took them all."""
-    from orchestrator.pipeline import prompt_worker
+    from orchestrator.pipeline import prefill as prefill_module
 
     fabric = LocalFabric()
     config = PipelineConfig(depth=1, batch_size=2, max_seq_len=MAX_SEQ, kv_timeout_s=5)
@@ -184,7 +184,7 @@ def test_a_failing_prefill_gives_its_staging_block_back(model, engine, monkeypat
             client = Client()
             admit(service, f"bad{i}", PROMPTS[0], GenerationParams(max_tokens=4), client)
             with monkeypatch.context() as patch:
-                patch.setattr(prompt_worker, "Sampler", lambda params: lambda logits: 1 / 0)
+                patch.setattr(prefill_module, "Sampler", lambda params: lambda logits: 1 / 0)
                 (result,) = prefill.run([PrefillJob(f"bad{i}", PROMPTS[0],
                                                     GenerationParams(max_tokens=4),
                                                     [client.ticket])])
