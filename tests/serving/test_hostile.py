@@ -1,0 +1,202 @@
+"""A hostile but ordinary client against a real 1P+1T cluster: nothing it sends takes the
+service down, and nothing is left behind.
+
+Each case gets a clear client error (HTTP 400 / gRPC INVALID_ARGUMENT) at once and is
+followed by a normal request; what the nodes hold is counted from their own reports (the
+T-node's ``held`` control op, the P-node's ``dejavu_held`` gauge).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from cluster_helpers import (
+    MAX_SEQ_LEN,
+    PROMPTS,
+    ids_of,
+    metric,
+    reference,
+    stream_orchestrator,
+)
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tritonclient.utils import InferenceServerException
+
+from clients.generate import GenerateError, stream_grpc
+from orchestrator.cluster.launcher import Cluster
+from orchestrator.control.auth import load_secret
+from orchestrator.control.client import ControlClient
+from orchestrator.engine.tokenizer import load_tokenizer
+
+pytestmark = pytest.mark.slow
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def cluster(model, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("hostile")
+    with Cluster.up(model, prefill=1, decode=1, run_dir=run_dir, max_seq_len=MAX_SEQ_LEN) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def expected(model):
+    return reference(model, PROMPTS[:1], MAX_TOKENS)[0]
+
+
+def post(cluster, body: bytes, endpoint: str = "generate") -> tuple[int, bytes]:
+    url = f"http://{cluster.frontend.http_url}/v2/models/ensemble/{endpoint}"
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, body), timeout=60) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def normal_request_works(cluster, expected) -> None:
+    chunks = list(stream_grpc(cluster.frontend.grpc_url, PROMPTS[0], max_tokens=MAX_TOKENS))
+    assert ids_of(chunks) == expected
+
+
+def held(cluster) -> dict[str, float]:
+    """What requests hold on the nodes; every value 0 when nothing leaked."""
+    decode, prefill = cluster.role("decode")[0].server, cluster.role("prefill")[0].server
+    control = ControlClient(load_secret(cluster.secret_file), 10.0)
+    counts = json.loads(control.call(decode.grpc_url, "held"))
+    counts["staging_blocks"] = metric(prefill, "dejavu_held", what="staging_blocks")
+    counts["frontend_queue"] = metric(cluster.frontend, "dejavu_queue_length")
+    return counts
+
+
+def until_nothing_held(cluster, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any(held(cluster).values()):
+        assert time.monotonic() < deadline, held(cluster)
+        time.sleep(0.05)
+
+
+def test_nan_temperature_is_refused_and_the_service_stays_up(cluster, expected):
+    """Before: the P-node's sampling failed, its staging block leaked, the frontend ran it
+    again every second for 60 s, and then every request failed 'no free KV slot'."""
+    for _ in range(20):  # more than the P-node's 16 staging blocks
+        status, body = post(cluster, b'{"text_input": "Hi", "max_tokens": 8, '
+                                      b'"temperature": NaN}')
+        assert status == 400, body
+        assert b"temperature must be a finite number" in body
+    with pytest.raises(GenerateError, match="finite"):
+        list(stream_grpc(cluster.frontend.grpc_url, "Hi", max_tokens=8, temperature=np.nan))
+    until_nothing_held(cluster)
+    normal_request_works(cluster, expected)
+
+
+def test_a_huge_prompt_is_refused_before_it_is_tokenized(cluster, expected):
+    # Triton 2.51's HTTP server itself crashes on bodies of a few MB (its issue 5840): 1 MB.
+    status, body = post(cluster, json.dumps({"text_input": "word " * 200_000,
+                                             "max_tokens": 8}).encode())
+    assert status == 400, body
+    assert b"exceeds the limit" in body
+    client = grpcclient.InferenceServerClient(cluster.frontend.grpc_url)
+    text = grpcclient.InferInput("text_input", [1], "BYTES")
+    text.set_data_from_numpy(np.array([b"word " * 10_000_000], dtype=np.object_))  # 50 MB
+    tokens = grpcclient.InferInput("max_tokens", [1], "INT32")
+    tokens.set_data_from_numpy(np.array([8], dtype=np.int32))
+    alone = _timed(lambda: normal_request_works(cluster, expected))
+    with ThreadPoolExecutor(1) as pool:
+        def refuse() -> float:
+            with pytest.raises(InferenceServerException, match="exceeds the limit"):
+                list(_stream(client, "ensemble", [text, tokens]))
+        huge = pool.submit(_timed, refuse)
+        beside = _timed(lambda: normal_request_works(cluster, expected))
+        refused_s = huge.result(timeout=60)
+    print(f"50 MB prompt refused in {refused_s:.2f} s; a normal request {alone:.3f} s alone, "
+          f"{beside:.3f} s beside it")
+    until_nothing_held(cluster)
+    normal_request_works(cluster, expected)
+
+
+def _timed(call) -> float:
+    start = time.monotonic()
+    call()
+    return time.monotonic() - start
+
+
+def _stream(client, model_name: str, inputs):
+    """Every response of one decoupled request; raises its error."""
+    import queue
+
+    responses: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    try:
+        client.async_stream_infer(model_name, inputs, enable_empty_final_response=True)
+        while True:
+            result, error = responses.get(timeout=30)
+            if error is not None:
+                raise error
+            yield result
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                return
+    finally:
+        client.stop_stream(cancel_requests=True)
+
+
+def test_cancelled_streams_leave_the_t_node_at_once(cluster, model, expected):
+    """A cancelled gRPC stream to the frontend's orchestrator model ends the request on the
+    T-node (its slot and microbatch seat are free) within a few hundred ms."""
+    prompt_ids = load_tokenizer(model).encode(PROMPTS[0]).ids
+    seconds = []
+    for _ in range(10):
+        stream = stream_orchestrator(cluster.frontend.grpc_url, prompt_ids, MAX_SEQ_LEN - 32,
+                                     load_secret(cluster.secret_file))
+        next(stream)
+        next(stream)  # the T-node is generating
+        assert held(cluster)["clients"] == 1
+        cancelled = time.monotonic()
+        stream.close()
+        until_nothing_held(cluster, timeout_s=5)
+        seconds.append(time.monotonic() - cancelled)
+    print(f"cancel -> T-node free: median {sorted(seconds)[5] * 1000:.0f} ms, "
+          f"max {max(seconds) * 1000:.0f} ms")
+    normal_request_works(cluster, expected)
+
+
+@settings(max_examples=int(os.environ.get("DEJAVU_FUZZ_EXAMPLES", "40")), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(max_tokens=st.integers(-2**31, 2**31 - 1), temperature=st.floats(width=32),
+       top_p=st.floats(width=32), top_k=st.integers(-2**31, 2**31 - 1),
+       text=st.binary(max_size=64))
+def test_fuzzed_grpc_requests_get_an_answer_or_a_client_error(cluster, max_tokens, temperature,
+                                                               top_p, top_k, text):
+    values = {"text_input": (np.array([text], np.object_), "BYTES"),
+              "max_tokens": (np.array([min(max_tokens, MAX_TOKENS)], np.int32), "INT32"),
+              "temperature": (np.array([temperature], np.float32), "FP32"),
+              "top_p": (np.array([top_p], np.float32), "FP32"),
+              "top_k": (np.array([top_k], np.int32), "INT32")}
+    inputs = []
+    for name, (array, dtype) in values.items():
+        inputs.append(grpcclient.InferInput(name, [1], dtype))
+        inputs[-1].set_data_from_numpy(array)
+    client = grpcclient.InferenceServerClient(cluster.frontend.grpc_url)
+    try:
+        list(_stream(client, "ensemble", inputs))
+    except InferenceServerException as exc:
+        assert "INVALID_ARG" in str(exc.status()) or exc.status() is None, exc
+    finally:
+        client.close()
+
+
+def test_after_the_fuzzing_nothing_is_held(cluster, expected):
+    until_nothing_held(cluster)
+    normal_request_works(cluster, expected)
