@@ -327,7 +327,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--genai-concurrency", type=int, default=4,
                         help="genai-perf's one concurrency (0: skip genai-perf)")
     parser.add_argument("--out", type=Path, default=Path("bench_out/serving"))
+    parser.add_argument("--breakdown", action="store_true",
+                        help="instead: where one token's time goes at concurrency 1 (engine, "
+                        "pipeline, T-node, frontend, ensemble) and one stage hop vs NIXL")
+    parser.add_argument("--breakdown-requests", type=int, default=20,
+                        help="requests per layer in the breakdown")
     args = parser.parse_args(argv)
+    if args.breakdown:
+        return _breakdown(args)
     if bool(args.url) != bool(args.http_url):
         parser.error("--url and --http-url go together (perf_analyzer: gRPC, genai-perf: HTTP)")
     if args.url and not args.model:
@@ -360,6 +367,28 @@ def main(argv: list[str]) -> int:
         print(f"dejavu bench serving: {exc}", file=sys.stderr)
         return 1
     report(args, points, genai)
+    return 0
+
+
+def _breakdown(args) -> int:
+    from clients.breakdown import as_rows, report, run_breakdown
+
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        model_dir = (args.model or _dummy_model(args)).resolve()
+        layers, hop = run_breakdown(model_dir, args.prompt, args.max_tokens,
+                                    args.breakdown_requests, out)
+    except (ServerError, RuntimeError, ValueError, OSError) as exc:
+        print(f"dejavu bench serving --breakdown: {exc}", file=sys.stderr)
+        return 1
+    rows = as_rows(layers, hop)
+    with (out / "breakdown.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print(report(layers, hop, args.max_tokens, args.breakdown_requests))
+    print(f"wrote {out}/breakdown.csv")
     return 0
 
 

@@ -1,0 +1,256 @@
+"""``dejavu bench serving --breakdown``: where one token's time goes, at concurrency 1.
+
+Each layer of the per-token path is measured on its own, interleaved round
+robin so the machine's noise hits them alike, as the median time between two
+tokens of one request (the first token excluded):
+
+- ``engine``: the bare engine's decode step (``TorchEngine.decode`` + sampling);
+- ``pipeline``: a depth-1 :class:`TokenPipeline` in this process (head thread,
+  scheduler, the two queue links, the stage thread);
+- ``T-node``: the decode model of a tritonserver, called over gRPC (the
+  token service, Triton's Python-backend IPC for every response, gRPC);
+- ``frontend``: the orchestrator model of the frontend (its gRPC stream to
+  the T-node, the relay thread, IPC again, gRPC again);
+- ``ensemble``: what clients call (the ensemble's scheduling and the
+  postprocessing model's detokenization per token).
+
+Each layer's cost is its time minus the layer inside it. The cluster is
+colocated (1 T-node): after the first token a disaggregated request takes the
+same path. In the same run one stage-to-stage hop (a :class:`TransportLink`
+message over NIXL, as between two T-stages) is timed against NIXL's own
+small-message round trip (one WRITE with a notification, polled without
+sleeping), both as ping-pong between two agents in this process.
+"""
+
+from __future__ import annotations
+
+import queue
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+LAYERS = ("engine", "pipeline", "T-node", "frontend", "ensemble")
+COSTS = {  # what each layer adds over the one inside it
+    "engine": "engine decode step + sampling",
+    "pipeline": "head + scheduler + links + stage thread",
+    "T-node": "token service + Triton Python-backend IPC + gRPC",
+    "frontend": "frontend relay (gRPC client, relay thread, IPC, gRPC)",
+    "ensemble": "ensemble + postprocessing (detokenize)",
+}
+
+
+@dataclass
+class Layer:
+    name: str
+    ms_per_token: float  # median gap between tokens over the runs
+    adds_ms: float  # over the layer inside it
+    adds: str
+
+
+def _gaps(times: list[float]) -> list[float]:
+    return [b - a for a, b in zip(times[1:], times[2:], strict=False)]  # first token excluded
+
+
+def time_engine(engine, prompt_ids: list[int], tokens: int) -> list[float]:
+    from orchestrator.engine.sampling import Sampler
+
+    sampler, cache = Sampler(None), engine.new_cache()
+    h = engine.prefill([torch.tensor(prompt_ids)], [cache])
+    token, times = int(sampler(torch.stack(h))[0]), [time.perf_counter()]
+    for _ in range(tokens - 1):
+        logits = engine.decode(torch.tensor([token]), [cache])
+        token = int(sampler(logits)[0])
+        times.append(time.perf_counter())
+    return [0.0, *times]
+
+
+def time_pipeline(pipeline, prompt_ids: list[int], tokens: int, timeout_s: float = 60.0
+                  ) -> list[float]:
+    from orchestrator.pipeline.sequence import Sequence
+
+    times: list[float] = []
+    done = queue.Queue()
+
+    def on_token(seq, token, finished) -> None:
+        times.append(time.perf_counter())
+        if finished:
+            done.put(seq)
+
+    pipeline.submit(Sequence(f"breakdown-{time.monotonic_ns()}", prompt_ids, tokens,
+                             on_token=on_token))
+    done.get(timeout=timeout_s)
+    return [0.0, *times]
+
+
+def time_stream(url: str, model: str, inputs: list, timeout_s: float = 60.0) -> list[float]:
+    """Arrival times of a streamed request's responses that carry tokens (as a client's
+    consumer thread sees them)."""
+    import tritonclient.grpc as grpcclient
+
+    responses: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    times = [time.perf_counter()]
+    try:
+        client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+        while True:
+            result, error = responses.get(timeout=timeout_s)
+            if error is not None:
+                raise RuntimeError(f"{model} at {url}: {error}")
+            if result.as_numpy("output_ids") is not None:
+                times.append(time.perf_counter())
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                return times
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def measure_layers(runs: dict[str, Callable[[], list[float]]], repeats: int
+                   ) -> list[Layer]:
+    """Each run ``repeats`` times, round robin; a layer's figure is its median token gap."""
+    gaps: dict[str, list[float]] = {name: [] for name in runs}
+    for run in runs.values():
+        run()  # warm-up
+    for _ in range(repeats):
+        for name, run in runs.items():
+            gaps[name] += _gaps(run())
+    layers, inner = [], 0.0
+    for name in runs:
+        ms = statistics.median(gaps[name]) * 1e3
+        layers.append(Layer(name, ms, ms - inner, COSTS[name]))
+        inner = ms
+    return layers
+
+
+# -- one stage-to-stage hop against NIXL's own round trip ----------------------------------
+
+
+@dataclass
+class Hop:
+    link_rtt_us: float  # TransportLink message there and back, median
+    nixl_rtt_us: float  # one small NIXL WRITE + notification there and back, median
+
+    @property
+    def ratio(self) -> float:
+        return self.link_rtt_us / self.nixl_rtt_us
+
+
+def measure_hop(rounds: int = 300) -> Hop:
+    from orchestrator.kv.transport.base import KVPoll, Region
+    from orchestrator.kv.transport.nixl import NixlTransport
+    from orchestrator.pipeline.link import TokenMessage
+    from orchestrator.pipeline.transport_link import TransportLink
+
+    a, b = NixlTransport(), NixlTransport()
+    try:
+        there = TransportLink(a, b, slots=4, slot_bytes=1 << 16)
+        back = TransportLink(b, a, slots=4, slot_bytes=1 << 16)
+        message = TokenMessage(0, 0, {0: 1})
+
+        def link_round() -> None:
+            there.send(message, 5.0)
+            there.recv(5.0)
+            back.send(message, 5.0)
+            back.recv(5.0)
+
+        bufs = {t: torch.zeros(64, dtype=torch.uint8) for t in (a, b)}
+        regions = {t: t.register(buf) for t, buf in bufs.items()}
+        for src, dst in ((a, b), (b, a)):
+            src.add_peer(dst.name, dst.metadata())
+
+        def write(src, dst) -> None:
+            handle = src.write(dst.name, [(regions[src], Region(regions[dst].addr, 64))], b"n")
+            while src.poll(handle) is KVPoll.TRANSFERRING:
+                pass
+            while not dst.drain_notifications():
+                pass
+
+        def nixl_round() -> None:
+            write(a, b)
+            write(b, a)
+
+        return Hop(_median_us(link_round, rounds), _median_us(nixl_round, rounds))
+    finally:
+        a.close()
+        b.close()
+
+
+def _median_us(run: Callable[[], None], rounds: int) -> float:
+    for _ in range(10):
+        run()
+    samples = []
+    for _ in range(rounds):
+        begin = time.perf_counter()
+        run()
+        samples.append(time.perf_counter() - begin)
+    return statistics.median(samples) * 1e6
+
+
+# -- the whole breakdown ------------------------------------------------------------------
+
+
+def run_breakdown(model_dir, prompt: str, tokens: int, repeats: int, out_dir
+                  ) -> tuple[list[Layer], Hop]:
+    from clients.generate import stream_grpc
+    from orchestrator.cluster.launcher import Cluster
+    from orchestrator.engine.tokenizer import load_tokenizer
+    from orchestrator.engine.torch_engine import load_engine
+    from orchestrator.pipeline.pipeline import TokenPipeline
+    from orchestrator.serving.frontend import request_tensors
+    from orchestrator.serving.params import GenerationParams
+
+    torch.set_num_threads(1)  # as a serving node
+    prompt_ids = load_tokenizer(model_dir).encode(prompt).ids
+    engine = load_engine(model_dir)
+    params = GenerationParams(max_tokens=tokens, stream=True)
+    pipeline = TokenPipeline([engine], 1, mode="colocated").start()
+    try:
+        with Cluster.up(model_dir, colocated=True, run_dir=out_dir / "cluster") as cluster:
+            tnode = cluster.role("decode")[0].server.grpc_url
+            frontend = cluster.frontend.grpc_url
+            runs = {
+                "engine": lambda: time_engine(engine, prompt_ids, tokens),
+                "pipeline": lambda: time_pipeline(pipeline, prompt_ids, tokens),
+                "T-node": lambda: time_stream(tnode, "decode",
+                                              request_tensors(prompt_ids, params)),
+                "frontend": lambda: time_stream(frontend, "orchestrator",
+                                                request_tensors(prompt_ids, params)),
+                "ensemble": lambda: _ensemble_times(stream_grpc, frontend, prompt, tokens),
+            }
+            layers = measure_layers(runs, repeats)
+    finally:
+        pipeline.stop()
+    return layers, measure_hop()
+
+
+def _ensemble_times(stream_grpc, url: str, prompt: str, tokens: int) -> list[float]:
+    times = [time.perf_counter()]
+    for _ in stream_grpc(url, prompt, max_tokens=tokens):
+        times.append(time.perf_counter())
+    return times
+
+
+def report(layers: list[Layer], hop: Hop, tokens: int, repeats: int) -> str:
+    lines = [f"per-token breakdown, concurrency 1, {repeats} requests of {tokens} tokens per "
+             "layer (median gap between tokens):", "",
+             "| layer | ms/token | adds ms | what it adds |", "|---|---:|---:|---|"]
+    lines += [f"| {x.name} | {x.ms_per_token:.3f} | {x.adds_ms:+.3f} | {x.adds} |"
+              for x in layers]
+    served, bare = layers[-1].ms_per_token, layers[0].ms_per_token
+    lines += ["", f"served (ensemble) / bare engine time per token: {served / bare:.2f}",
+              f"stage-to-stage hop: link round trip {hop.link_rtt_us:.0f} us, NIXL's own "
+              f"small-message round trip {hop.nixl_rtt_us:.0f} us: {hop.ratio:.2f}x"]
+    return "\n".join(lines)
+
+
+def as_rows(layers: list[Layer], hop: Hop) -> list[dict]:
+    rows = [{"what": x.name, "ms": round(x.ms_per_token, 4), "adds_ms": round(x.adds_ms, 4)}
+            for x in layers]
+    rows += [{"what": "link round trip", "ms": hop.link_rtt_us / 1e3, "adds_ms": np.nan},
+             {"what": "nixl round trip", "ms": hop.nixl_rtt_us / 1e3, "adds_ms": np.nan}]
+    return rows
