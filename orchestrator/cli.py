@@ -29,6 +29,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "recovery"): ("benchmarks.recovery:main", "failure recovery (Fig. 14, 15)"),
     ("bench", "pipeline"): ("benchmarks.pipeline:main", "pipeline bubbles and swapping"),
     ("bench", "serving"): ("clients.perf:main", "perf_analyzer against the ensemble"),
+    ("bench", "disagg"): ("clients.disagg:main", "disaggregated vs colocated, equal devices"),
 }
 
 

@@ -59,6 +59,7 @@ log = logging.getLogger(__name__)
 
 # tokens of this response, the tokens already sent just before them, is it the last
 Emit = Callable[[list[int], list[int], bool], None]
+CANCEL_POLL_S = 0.05  # how often a waiting relay asks Triton whether its client left
 
 
 class ServingError(RuntimeError):
@@ -117,6 +118,7 @@ class DecodeStream:
     secret: bytes
     pool: ClientPool
     responses: queue.Queue = field(default_factory=queue.Queue)
+    _cancel_check_at: float = 0.0
 
     def __post_init__(self) -> None:
         self.client = self.pool.take(self.url)
@@ -141,13 +143,23 @@ class DecodeStream:
 
     def next(self, is_cancelled: Callable[[], bool]) -> tuple[grpcclient.InferResult, bool]:
         """The next response and whether it is the last; raises on error (a ControlError
-        for a failure the node answered) or timeout."""
+        for a failure the node answered) or timeout.
+
+        Blocks until a response comes; asking Triton whether the client left costs a
+        round trip, so that is asked every ``CANCEL_POLL_S`` at most, not per token."""
         deadline = time.monotonic() + self.timeout_s
-        while time.monotonic() < deadline:
-            if is_cancelled():
-                raise Cancelled()
+        while True:
+            now = time.monotonic()
+            if now >= self._cancel_check_at:
+                self._cancel_check_at = now + CANCEL_POLL_S
+                if is_cancelled():
+                    raise Cancelled()
+            if now >= deadline:
+                raise ServingError(f"decode node {self.url} sent nothing for "
+                                   f"{self.timeout_s:.0f} s")
             try:
-                result, error = self.responses.get(timeout=0.05)
+                result, error = self.responses.get(
+                    timeout=min(deadline, self._cancel_check_at) - now)
             except queue.Empty:
                 continue
             if error is not None:
@@ -155,7 +167,6 @@ class DecodeStream:
             raise_for_error(result, f"decode node {self.url}")
             final = result.get_response().parameters["triton_final_response"].bool_param
             return result, final
-        raise ServingError(f"decode node {self.url} sent nothing for {self.timeout_s:.0f} s")
 
     def close(self, cancel: bool) -> None:
         try:
@@ -250,10 +261,15 @@ class Frontend:
             fresh = tokens[max(0, len(sent) + len(held) - made):]  # a rerun's repeats go
             made += len(tokens)
             held.extend(fresh)
-            if params.stream or final:
-                emit(list(held), sent[-CONTEXT_TOKENS:], final)
-                sent.extend(held)
-                held.clear()
+            if not (params.stream or final):
+                return
+            # A T-node answers a stream that fell behind with several tokens at once;
+            # clients still get one response per token.
+            chunks = [[t] for t in held] if params.stream and held else [list(held)]
+            for i, chunk in enumerate(chunks):
+                emit(chunk, sent[-CONTEXT_TOKENS:], final and i == len(chunks) - 1)
+                sent.extend(chunk)
+            held.clear()
 
         lost_at: float | None = None
         busy_until = time.monotonic() + self.timeout_s

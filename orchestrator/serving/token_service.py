@@ -12,6 +12,11 @@ Control requests bootstrap a pipeline (``endpoints``, ``connect``, ``start``)
 and reserve or release prompt KV (``reserve``, ``release``) on any stage; with
 KV replication on, the fault layer's operations (``RecoveryOps.ops``) wire the
 replicas and replace a lost stage.
+
+Tokens leave through a sender thread, not the head's: answering a request costs
+a round trip to tritonserver, which would otherwise delay the next step. A
+stream whose tokens pile up while its responses go out gets them in one
+response.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from orchestrator.engine.base import Engine
 from orchestrator.fault.stage_recovery import RecoveryOps
@@ -51,8 +56,11 @@ class _Client:
     emit: Callable[[list[int], bool], None]  # new tokens, is this the last response
     fail: Callable[[str], None]  # final error response
     is_cancelled: Callable[[], bool]
-    sent: int  # tokens the client has (disaggregated: the P-node sent the first)
+    sent: int  # tokens handed to the sender (disaggregated: the P-node sent the first)
     reserved_at: float
+    outbox: list[int] = field(default_factory=list)  # made, not yet answered
+    final: bool = False
+    error: str | None = None
 
 
 class TokenService:
@@ -76,6 +84,11 @@ class TokenService:
         self.clients: dict[str, _Client] = {}
         self.lock = threading.Lock()
         self.stopped = threading.Event()
+        self._outbox = threading.Condition()
+        self._ready: dict[_Client, None] = {}  # clients with something to send, in order
+        self._closing = False
+        self.sender = threading.Thread(target=self._send_loop, name="token-sender", daemon=True)
+        self.sender.start()
         # Triton tells a request's cancellation only when asked: poll, off the head's thread.
         self.watcher = threading.Thread(
             target=self._watch, args=(cancel_poll_s,), name="cancel-watch", daemon=True
@@ -193,7 +206,8 @@ class TokenService:
             # asking a freed request whether it was cancelled crashes tritonserver.
             client = self.clients.pop(seq.request_id) if finished else self.clients.get(
                 seq.request_id)
-            self.metrics.queue_length(len(self.clients))
+            if finished:
+                self.metrics.queue_length(len(self.clients))
         if client is None:
             return
         try:
@@ -201,17 +215,45 @@ class TokenService:
                 self._count_kv(seq, client)
             if token is None:
                 if seq.finish_reason is not FinishReason.CANCELLED:
-                    client.fail(seq.error or f"ended ({seq.finish_reason.value}) without a token")
-            elif finished:
-                client.emit(seq.output_ids[client.sent :], True)
-            elif len(seq.output_ids) > client.sent:
-                client.emit([token], False)
+                    self._send(client, [], seq.error or
+                               f"ended ({seq.finish_reason.value}) without a token")
+            elif finished or len(seq.output_ids) > client.sent:
+                self._send(client, seq.output_ids[client.sent :], finished=finished)
                 client.sent = len(seq.output_ids)
         except Exception:
             log.exception("could not answer request %s", seq.request_id)
         if finished:
             outcome = {FinishReason.CANCELLED: "cancelled", FinishReason.ERROR: "failed"}
             self.metrics.request_done(outcome.get(seq.finish_reason, "finished"))
+
+    def _send(self, client: _Client, tokens: list[int], error: str | None = None,
+              finished: bool = False) -> None:
+        with self._outbox:
+            client.outbox += tokens
+            client.final |= finished
+            client.error = client.error or error
+            self._ready[client] = None
+            self._outbox.notify()
+
+    def _send_loop(self) -> None:
+        """Answer every client with something to send: all its tokens in one response."""
+        while True:
+            with self._outbox:
+                self._outbox.wait_for(lambda: self._ready or self._closing)
+                if not self._ready:
+                    return
+                work = [(c, c.outbox, c.final, c.error) for c in self._ready]
+                for client in self._ready:
+                    client.outbox = []
+                self._ready.clear()
+            for client, tokens, final, error in work:
+                try:
+                    if tokens or final:
+                        client.emit(tokens, final)
+                    if error is not None:
+                        client.fail(error)
+                except Exception:
+                    log.exception("could not answer a request")
 
     def _count_kv(self, seq: Sequence, client: _Client) -> None:
         """The prompt KV of every stage has landed: count the whole model's bytes."""
@@ -239,3 +281,7 @@ class TokenService:
         self.node.close(timeout_s)
         if self.recovery is not None:
             self.recovery.close()
+        with self._outbox:  # the answers the stop made (errors) still go out
+            self._closing = True
+            self._outbox.notify()
+        self.sender.join(timeout_s)

@@ -1,0 +1,331 @@
+"""``dejavu bench disagg``: disaggregated against colocated serving on real tritonservers,
+at equal devices, replaying a Splitwise trace with Poisson arrivals.
+
+The device budget is a list of core sets, one per "machine" (default: each core
+of this host). Colocated: one T-node per machine, each prefilling its own
+prompts. Disaggregated: the planner's split of the same machines into P- and
+T-nodes (1P+1T on two). Every node is pinned to its machine's cores; the
+frontend (router, the clients' end) is not. Both modes serve the same requests:
+prompt and output lengths from the Azure trace scaled to the model's context,
+random prompt tokens (seeded), sent to the frontend's orchestrator model over
+gRPC streaming at each arrival rate.
+
+Per mode and rate: tokens/s and requests/s over the run, TTFT p50/p99, time
+between tokens (TBT) p50/p99 over every gap of every request, and goodput: the
+requests/s that met the SLO (TTFT <= ``ttft_slo`` x the unloaded prefill of
+its prompt, its mean TBT <= ``tbt_slo`` x the unloaded token step; unloaded =
+the bare engine in this process), next to the planner's predicted throughput
+for that layout from the live profile (Y, t, m at the workload's mean lengths
+and the cluster's batch). Output: ``disagg.csv``, ``disagg.png``, a table.
+
+Not measured: a depth-2 token pipeline against a colocated depth-2 pipeline
+(DejaVu's own comparison): colocated pipelines deeper than 1 do not run on
+Triton nodes here (prompts enter a pipeline only within one process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import random
+import statistics
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+MODES = ("colocated", "disaggregated")
+
+
+@dataclass(frozen=True)
+class Job:
+    prompt_ids: list[int]
+    max_tokens: int
+    arrival: float  # seconds from the start of the run
+
+
+@dataclass
+class Point:
+    mode: str
+    layout: str
+    rate_rps: float  # offered
+    requests: int
+    tokens_per_s: float
+    requests_per_s: float
+    ttft_p50_s: float
+    ttft_p99_s: float
+    tbt_p50_ms: float
+    tbt_p99_ms: float
+    slo_met: float  # fraction of requests
+    goodput_rps: float
+    predicted_rps: float  # the planner's, for this layout
+
+
+def scaled_requests(trace: str, count: int, seed: int, prompt_scale: float,
+                    output_scale: float, max_prompt: int, max_new: int) -> list[tuple[int, int]]:
+    """(prompt_len, output_len) of ``count`` trace requests, scaled and clipped."""
+    from orchestrator.planner import workload as wl
+
+    picked = wl.sample(wl.load_trace(trace), count, seed)
+    return [(min(max_prompt, max(8, round(r.prompt_len * prompt_scale))),
+             min(max_new, max(2, round(r.output_len * output_scale)))) for r in picked]
+
+
+def make_jobs(lengths: list[tuple[int, int]], rate: float, vocab: int, seed: int) -> list[Job]:
+    from orchestrator.planner import workload as wl
+
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(vocab) for _ in range(p)] for p, _ in lengths]
+    arrivals = wl.poisson([wl.Request(i, 0.0, p, n) for i, (p, n) in enumerate(lengths)],
+                          rate, seed)
+    return [Job(ids, n, a.arrival) for ids, (_, n), a in zip(prompts, lengths, arrivals,
+                                                            strict=True)]
+
+
+def replay(url: str, jobs: list[Job], progress=None) -> list[list[float]]:
+    """Send each job at its arrival time; each one's [send, token, token, ...] times."""
+    from clients.breakdown import time_stream
+    from orchestrator.serving.frontend import request_tensors
+    from orchestrator.serving.params import GenerationParams
+
+    start = time.perf_counter()
+
+    def run(job: Job) -> list[float]:
+        time.sleep(max(0.0, start + job.arrival - time.perf_counter()))
+        params = GenerationParams(max_tokens=job.max_tokens, stream=True)
+        times = time_stream(url, "orchestrator", request_tensors(job.prompt_ids, params),
+                            timeout_s=600.0)
+        if len(times) - 1 != job.max_tokens:
+            raise RuntimeError(f"a request streamed {len(times) - 1} tokens, "
+                               f"not {job.max_tokens}")
+        if progress is not None:
+            progress()
+        return times
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        return list(pool.map(run, jobs))
+
+
+def _pct(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(p / 100 * len(ordered)) - 1))]
+
+
+def summarize(mode: str, layout: str, rate: float, jobs: list[Job], times: list[list[float]],
+              unloaded_prompt_s_per_token: float, unloaded_step_s: float, ttft_slo: float,
+              tbt_slo: float, predicted_rps: float) -> Point:
+    span = max(t[-1] for t in times) - min(t[0] for t in times)
+    ttft = [t[1] - t[0] for t in times]
+    gaps = [b - a for t in times for a, b in zip(t[1:], t[2:], strict=False)]
+    met = 0
+    for job, t in zip(jobs, times, strict=True):
+        mean_tbt = (t[-1] - t[1]) / max(1, len(t) - 2)
+        met += (t[1] - t[0] <= ttft_slo * unloaded_prompt_s_per_token * len(job.prompt_ids)
+                and mean_tbt <= tbt_slo * unloaded_step_s)
+    tokens = sum(len(t) - 1 for t in times)
+    return Point(
+        mode=mode, layout=layout, rate_rps=rate, requests=len(times),
+        tokens_per_s=tokens / span, requests_per_s=len(times) / span,
+        ttft_p50_s=statistics.median(ttft), ttft_p99_s=_pct(ttft, 99),
+        tbt_p50_ms=statistics.median(gaps) * 1e3 if gaps else math.nan,
+        tbt_p99_ms=_pct(gaps, 99) * 1e3 if gaps else math.nan,
+        slo_met=met / len(times), goodput_rps=met / span, predicted_rps=predicted_rps,
+    )
+
+
+def cluster_for(mode: str, model_dir: Path, machines: list, run_dir: Path, batch: int,
+                max_seq_len: int, prefill: int):
+    """The cluster of ``mode`` on ``machines`` (core sets): colocated one T-node each;
+    disaggregated ``prefill`` P-nodes, the rest T-nodes."""
+    from orchestrator.cluster.launcher import Cluster
+
+    if mode == "colocated":
+        names = [f"decode{i}" for i in range(len(machines))]
+        kwargs = dict(prefill=0, decode=len(machines), colocated=True)
+    else:
+        decode = len(machines) - prefill
+        names = [f"prefill{i}" for i in range(prefill)] + [f"decode{i}" for i in range(decode)]
+        kwargs = dict(prefill=prefill, decode=decode)
+    return Cluster.up(model_dir, run_dir=run_dir / mode, max_batch=batch,
+                      max_seq_len=max_seq_len, devices=dict(zip(names, machines, strict=True)),
+                      **kwargs)
+
+
+def predictions(model_dir: Path, lengths: list[tuple[int, int]], batch: int, machines: int):
+    """The planner on a live profile at the workload's mean lengths: its pick, each
+    layout's predicted requests/s, and the unloaded prefill time per token and step."""
+    from orchestrator.planner.perf_model import Workload, profile_live
+    from orchestrator.planner.planner import Layout, plan, score
+
+    prompt = round(statistics.fmean(p for p, _ in lengths))
+    new = round(statistics.fmean(n for _, n in lengths))
+    memory = 80e9  # the model fits one machine: memory does not bound the layouts here
+    profile, _ = profile_live(model_dir, Workload(prompt, new, batch), memory, reps=2,
+                              transport="local")
+    unloaded, _ = profile_live(model_dir, Workload(prompt, new, 1), memory, reps=2,
+                               transport="local")
+    picked = plan(profile, machines)
+    split = picked.layout if not picked.layout.colocated else Layout(1, 1, machines - 1)
+
+    def rps(layout: Layout) -> float:  # machines microbatches of ``batch`` per I seconds
+        return machines * batch / score(profile, machines, layout)
+
+    return {
+        "pick": str(picked.layout), "split": split, "Y/t": picked.ratio,
+        "colocated_rps": rps(Layout(machines, 1)), "disaggregated_rps": rps(split),
+        "prompt_s_per_token": unloaded.prompt_time_per_token, "step_s": unloaded.t,
+    }
+
+
+def plot(points: list[Point], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    panels = [("ttft_p99_s", "TTFT p99 (s)"), ("tbt_p99_ms", "TBT p99 (ms)"),
+              ("tokens_per_s", "throughput (tok/s)")]
+    for ax, (key, label) in zip(axes, panels, strict=True):
+        for mode in MODES:
+            mine = [p for p in points if p.mode == mode]
+            if mine:
+                ax.plot([p.rate_rps for p in mine], [getattr(p, key) for p in mine], "o-",
+                        label=f"{mode} ({mine[0].layout})")
+        ax.set_xlabel("offered rate (req/s)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle("disaggregated vs colocated at equal devices")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+COLUMNS = {
+    "mode": "mode", "layout": "layout", "rate_rps": "offered req/s", "tokens_per_s": "tok/s",
+    "requests_per_s": "req/s", "ttft_p50_s": "TTFT p50 s", "ttft_p99_s": "TTFT p99 s",
+    "tbt_p50_ms": "TBT p50 ms", "tbt_p99_ms": "TBT p99 ms", "slo_met": "SLO met",
+    "goodput_rps": "goodput req/s", "predicted_rps": "planner req/s",
+}
+
+
+def markdown(points: list[Point]) -> str:
+    def fmt(v) -> str:
+        return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(COLUMNS.values()) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(fmt(getattr(p, k)) for k in COLUMNS) + " |" for p in points]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="dejavu bench disagg",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, help="model folder (default: a dummy one)")
+    parser.add_argument("--arch", default="gpt2")
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--trace", choices=["conv", "code"], default="conv")
+    parser.add_argument("--requests", type=int, default=16, help="requests per rate")
+    parser.add_argument("--rates", type=float, nargs="+",
+                        help="arrival rates, req/s (default: 0.25, 0.5, 1, 1.5 x the "
+                        "planner's predicted colocated throughput)")
+    parser.add_argument("--machines", nargs="+",
+                        help="one core set per machine (default: each core of this host)")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--batch", type=int, default=4, help="sequences per T-node microbatch")
+    parser.add_argument("--prompt-scale", type=float, default=0.25,
+                        help="trace prompt lengths times this")
+    parser.add_argument("--output-scale", type=float, default=0.25,
+                        help="trace output lengths times this")
+    parser.add_argument("--max-prompt", type=int, default=512)
+    parser.add_argument("--max-new", type=int, default=64)
+    parser.add_argument("--ttft-slo", type=float, default=10.0)
+    parser.add_argument("--tbt-slo", type=float, default=2.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("bench_out/disagg"))
+    args = parser.parse_args(argv)
+    from rich.progress import Progress
+
+    from orchestrator.cluster.devices import Devices
+    from orchestrator.cluster.tritonserver import ServerError
+    from orchestrator.engine.config import ModelConfig
+
+    args.out = args.out.resolve()
+    args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        machines = [Devices.parse(m) for m in
+                    (args.machines or [f"cpu:{c}" for c in sorted(os.sched_getaffinity(0))])]
+        if len(machines) < 2:
+            raise ValueError("disaggregation needs at least 2 machines")
+        model_dir = (args.model or _dummy_model(args)).resolve()
+        vocab = ModelConfig.from_dir(model_dir).vocab_size
+        lengths = scaled_requests(args.trace, args.requests, args.seed, args.prompt_scale,
+                                  args.output_scale, args.max_prompt, args.max_new)
+        print(f"{len(lengths)} requests from the {args.trace} trace: prompts "
+              f"{min(p for p, _ in lengths)}-{max(p for p, _ in lengths)} tokens, outputs "
+              f"{min(n for _, n in lengths)}-{max(n for _, n in lengths)}; profiling...",
+              flush=True)
+        pred = predictions(model_dir, lengths, args.batch, len(machines))
+        rates = args.rates or [f * pred["colocated_rps"] for f in (0.25, 0.5, 1.0, 1.5)]
+        prefill = pred["split"].prompt_depth
+        print(f"planner: Y/t {pred['Y/t']:.1f}, picks {pred['pick']}; predicted colocated "
+              f"{pred['colocated_rps']:.2f} req/s, {pred['split']} "
+              f"{pred['disaggregated_rps']:.2f} req/s", flush=True)
+        max_seq_len = args.max_prompt + args.max_new
+        points: list[Point] = []
+        with Progress() as progress:
+            task = progress.add_task("requests", total=len(args.modes) * len(rates)
+                                     * len(lengths))
+            lock = threading.Lock()
+
+            def advance() -> None:
+                with lock:
+                    progress.advance(task)
+
+            for mode in args.modes:
+                with cluster_for(mode, model_dir, machines, args.out / "cluster", args.batch,
+                                 max_seq_len, prefill) as cluster:
+                    layout = (f"{len(machines)}x colocated" if mode == "colocated"
+                              else f"{prefill}P+{len(machines) - prefill}T")
+                    url = cluster.frontend.grpc_url
+                    warm = make_jobs(lengths[:2], 100.0, vocab, args.seed + 1)
+                    replay(url, warm)  # every node's first request is slow
+                    for rate in rates:
+                        jobs = make_jobs(lengths, rate, vocab, args.seed)
+                        times = replay(url, jobs, advance)
+                        points.append(summarize(
+                            mode, layout, rate, jobs, times, pred["prompt_s_per_token"],
+                            pred["step_s"], args.ttft_slo, args.tbt_slo,
+                            pred[f"{mode}_rps"]))
+    except (ServerError, RuntimeError, ValueError, OSError) as exc:
+        print(f"dejavu bench disagg: {exc}", file=sys.stderr)
+        return 1
+    points.sort(key=lambda p: (p.rate_rps, p.mode))
+    with (args.out / "disagg.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(asdict(points[0])))
+        writer.writeheader()
+        writer.writerows(asdict(p) for p in points)
+    plot(points, args.out / "disagg.png")
+    print(markdown(points))
+    print(f"\nunloaded (bare engine): prefill {pred['prompt_s_per_token'] * 1e3:.2f} ms/token, "
+          f"step {pred['step_s'] * 1e3:.1f} ms; SLO TTFT <= {args.ttft_slo:g}x, mean TBT <= "
+          f"{args.tbt_slo:g}x; machines {' '.join(map(str, machines))}")
+    print(f"wrote {args.out}/disagg.csv, disagg.png")
+    return 0
+
+
+def _dummy_model(args) -> Path:
+    from orchestrator.engine.checkpoint import make_checkpoint
+
+    folder = args.out / f"{args.arch}-{args.preset}"
+    return folder if (folder / "config.json").is_file() else make_checkpoint(
+        args.arch, args.preset, folder)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
