@@ -174,21 +174,23 @@ def measure_hop(rounds: int = 300) -> Hop:
             write(a, b)
             write(b, a)
 
-        return Hop(_median_us(link_round, rounds), _median_us(nixl_round, rounds))
+        link_us, nixl_us = _interleaved_medians_us([link_round, nixl_round], rounds)
+        return Hop(link_us, nixl_us)
     finally:
         a.close()
         b.close()
 
 
-def _median_us(run: Callable[[], None], rounds: int) -> float:
-    for _ in range(10):
-        run()
-    samples = []
-    for _ in range(rounds):
-        begin = time.perf_counter()
-        run()
-        samples.append(time.perf_counter() - begin)
-    return statistics.median(samples) * 1e6
+def _interleaved_medians_us(runs: list[Callable[[], None]], rounds: int) -> list[float]:
+    """Each run's median time, the runs alternating so the machine's noise hits them alike."""
+    samples: list[list[float]] = [[] for _ in runs]
+    for i in range(rounds + 10):  # the first 10: warm-up
+        for run, mine in zip(runs, samples, strict=True):
+            begin = time.perf_counter()
+            run()
+            if i >= 10:
+                mine.append(time.perf_counter() - begin)
+    return [statistics.median(mine) * 1e6 for mine in samples]
 
 
 # -- the whole breakdown ------------------------------------------------------------------
