@@ -27,6 +27,7 @@ from __future__ import annotations
 import queue
 import statistics
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -86,9 +87,27 @@ def time_pipeline(pipeline, prompt_ids: list[int], tokens: int, timeout_s: float
     return [0.0, *times]
 
 
-def time_stream(url: str, model: str, inputs: list, timeout_s: float = 60.0) -> list[float]:
+def signed_request(secret: bytes, model: str, prompt_ids: list[int], params) -> dict:
+    """What a request straight to an internal model carries: a T-node's ``decode`` wants
+    a signed request id, the frontend's ``orchestrator`` preprocessing's signature of the
+    prompt ids (as the ensemble hands it on)."""
+    from orchestrator.control.auth import request_parameters, sign_prompt
+    from orchestrator.control.client import tensor
+    from orchestrator.serving.frontend import request_tensors
+
+    inputs = request_tensors(prompt_ids, params)
+    if model == "orchestrator":
+        auth = sign_prompt(secret, np.array(prompt_ids, dtype=np.int32).tobytes())
+        return {"inputs": [*inputs, tensor("input_auth", np.array([auth.encode()],
+                                                                  dtype=np.object_))]}
+    request_id = uuid.uuid4().hex
+    return {"inputs": inputs, "request_id": request_id,
+            "parameters": request_parameters(secret, model, "generate", request_id)}
+
+
+def time_stream(url: str, model: str, request: dict, timeout_s: float = 60.0) -> list[float]:
     """Arrival times of a streamed request's responses that carry tokens (as a client's
-    consumer thread sees them)."""
+    consumer thread sees them); ``request``: :func:`signed_request`'s."""
     import tritonclient.grpc as grpcclient
 
     responses: queue.Queue = queue.Queue()
@@ -96,7 +115,7 @@ def time_stream(url: str, model: str, inputs: list, timeout_s: float = 60.0) -> 
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
     times = [time.perf_counter()]
     try:
-        client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+        client.async_stream_infer(model, enable_empty_final_response=True, **request)
         while True:
             result, error = responses.get(timeout=timeout_s)
             if error is not None:
@@ -200,10 +219,10 @@ def run_breakdown(model_dir, prompt: str, tokens: int, repeats: int, out_dir
                   ) -> tuple[list[Layer], Hop]:
     from clients.generate import stream_grpc
     from orchestrator.cluster.launcher import Cluster
+    from orchestrator.control.auth import load_secret
     from orchestrator.engine.tokenizer import load_tokenizer
     from orchestrator.engine.torch_engine import load_engine
     from orchestrator.pipeline.pipeline import TokenPipeline
-    from orchestrator.serving.frontend import request_tensors
     from orchestrator.serving.params import GenerationParams
 
     torch.set_num_threads(1)  # as a serving node
@@ -215,13 +234,16 @@ def run_breakdown(model_dir, prompt: str, tokens: int, repeats: int, out_dir
         with Cluster.up(model_dir, colocated=True, run_dir=out_dir / "cluster") as cluster:
             tnode = cluster.role("decode")[0].server.grpc_url
             frontend = cluster.frontend.grpc_url
+            secret = load_secret(cluster.secret_file)
+
+            def direct(url: str, model: str) -> list[float]:
+                return time_stream(url, model, signed_request(secret, model, prompt_ids, params))
+
             runs = {
                 "engine": lambda: time_engine(engine, prompt_ids, tokens),
                 "pipeline": lambda: time_pipeline(pipeline, prompt_ids, tokens),
-                "T-node": lambda: time_stream(tnode, "decode",
-                                              request_tensors(prompt_ids, params)),
-                "frontend": lambda: time_stream(frontend, "orchestrator",
-                                                request_tensors(prompt_ids, params)),
+                "T-node": lambda: direct(tnode, "decode"),
+                "frontend": lambda: direct(frontend, "orchestrator"),
                 "ensemble": lambda: _ensemble_times(stream_grpc, frontend, prompt, tokens),
             }
             layers = measure_layers(runs, repeats)

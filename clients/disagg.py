@@ -86,10 +86,9 @@ def make_jobs(lengths: list[tuple[int, int]], rate: float, vocab: int, seed: int
                                                             strict=True)]
 
 
-def replay(url: str, jobs: list[Job], progress=None) -> list[list[float]]:
+def replay(url: str, secret: bytes, jobs: list[Job], progress=None) -> list[list[float]]:
     """Send each job at its arrival time; each one's [send, token, token, ...] times."""
-    from clients.breakdown import time_stream
-    from orchestrator.serving.frontend import request_tensors
+    from clients.breakdown import signed_request, time_stream
     from orchestrator.serving.params import GenerationParams
 
     start = time.perf_counter()
@@ -97,8 +96,8 @@ def replay(url: str, jobs: list[Job], progress=None) -> list[list[float]]:
     def run(job: Job) -> list[float]:
         time.sleep(max(0.0, start + job.arrival - time.perf_counter()))
         params = GenerationParams(max_tokens=job.max_tokens, stream=True)
-        times = time_stream(url, "orchestrator", request_tensors(job.prompt_ids, params),
-                            timeout_s=600.0)
+        request = signed_request(secret, "orchestrator", job.prompt_ids, params)
+        times = time_stream(url, "orchestrator", request, timeout_s=600.0)
         if len(times) - 1 != job.max_tokens:
             raise RuntimeError(f"a request streamed {len(times) - 1} tokens, "
                                f"not {job.max_tokens}")
@@ -253,6 +252,7 @@ def main(argv: list[str]) -> int:
 
     from orchestrator.cluster.devices import Devices
     from orchestrator.cluster.tritonserver import ServerError
+    from orchestrator.control.auth import load_secret
     from orchestrator.engine.config import ModelConfig
 
     args.out = args.out.resolve()
@@ -293,11 +293,12 @@ def main(argv: list[str]) -> int:
                     layout = (f"{len(machines)}x colocated" if mode == "colocated"
                               else f"{prefill}P+{len(machines) - prefill}T")
                     url = cluster.frontend.grpc_url
+                    secret = load_secret(cluster.secret_file)
                     warm = make_jobs(lengths[:2], 100.0, vocab, args.seed + 1)
-                    replay(url, warm)  # every node's first request is slow
+                    replay(url, secret, warm)  # every node's first request is slow
                     for rate in rates:
                         jobs = make_jobs(lengths, rate, vocab, args.seed)
-                        times = replay(url, jobs, advance)
+                        times = replay(url, secret, jobs, advance)
                         points.append(summarize(
                             mode, layout, rate, jobs, times, pred["prompt_s_per_token"],
                             pred["step_s"], args.ttft_slo, args.tbt_slo,
