@@ -85,9 +85,10 @@ class Node:
             "config": asdict(c),
             "name": s.name,
             "role": c.role.value,
-            "pipeline": None if c.role is Role.FRONTEND else c.pipeline,
+            "pipeline": None if c.role in (Role.FRONTEND, Role.SPARE) else c.pipeline,
             "stage": c.stage if c.role is Role.DECODE else None,
-            "depth": {Role.PREFILL: c.prefill_depth, Role.DECODE: c.depth}.get(c.role),
+            "depth": {Role.PREFILL: c.prefill_depth, Role.DECODE: c.depth,
+                      Role.SPARE: c.depth}.get(c.role),
             "http": s.http_url,
             "grpc": s.grpc_url,
             "metrics": f"127.0.0.1:{s.metrics_port}",
@@ -110,6 +111,7 @@ class Cluster:
         decode_depth: int = 1,
         controller_timeout_s: float = DEAD_AFTER_S,
         devices: dict[str, Devices] | None = None,
+        spares: int = 0,
         **settings,
     ) -> None:
         """``prefill``/``decode``: how many P- and T-pipelines, of depths ``prefill_depth``
@@ -119,8 +121,9 @@ class Cluster:
         deeper than 1 stream KV replicas to their successor; disk: to their local disk; a
         lost stage is recovered from them; off: none, a lost stage costs its pipeline's
         requests a rerun); ``devices``: {node name: its cores or GPUs} (nodes not named run
-        anywhere, as by default)."""
-        topology = Topology(prefill, decode, prefill_depth, decode_depth, colocated)
+        anywhere, as by default); ``spares``: warm spare T-nodes that take over a lost
+        stage (pipelines deeper than 1, replicate on)."""
+        topology = Topology(prefill, decode, prefill_depth, decode_depth, colocated, spares)
         self.model_dir = Path(model_dir).resolve()
         if not (self.model_dir / "config.json").is_file():
             raise ValueError(f"{self.model_dir} is not a model folder (no config.json)")
@@ -404,6 +407,9 @@ def up_main(argv: list[str]) -> int:
     parser.add_argument("--devices", nargs="+", default=[], metavar="NODE=DEVICES",
                         help="pin nodes to devices, e.g. prefill0=cpu:0 decode0=cpu:1 "
                         "(cores; cuda:0 sets CUDA_VISIBLE_DEVICES); replaces the spec's")
+    parser.add_argument("--spares", type=int, default=0,
+                        help="warm spare T-nodes (loaded, on standby): a lost stage's role "
+                        "moves to one instead of waiting for its process to start again")
     _dir_argument(parser)
     args = parser.parse_args(argv)
     if (Path(args.dir) / STATE_FILE).exists():
@@ -413,7 +419,8 @@ def up_main(argv: list[str]) -> int:
         (Path(args.dir) / STATE_FILE).unlink()  # left by a cluster that died
     try:
         common = dict(run_dir=args.dir, controller_timeout_s=args.controller_timeout,
-                      devices=parse_assignments(args.devices), **_settings(args))
+                      devices=parse_assignments(args.devices), spares=args.spares,
+                      **_settings(args))
         if args.spec is not None:
             del common["max_batch"]  # the spec's
             cluster = Cluster.from_spec(json.loads(args.spec.read_text()), **common)
@@ -442,6 +449,8 @@ def up_main(argv: list[str]) -> int:
 
 def _place(node: dict) -> str:
     """Where a node sits: ``pipeline 0 stage 1/3`` (P-nodes: ``pipeline 0 depth 2``)."""
+    if node["role"] == Role.SPARE:
+        return f"standby (depth {node['depth']})"
     if node.get("pipeline") is None:
         return ""
     if node.get("stage") is None:
@@ -504,7 +513,7 @@ def controller_view(state: dict) -> dict:
     registered = {n["address"]: n for n in view.get("nodes", [])}  # the latest per address
     for node in state["nodes"]:
         known = registered.get(node["grpc"])
-        if node["role"] == "frontend":
+        if node["role"] in (Role.FRONTEND, Role.SPARE):  # a spare registers once it serves
             node["controller"] = "-"
         elif "error" in view:
             node["controller"] = "unknown"

@@ -7,7 +7,12 @@ again: the same ports and repository under a new incarnation name, so the
 controller and the KV transports see a new node. A P-node just serves again
 (its prompts in flight ran again elsewhere). For a lost T-stage x > 0 of a
 replicating pipeline it waits for the controller's recovery plan and carries
-it out (:func:`orchestrator.fault.stage_recovery.recover_stage`).
+it out (:func:`orchestrator.fault.stage_recovery.recover_stage`). With a warm
+spare on standby (``dejavu up --spares N``) the lost stage's role moves to
+the spare instead (``assume``: no process start, no model load), the state
+file's entries trade places (the spare's now names the stage) and, once the
+pipeline runs again, a new spare starts where the lost node was. A spare that
+dies on standby is started again too.
 A head paused while every stage is alive (a connection between two stages
 dropped) has every stage connect to its successor again
 (:func:`orchestrator.fault.stage_recovery.repair_links`). A lost stage 0 took
@@ -47,9 +52,10 @@ from orchestrator.control.client import ControlClient
 from orchestrator.fault.client import query_status
 from orchestrator.fault.rpc import Stub
 from orchestrator.fault.stage_recovery import recover_stage, repair_links
-from orchestrator.serving.config import NodeConfig
+from orchestrator.serving.config import NodeConfig, Role
 
 log = logging.getLogger("dejavu.supervisor")
+PLAN_POLL_S = 0.02  # the head is paused meanwhile: ask often
 
 
 class Supervisor:
@@ -81,6 +87,7 @@ class Supervisor:
             for name, pipeline in view["pipelines"].items():
                 if pipeline["failed"] and name not in self.given_up:
                     self.recover(state, name)
+            self.replenish(state)
             if time.monotonic() >= self.next_link_check:
                 self.next_link_check = time.monotonic() + self.link_check_s
                 self.check_links(state, view)
@@ -182,14 +189,59 @@ class Supervisor:
                 self.restart_nodes(state, name, stages)
                 return None
             for x in sorted(failed - restarted):
-                log.warning("%s: stage %d lost; starting it again", name, x)
-                self.ready(self.launch(state, stages[x]), stages[x])
+                if not self.take_over(state, stages[x]):
+                    log.warning("%s: stage %d lost; starting it again", name, x)
+                    self.ready(self.launch(state, stages[x]), stages[x])
                 restarted.add(x)
             plan = self.plan(controller, name)
             if plan is not None and set(plan["failed"]) == failed:
                 return plan
-            time.sleep(self.poll_s)
+            time.sleep(PLAN_POLL_S)
         raise TimeoutError(f"no recovery plan for {name} in {self.ready_timeout_s} s")
+
+    def take_over(self, state: dict, lost: dict) -> bool:
+        """Move the lost stage's role to a warm spare, if one is on standby: the two state
+        file entries trade places (the spare's names the stage from now on, the lost one's
+        a spare to start again). False if no spare could take it."""
+        for spare in [n for n in state["nodes"] if n["role"] == Role.SPARE and n.get("pid")]:
+            place = [str(lost["pipeline"]).encode(), str(lost["stage"]).encode()]
+            try:
+                self.call(spare["grpc"], "assume", place)
+            except Exception:
+                log.exception("%s could not take over %s; stopping it", spare["name"],
+                              lost["name"])
+                kill(spare, signal.SIGKILL)
+                spare["pid"] = None  # started again by replenish
+                continue
+            log.warning("%s took over stage %d of decode%d (%s)", spare["name"], lost["stage"],
+                        lost["pipeline"], lost["name"])
+            kill(lost, signal.SIGKILL)  # declared dead: make sure (a spare starts on its ports)
+            where = {k: lost[k] for k in ("role", "pipeline", "stage")}
+            stage = {**spare, **where, "name": lost["name"],
+                     "config": spare["config"] | where}
+            port = lost["grpc"].split(":")[1]
+            standby = {**lost, "name": spare["name"], "role": Role.SPARE.value, "pipeline": None,
+                       "stage": None, "pid": None,
+                       "log": str(Path(lost["log"]).with_name(f"{spare['name']}-{port}.log")),
+                       "config": lost["config"] | {"role": Role.SPARE.value, "stage": 0}}
+            lost.clear()
+            lost.update(stage)
+            spare.clear()
+            spare.update(standby)
+            self.write_state(state)
+            return True
+        return False
+
+    def replenish(self, state: dict) -> None:
+        """Start every spare that is not running (it took over a stage, or died)."""
+        for spare in state["nodes"]:
+            if (spare["role"] == Role.SPARE and not (spare.get("pid") and alive(spare["pid"]))
+                    and not stopping(self.run_dir)):
+                log.warning("starting spare %s", spare["name"])
+                try:
+                    self.ready(self.launch(state, spare), spare)
+                except Exception:
+                    log.exception("spare %s did not start; trying again", spare["name"])
 
     def restart_nodes(self, state: dict, name: str, nodes: list[dict]) -> None:
         """Start a P-node, or a token pipeline's every stage, afresh (what a lost head or a

@@ -19,21 +19,27 @@ ROLE_MODELS = {
     Role.FRONTEND: ("preprocessing", "postprocessing", "orchestrator", "ensemble"),
     Role.PREFILL: ("prefill",),
     Role.DECODE: ("decode",),
+    Role.SPARE: ("decode",),
 }
 
 
 @dataclass(frozen=True)
 class Topology:
     """``prefill``/``decode``: how many P- and T-pipelines, of depths ``prefill_depth``
-    (prompt stages in one P-node) and ``decode_depth`` (T-nodes, one stage each)."""
+    (prompt stages in one P-node) and ``decode_depth`` (T-nodes, one stage each);
+    ``spares``: warm spare T-nodes that take over a lost stage."""
 
     prefill: int = 1
     decode: int = 1
     prefill_depth: int = 1
     decode_depth: int = 1
     colocated: bool = False
+    spares: int = 0
 
     def __post_init__(self) -> None:
+        if self.spares < 0 or self.spares and self.decode_depth < 2:
+            raise ValueError(f"spares take over stages of pipelines deeper than 1; got "
+                             f"{self.spares} spares at depth {self.decode_depth}")
         if self.decode < 1:
             raise ValueError("a cluster needs at least one decode node")
         if not self.colocated and self.prefill < 1:
@@ -98,6 +104,8 @@ def node_configs(topology: Topology, address: Callable[[str], str],
     for p, stages in enumerate(decode):
         for i, name in enumerate(stages):
             configs[name] = config(name, Role.DECODE, pipeline=p, stage=i, depth=len(stages))
+    for i in range(topology.spares):
+        configs[f"spare{i}"] = config(f"spare{i}", Role.SPARE, depth=topology.decode_depth)
     configs["frontend"] = config("frontend", Role.FRONTEND)
     return configs
 

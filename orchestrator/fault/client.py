@@ -66,6 +66,7 @@ class ControllerClient:
         self.fenced = threading.Event()  # the controller declared this node dead
         self._stub = Stub(controller, secret)
         self._registered = False
+        self._rejoin = False  # registered before, with a controller that forgot it since
         self._warned = False  # "unreachable" logged since the last contact
         self._acks: dict[tuple[int, int], int] = {}  # (source stage, microbatch) -> step
         self._unsent: set[tuple[int, int]] = set()
@@ -127,6 +128,22 @@ class ControllerClient:
         reply = self._call("Recovered", {"node_id": self.node_id, "epoch": epoch})
         self.epoch, self.state = reply["epoch"], reply["state"]
 
+    def suspect(self, stage: int) -> None:
+        """This node's transport lost its connection to ``stage`` of its pipeline: the
+        controller checks at once whether that node is gone (in a thread of its own: the
+        caller is on the serving path)."""
+        threading.Thread(target=self._suspect, args=(stage,), daemon=True,
+                         name=f"suspect-{stage}").start()
+
+    def _suspect(self, stage: int) -> None:
+        try:
+            reply = self._call("Suspect", {"node_id": self.node_id, "stage": stage})
+            if reply["dead"]:
+                log.warning("%s: stage %d is gone (the controller confirmed it)",
+                            self.node_id, stage)
+        except grpc.RpcError as e:  # the heartbeat timeout still finds it
+            log.warning("%s: could not report stage %d: %s", self.node_id, stage, e.code())
+
     def status(self) -> dict:
         return query_status(self._stub.address, self._stub.secret, self.rpc_timeout_s)
 
@@ -162,7 +179,7 @@ class ControllerClient:
             if code == grpc.StatusCode.NOT_FOUND:
                 log.warning("%s: the controller forgot this node (restarted); re-registering",
                             self.node_id)
-                self._registered = False
+                self._registered, self._rejoin = False, True
             elif code == grpc.StatusCode.ALREADY_EXISTS:
                 # A spare waiting for the controller to declare the old holder dead.
                 log.debug("%s: %s; retrying", self.node_id, e.details())
@@ -181,7 +198,7 @@ class ControllerClient:
         reply = self._call("Register", {
             "node_id": self.node_id, "role": spec.role, "pipeline": spec.pipeline,
             "stage": spec.stage, "depth": spec.depth, "address": spec.address,
-            "transport": spec.transport,
+            "transport": spec.transport, "rejoin": self._rejoin,
         })
         self.epoch, self.state = reply["epoch"], reply["state"]
         self._registered = True

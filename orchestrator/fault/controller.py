@@ -1,16 +1,22 @@
 """The controller: a process of its own that watches the token pipelines (DejaVu §4.3).
 
 Nodes register (role, pipeline, stage, address, transport metadata) and
-heartbeat. A stage's replica holder (stage (x+1)%D) acks ``(x, j, t)`` once it
-holds x's KV of microbatch j through step t. A node silent for ``timeout_s`` is
-declared dead and its pipeline paused; when a replacement registers for the
-lost stage the controller issues a *recovery plan*: who restores whom (steps 1
-and 2), and per microbatch the step to redo, from the acks (steps 3 and 4).
+heartbeat. A node whose transport lost its connection to another stage says
+so (``Suspect``); the controller probes that node's address at once and
+declares it dead if nothing listens there any more, so detection need not
+wait for the heartbeat timeout (a dropped connection between live nodes is
+not a death: the address still answers). A stage's replica holder (stage
+(x+1)%D) acks ``(x, j, t)`` once it holds x's KV of microbatch j through
+step t. A node silent for ``timeout_s`` is declared dead and its pipeline
+paused; when a replacement registers for the lost stage the controller
+issues a *recovery plan*: who restores whom (steps 1 and 2), and per
+microbatch the step to redo, from the acks (steps 3 and 4).
 
 State lives in memory only. After a controller restart, live nodes re-register
-and re-send their acks (see ``client``); a stage that was known to exist
-(pipeline depth) but never re-registers within ``timeout_s`` is declared dead
-then. So a failure during the controller's absence is detected when it returns.
+(``rejoin``) and re-send their acks (see ``client``); a stage of a pipeline
+that ran before (one of its nodes rejoined) that never re-registers within
+``timeout_s`` is declared dead then. So a failure during the controller's
+absence is detected when it returns.
 
 Run: ``python -m orchestrator.fault.controller --port 0`` prints the bound address.
 """
@@ -21,6 +27,7 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -57,6 +64,7 @@ class Node:
 class Pipeline:
     depth: int
     first_seen: float
+    rejoined: bool = False  # a node registered again (this controller was restarted)
     epoch: int = 0
     failed: set[int] = field(default_factory=set)  # stages lost and not yet recovered
     plan: dict | None = None
@@ -74,11 +82,15 @@ class Pipeline:
 class ControllerState:
     """The controller's logic, apart from gRPC, with an injectable clock for unit tests."""
 
-    def __init__(self, timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, timeout_s: float, clock: Callable[[], float] = time.monotonic,
+                 probe: Callable[[str], bool] | None = None) -> None:
+        """``probe(address)``: whether a node's address still takes connections (default:
+        a TCP connect, see :func:`listening`)."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.timeout_s = timeout_s
         self.clock = clock
+        self.probe = probe or listening
         self.nodes: dict[str, Node] = {}
         self.pipelines: dict[str, Pipeline] = {}
         self.lock = threading.Lock()
@@ -116,6 +128,7 @@ class ControllerState:
                 str(req.get("address", "")), str(req.get("transport", "")), now,
             )
             pipeline.slots[stage] = node_id
+            pipeline.rejoined |= bool(req.get("rejoin"))
             if stage in pipeline.failed:
                 log.info("replacement %s registered for stage %d of %s", node_id, stage,
                          pipeline_name)
@@ -154,6 +167,26 @@ class ControllerState:
 
     # -- failure detection -----------------------------------------------------
 
+    def suspect(self, req: dict) -> dict:
+        """A node's transport lost stage ``stage`` of its pipeline: declare that stage's
+        node dead now if its address refuses connections (the process is gone)."""
+        reporter = self._node(str(req["node_id"]))
+        with self.lock:
+            suspect = self.nodes.get(self.pipelines[reporter.pipeline].slots.get(
+                int(req["stage"]), ""))
+        if suspect is None or not suspect.alive or not suspect.address:
+            return {"dead": suspect is not None and not suspect.alive}
+        if self.probe(suspect.address):
+            return {"dead": False}  # alive: a dropped connection, repaired elsewhere
+        with self.lock:
+            if not suspect.alive:
+                return {"dead": True}
+            suspect.alive = False
+            self._fail(suspect.pipeline, suspect.stage)
+        log.warning("declared dead: %s (reported by %s, nothing listens at %s)",
+                    suspect.node_id, reporter.node_id, suspect.address)
+        return {"dead": True}
+
     def sweep(self) -> list[str]:
         """Declare silent nodes (and stages that never came back) dead; returns what died."""
         now, died = self.clock(), []
@@ -165,7 +198,9 @@ class ControllerState:
                     self._fail(node.pipeline, node.stage)
             for name, pipeline in self.pipelines.items():
                 for stage in range(pipeline.depth):
-                    missing = stage not in pipeline.slots
+                    # Only a pipeline that ran before this controller started can have lost
+                    # a stage unseen; at a cluster's start a slow node is merely late.
+                    missing = pipeline.rejoined and stage not in pipeline.slots
                     if missing and stage not in pipeline.failed and (
                         now - pipeline.first_seen > self.timeout_s
                     ):
@@ -245,6 +280,20 @@ class ControllerState:
         return {"timeout_s": self.timeout_s, "nodes": nodes, "pipelines": pipelines}
 
 
+def listening(address: str, timeout_s: float = 0.2) -> bool:
+    """Something accepts TCP connections at ``host:port``. Refused means the process is
+    gone; a timeout (an overloaded or partitioned host) counts as alive: the heartbeat
+    timeout decides then."""
+    host, port = address.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except ConnectionRefusedError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
 def make_plan(name: str, pipeline: Pipeline, live: dict[int, Node]) -> dict:
     """Who restores whom, and the step of each microbatch to redo.
 
@@ -295,6 +344,7 @@ class ControllerServer:
         self._server.add_generic_rpc_handlers((service_handler({
             "Register": state.register,
             "Heartbeat": state.heartbeat,
+            "Suspect": state.suspect,
             "Ack": state.ack,
             "Plan": state.plan,
             "Recovered": state.recovered,

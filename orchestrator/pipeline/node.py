@@ -221,6 +221,9 @@ class StageNode:
         self._head_node: str | None = None  # the head's transport name (nodes 1..D-1)
         self._beats: dict[int, tuple[str, float]] = {}  # node 0: stage -> (node, last beat)
         self._reported: list[str] = []
+        # Told the stage it cannot reach (its successor) when a send fails: the transport's
+        # disconnect is a faster sign of a lost node than its silence (the fault controller).
+        self.on_unreachable: Callable[[int], None] | None = None
         self._started_at = 0.0
         self._stopping = threading.Event()
         self._heartbeat = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
@@ -347,6 +350,11 @@ class StageNode:
         )
 
     def _report(self, error: str) -> None:
+        if self.on_unreachable is not None:
+            try:
+                self.on_unreachable((self.index + 1) % self.config.depth)
+            except Exception:  # the heartbeat timeout still finds a lost node
+                log.exception("stage %d: could not report its successor", self.index)
         if self.head is not None:
             self.head.report_failure(error)
         else:

@@ -28,6 +28,7 @@ class Role(StrEnum):
     FRONTEND = "frontend"  # the client-facing ensemble and the orchestrator model
     PREFILL = "prefill"  # a P-node
     DECODE = "decode"  # a T-node: one stage of a token pipeline
+    SPARE = "spare"  # a warm spare T-node: loaded, on standby (serving/spare.py)
 
 
 class Mode(StrEnum):
@@ -94,6 +95,9 @@ class NodeConfig:
         if self.mode is Mode.COLOCATED and self.depth != 1:
             raise ValueError("node config: colocated T-nodes run depth-1 pipelines only "
                              "(prompts cannot yet enter a pipeline across nodes)")
+        if self.role is Role.SPARE and (self.depth < 2 or self.replicate != "on"):
+            raise ValueError("node config: a spare takes over a stage of a pipeline deeper "
+                             "than 1 from replicas in memory (replicate on)")
         if self.replicates and self.replicate is ReplicateMode.DISK and not self.replica_dir:
             raise ValueError("node config: replicate=disk needs a replica_dir")
         if self.role is Role.FRONTEND and not self.decode_urls:

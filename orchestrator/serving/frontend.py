@@ -21,8 +21,10 @@ client never sees a token twice.
 
 With a fault controller (``controller``), a watcher thread asks it every
 ``watch_s`` which nodes it has declared dead and keeps them (and every token
-pipeline with a dead stage) out of the routers. While the controller is away
-the routers go by the failures they meet alone.
+pipeline with a dead stage) out of the routers, and learns where each stage
+of a token pipeline is now (a warm spare that took over a lost stage serves
+it at its own address). While the controller is away the routers go by the
+failures they meet alone.
 """
 
 from __future__ import annotations
@@ -190,6 +192,8 @@ class Frontend:
         self.prefill = Router(prefill_urls) if prefill_urls else None
         self.decode = Router([stages[0] for stages in decode_pipelines])
         self.later_stages = {stages[0]: stages[1:] for stages in decode_pipelines}
+        # The controller's name of each token pipeline (the launcher's order) -> its head.
+        self.heads = {f"decode{i}": stages[0] for i, stages in enumerate(decode_pipelines)}
         self.timeout_s, self.rerun_wait_s = timeout_s, rerun_wait_s
         self.secret, self.pool = secret, ClientPool()
         self.control = ControlClient(secret, timeout_s, self.pool)
@@ -221,11 +225,26 @@ class Frontend:
                     self.prefill.mark_down(url)
                 elif alive.get(url):
                     self.prefill.mark_up(url)  # started again: use it at once
+            self._follow_stages(nodes)
             for head, later in self.later_stages.items():
                 if dead & {head, *later}:
                     self.decode.mark_down(head)
                 elif all(alive.get(url) for url in (head, *later)):
                     self.decode.mark_up(head)  # e.g. a lost stage was replaced
+
+    def _follow_stages(self, nodes: list[dict]) -> None:
+        """Each later stage's address: the latest live registration in its slot."""
+        for node in nodes:
+            head = self.heads.get(node["pipeline"])
+            if head is None or not node["alive"] or not 0 < node["stage"] <= len(
+                    self.later_stages[head]):
+                continue
+            later = list(self.later_stages[head])
+            if later[node["stage"] - 1] != node["address"]:
+                log.warning("stage %d of %s is at %s now", node["stage"], node["pipeline"],
+                            node["address"])
+                later[node["stage"] - 1] = node["address"]
+                self.later_stages[head] = later  # one assignment: requests read it as a whole
 
     def close(self) -> None:
         self.stopped.set()

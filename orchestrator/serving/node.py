@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from orchestrator.engine.base import Engine
 from orchestrator.engine.reference import load_stages
 from orchestrator.fault import ReplicateMode
 from orchestrator.fault.client import ControllerClient, NodeSpec
 from orchestrator.fault.disk_replication import DiskReplication
 from orchestrator.fault.node_replication import NodeReplication
 from orchestrator.fault.stage_recovery import RecoveryOps
+from orchestrator.kv.transport.base import Transport
 from orchestrator.pipeline.node import PipelineConfig, StageNode
 from orchestrator.serving.config import Mode, NodeConfig, Role
 from orchestrator.serving.metrics import Metrics
@@ -40,6 +44,18 @@ def load_token_service(config: NodeConfig, metrics: Metrics | None = None,
         node = StageNode(config.model_dir, 0, colocated, secret=b"",  # takes no prompt KV
                          device=config.device, name=config.name or None).start()
         return TokenService(node.engine, node=node, metrics=metrics)
+    if config.role is Role.SPARE:
+        from orchestrator.serving.spare import SpareService  # it builds its stage with ours
+
+        return SpareService(config, metrics)  # type: ignore[return-value]  (serves as one)
+    return stage_service(config, metrics, controller)
+
+
+def stage_service(config: NodeConfig, metrics: Metrics | None,
+                  controller: ControllerClient | None, engine: Engine | None = None,
+                  make_transport: Callable[[str], Transport] | None = None) -> TokenService:
+    """One stage of a disaggregated token pipeline; ``engine`` and ``make_transport``: what
+    a warm spare loaded and made ahead of time (else loaded and made here)."""
     slots = {"prompt_slots": config.num_slots} if config.num_slots else {}
     pipeline_config = PipelineConfig(
         depth=config.depth, batch_size=config.max_batch, swap=config.swap,
@@ -49,14 +65,18 @@ def load_token_service(config: NodeConfig, metrics: Metrics | None = None,
     )
     secret = config.secret()
     node = StageNode(config.model_dir, config.stage, pipeline_config, secret=secret,
-                     device=config.device, name=config.name or None)
+                     device=config.device, name=config.name or None, engine=engine,
+                     make_transport=make_transport)
+    if controller is not None:  # a successor it cannot reach: tell the controller at once
+        node.on_unreachable = controller.suspect
     if config.depth == 1:  # nothing to connect: serve at once (also where no launcher bootstraps)
         node.start()
     recovery = None
     if config.replicates:
         ack = None if controller is None else controller.ack
         host = config.address.rpartition(":")[0] or "127.0.0.1"
-        replication = (NodeReplication(node, secret, ack=ack, host=host)
+        replication = (NodeReplication(node, secret, ack=ack, host=host,
+                                       make_transport=make_transport)
                        if config.replicate is ReplicateMode.ON
                        else DiskReplication(node, config.replica_dir, ack=ack))
         recovery = RecoveryOps(node, replication, controller)
@@ -66,8 +86,8 @@ def load_token_service(config: NodeConfig, metrics: Metrics | None = None,
 def connect_controller(config: NodeConfig) -> ControllerClient | None:
     """Register with the fault controller and heartbeat; None when the node has no
     controller. Stop the client when the model is unloaded."""
-    if not config.controller:
-        return None
+    if not config.controller or config.role is Role.SPARE:
+        return None  # a spare registers once it holds a stage
     token = config.role is Role.DECODE
     spec = NodeSpec(
         pipeline=f"{config.role.value}{config.pipeline}",

@@ -243,3 +243,46 @@ def test_plan_rule_with_a_fake_clock() -> None:
     assert plan["resume"] == {"0": 10, "1": 3} and plan["restore"] == [[1, 0]]
     with pytest.raises(ValueError, match="timeout_s must be > 0"):
         ControllerState(0)
+
+
+def test_a_reported_node_is_declared_dead_only_if_its_address_is_closed() -> None:
+    """A stage's transport lost its successor: the controller probes the successor's
+    address; closed: dead at once (no heartbeat timeout); still listening: a dropped
+    connection between live nodes, which is not a death."""
+    closed: set[str] = set()
+    state = ControllerState(timeout_s=60.0, probe=lambda address: address not in closed)
+    for s in range(2):
+        state.register({"node_id": f"n{s}", "pipeline": "p", "stage": s, "depth": 2,
+                        "address": f"127.0.0.1:{1000 + s}"})
+    assert state.suspect({"node_id": "n0", "stage": 1}) == {"dead": False}
+    assert state.status({})["pipelines"]["p"]["failed"] == []
+    closed.add("127.0.0.1:1001")
+    assert state.suspect({"node_id": "n0", "stage": 1}) == {"dead": True}
+    assert state.status({})["pipelines"]["p"]["failed"] == [1]
+    assert state.suspect({"node_id": "n0", "stage": 1}) == {"dead": True}  # said once
+    assert state.sweep() == []
+
+
+def test_listening_tells_a_closed_port_from_an_open_one() -> None:
+    import socket
+
+    from orchestrator.fault.controller import listening
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        address = f"127.0.0.1:{server.getsockname()[1]}"
+        assert listening(address)
+    assert not listening(address)
+
+
+def test_a_stage_late_at_start_is_waited_for_one_missing_after_a_restart_is_not() -> None:
+    now = [0.0]
+    state = ControllerState(timeout_s=1.0, clock=lambda: now[0])
+    state.register({"node_id": "a0", "pipeline": "new", "stage": 0, "depth": 2})
+    state.register({"node_id": "b0", "pipeline": "ran", "stage": 0, "depth": 2,
+                    "rejoin": True})  # a node of a pipeline that ran before this controller
+    now[0] = 1.5
+    for node_id in ("a0", "b0"):
+        state.heartbeat({"node_id": node_id})
+    assert state.sweep() == ["ran/stage1 (never registered)"]

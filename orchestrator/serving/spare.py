@@ -1,0 +1,91 @@
+"""A warm spare T-node: loaded and on standby, it takes over a lost stage of a token pipeline.
+
+``dejavu up --spares N`` starts N of them beside the pipelines. A spare loads
+the engine of every stage it may take (stages 1..D-1: stage 0 holds the head
+and its clients' streams, which replicas cannot bring back) and makes its KV
+transports ahead of time, so taking a role costs neither a process start nor a
+model load. It registers with the fault controller only once it holds a stage:
+the supervisor calls ``assume`` (pipeline, stage) once the controller declared
+the stage's node dead, then carries out the controller's recovery plan with
+the spare in the lost slot (:func:`orchestrator.fault.stage_recovery.recover_stage`).
+From then on it is that stage, and every control op goes to its
+:class:`~orchestrator.serving.token_service.TokenService`.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+
+from orchestrator.engine.config import ModelConfig
+from orchestrator.engine.torch_engine import load_engine
+from orchestrator.fault.client import ControllerClient
+from orchestrator.kv.transport.base import Transport
+from orchestrator.pipeline.pipeline import stage_specs
+from orchestrator.serving.config import NodeConfig, Role
+from orchestrator.serving.metrics import Metrics
+from orchestrator.serving.node import connect_controller, stage_service
+from orchestrator.serving.params import RequestError
+from orchestrator.serving.token_service import ControlRequest, TokenService
+
+TRANSPORTS = ("kv", "link", "replica")  # a stage node's and its replication's
+
+
+class SpareService:
+    """Serves like a :class:`TokenService` once ``assume`` made it one."""
+
+    def __init__(self, config: NodeConfig, metrics: Metrics | None = None) -> None:
+        from orchestrator.kv.transport.nixl import NixlTransport  # loads UCX: only here
+
+        self.config, self.metrics = config, metrics or Metrics()
+        specs = stage_specs(ModelConfig.from_dir(config.model_dir).num_layers, config.depth)
+        self.engines = {x: load_engine(config.model_dir, specs[x], config.device,
+                                       max_seq_len=config.max_seq_len)
+                        for x in range(1, config.depth)}
+        self.transports: dict[str, Transport] = {
+            f"{config.name}-{kind}": NixlTransport(name=f"{config.name}-{kind}")
+            for kind in TRANSPORTS}
+        self.controller: ControllerClient | None = None
+        self.service: TokenService | None = None
+        self.lock = threading.Lock()
+
+    def control(self, op: str, request: ControlRequest) -> bytes:
+        if op == "assume":
+            self._assume(request.args)
+            return b""
+        if op == "standby":
+            return b"1" if self.service is None else b"0"
+        return self._serving(op).control(op, request)
+
+    def admit(self, request_id: str, *args, **kwargs) -> None:
+        self._serving("generate").admit(request_id, *args, **kwargs)
+
+    def _serving(self, op: str) -> TokenService:
+        if self.service is None:
+            raise RequestError(f"op {op!r}: this spare is on standby (it holds no stage)")
+        return self.service
+
+    def _assume(self, peers: tuple[bytes, ...]) -> None:
+        """Become stage ``peers[1]`` of token pipeline ``peers[0]``."""
+        if len(peers) != 2:
+            raise RequestError("op 'assume' needs peers = [pipeline, stage]")
+        pipeline, stage = (int(p) for p in peers)
+        with self.lock:
+            if self.service is not None:
+                raise RequestError("this spare already holds a stage")
+            if stage not in self.engines:
+                raise RequestError(f"a spare takes stage 1..{len(self.engines)}, not {stage}")
+            config = replace(self.config, role=Role.DECODE, pipeline=pipeline, stage=stage)
+            self.controller = connect_controller(config)
+            self.service = stage_service(config, self.metrics, self.controller,
+                                         engine=self.engines[stage],
+                                         make_transport=self.transports.pop)
+            self.engines.clear()  # the other stages' weights are not needed any more
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.controller is not None:
+            self.controller.stop()
+        if self.service is not None:
+            self.service.stop(timeout_s)
+        for transport in self.transports.values():  # those no stage took
+            transport.close()

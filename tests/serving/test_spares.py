@@ -1,0 +1,84 @@
+"""Warm spares on real tritonservers (``dejavu up --spares N``): a T-stage killed mid-stream
+hands its role to the spare, which was loaded beforehand; the pipeline resumes from the KV
+replicas (same tokens, no request run again) and the supervisor starts a new spare.
+``dejavu bench recovery`` at its smallest: every mode's output well-formed, token-exact."""
+
+from __future__ import annotations
+
+import csv
+import json
+import time
+from types import SimpleNamespace
+
+import pytest
+from cluster_helpers import PROMPTS, ids_of, metric, reference
+from test_stage_faults import assert_all_freed, fault_cluster, kill_mid_stream
+
+from benchmarks import recovery as bench
+from orchestrator.cluster.launcher import read_state, status_main
+from orchestrator.cluster.tritonserver import alive, is_ready
+
+pytestmark = pytest.mark.slow
+MAX_TOKENS = 120
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return tiny_model("llama")
+
+
+def node(state: dict, name: str) -> dict:
+    return next(n for n in state["nodes"] if n["name"] == name)
+
+
+def failed_requests(entry: dict) -> float:
+    """Requests a node ended with an error (a head that lost them: the frontend reruns)."""
+    port = int(entry["metrics"].split(":")[1])
+    return metric(SimpleNamespace(metrics_port=port), "dejavu_requests", outcome="failed")
+
+
+def test_a_killed_stage_moves_to_the_spare_and_a_new_spare_starts(model, tmp_path, capsys):
+    expected = reference(model, PROMPTS[:4], MAX_TOKENS)
+    with fault_cluster(model, tmp_path, decode=1, decode_depth=2, spares=1) as cluster:
+        assert status_main(["--dir", str(tmp_path)]) == 0
+        assert "standby" in capsys.readouterr().out
+        before = read_state(tmp_path)
+        spare, lost = node(before, "spare0"), node(before, "decode0s1")
+        requests = kill_mid_stream(cluster, PROMPTS[:4], ["decode0s1"])
+        assert [r.error for r in requests] == [None] * 4
+        assert [ids_of(r.chunks) for r in requests] == expected
+        after = read_state(tmp_path)
+        stage = node(after, "decode0s1")
+        # The spare's process serves stage 1 now: not a new process, not a model load.
+        assert (stage["grpc"], stage["pid"]) == (spare["grpc"], spare["pid"])
+        # Resumed from the replicas: the head ended no request with an error.
+        assert failed_requests(node(after, "decode0s0")) == 0
+        deadline = time.monotonic() + 120
+        while True:  # a new spare where the lost node was, loaded and on standby
+            fresh = node(read_state(tmp_path), "spare0")
+            if fresh.get("pid") and alive(fresh["pid"]) and is_ready(fresh["http"]):
+                break
+            assert time.monotonic() < deadline, "no new spare"
+            time.sleep(0.2)
+        assert fresh["grpc"] == lost["grpc"] and fresh["pid"] != lost["pid"]
+        assert_all_freed(cluster)
+        capsys.readouterr()
+        assert status_main(["--dir", str(tmp_path), "--json"]) == 0
+        shown = json.loads(capsys.readouterr().out)
+        assert [n["role"] for n in shown["nodes"]].count("spare") == 1
+
+
+def test_bench_recovery_at_its_smallest(model, tmp_path):
+    """Every mode runs on its own cluster; the output says what each cost, token-exact."""
+    out = tmp_path / "out"
+    code = bench.main(["--model", str(model), "--quick", "--out", str(out)])
+    with open(out / "recovery.csv") as f:
+        rows = {row["mode"]: row for row in csv.DictReader(f)}
+    assert code == 0
+    assert set(rows) == set(bench.MODES)
+    for row in rows.values():
+        assert row["token_exact"] == "True" and row["errors"] == "0"
+        assert float(row["failed_s"]) > 0 and float(row["undisturbed_s"]) > 0
+        assert float(row["detect_s"]) >= 0 and float(row["repair_s"]) >= 0
+    saved = json.loads((out / "recovery.json").read_text())
+    assert [r["mode"] for r in saved["rows"]] == list(bench.MODES)
