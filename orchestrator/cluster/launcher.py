@@ -28,7 +28,10 @@ behaviour, see :mod:`orchestrator.fault.client`).
 A supervisor process (:mod:`orchestrator.cluster.supervisor`) starts lost
 nodes again. With ``replicate`` (the default for pipelines deeper than 1)
 every T-stage streams its KV replicas to the next stage, and a lost stage is
-recovered from them: its requests pause instead of starting over.
+recovered from them: its requests pause instead of starting over. With
+``spares`` (``dejavu up --spares N``), N warm spare T-nodes wait loaded beside
+the pipelines: a lost stage's role moves to one (no process start, no model
+load in the pause) and the supervisor starts a new spare.
 """
 
 from __future__ import annotations

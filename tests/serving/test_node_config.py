@@ -92,3 +92,16 @@ def test_a_repository_carries_the_config_and_no_secret(tmp_path):
     assert 'key: "config"' in text and "secret\\\"" not in text
     value = text.split('key: "config" value: { string_value: "')[1].rsplit('" }', 1)[0]
     assert NodeConfig.from_json(value.replace('\\"', '"').replace("\\\\", "\\")) == config
+
+
+def test_spares_are_standby_t_nodes_of_the_pipelines_depth():
+    configs = node_configs(Topology(decode_depth=2, spares=2), lambda n: f"{n}:1",
+                           model_dir="m")
+    spares = [c for c in configs.values() if c.role is Role.SPARE]
+    assert [c.name for c in spares] == ["spare0", "spare1"]
+    assert {c.depth for c in spares} == {2}
+    assert all(c.decode_urls == configs["frontend"].decode_urls for c in spares)
+    with pytest.raises(ValueError, match="deeper than 1"):
+        Topology(decode_depth=1, spares=1)
+    with pytest.raises(ValueError, match="replicate on"):
+        replace(spares[0], replicate=ReplicateMode.OFF)

@@ -1,0 +1,23 @@
+"""The frontend follows a token pipeline's stages to where the controller says they are."""
+
+from __future__ import annotations
+
+from orchestrator.serving.frontend import Frontend
+
+
+def registration(address: str, stage: int, alive: bool = True, pipeline: str = "decode0"):
+    return {"address": address, "stage": stage, "alive": alive, "pipeline": pipeline}
+
+
+def test_a_stage_taken_over_by_a_spare_is_reached_at_the_spares_address() -> None:
+    frontend = Frontend(["p:1"], [["h:1", "s1:1", "s2:1"]])
+    try:
+        frontend._follow_stages([
+            registration("p:1", 0, pipeline="prefill0"),
+            registration("s1:1", 1, alive=False),  # the lost node
+            registration("spare:1", 1),  # the spare that registered for its slot
+            registration("s2:1", 2),
+        ])
+        assert frontend.later_stages["h:1"] == ["spare:1", "s2:1"]
+    finally:
+        frontend.close()
