@@ -10,7 +10,7 @@ def registration(address: str, stage: int, alive: bool = True, pipeline: str = "
 
 
 def test_a_stage_taken_over_by_a_spare_is_reached_at_the_spares_address() -> None:
-    frontend = Frontend(["p:1"], [["h:1", "s1:1", "s2:1"]])
+    frontend = Frontend(["p:1"], [["h:1", "s1:1", "s2:1"]], b"secret")
     try:
         frontend._follow_stages([
             registration("p:1", 0, pipeline="prefill0"),
