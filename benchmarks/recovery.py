@@ -155,7 +155,7 @@ def bench_mode(args, mode: str, model: Path, expected: list[list[int]], run_dir:
         run_batch(url, prompts, args.tokens)  # warm-up: every process has run a step
         free = run_batch(url, prompts, args.tokens)
         victim_name = f"decode0s{args.kill_stage}"
-        victim = targets(read_state(run_dir))[victim_name]
+        victim = targets(read_state(run_dir), run_dir)[victim_name]
         state = read_state(run_dir)
         watch = Watch(cluster.controller.address, load_secret(state["secret_file"]),
                       victim["config"]["name"], "decode0")
