@@ -64,7 +64,8 @@ def stage_service(config: NodeConfig, metrics: Metrics | None,
         recover_timeout_s=config.recover_timeout_s if config.replicates else None, **slots,
     )
     secret = config.secret()
-    node = StageNode(config.model_dir, config.stage, pipeline_config, secret=secret,
+    model_dir = None if engine is not None else config.model_dir  # one or the other
+    node = StageNode(model_dir, config.stage, pipeline_config, secret=secret,
                      device=config.device, name=config.name or None, engine=engine,
                      make_transport=make_transport)
     if controller is not None:  # a successor it cannot reach: tell the controller at once
