@@ -451,6 +451,9 @@ class Frontend:
             except InferenceServerException as exc:
                 if is_unreachable(exc):  # died before or during the call: worth a rerun
                     self.prefill.mark_down(url)
+                    # A fresh channel: this one backs off reconnecting to the dead node and
+                    # fails calls at once until its next try, after the node is back too.
+                    self.prefill_clients[url] = connect(url)
                     raise PrefillLost(f"prefill node {url} lost: {exc.message()}") from exc
                 # Prefill is deterministic: it would fail the same way again.
                 raise Refused(f"prefill node {url}: {exc.message()}") from exc
