@@ -20,15 +20,29 @@ from dataclasses import dataclass
 import numpy as np
 
 TIMEOUT_S = 120.0
-# ensemble input -> numpy dtype / Triton dtype of its [1] tensor
+# ensemble input -> numpy dtype / Triton dtype of its [batch, 1] tensor (stop_words and
+# bad_words: [batch, words] strings)
 PARAMETERS = {
     "max_tokens": (np.int32, "INT32"),
     "end_id": (np.int32, "INT32"),
+    "pad_id": (np.int32, "INT32"),
     "temperature": (np.float32, "FP32"),
     "top_k": (np.int32, "INT32"),
     "top_p": (np.float32, "FP32"),
+    "seed": (np.uint64, "UINT64"),
     "random_seed": (np.uint64, "UINT64"),
+    "min_tokens": (np.int32, "INT32"),
+    "repetition_penalty": (np.float32, "FP32"),
+    "presence_penalty": (np.float32, "FP32"),
+    "frequency_penalty": (np.float32, "FP32"),
+    "num_return_sequences": (np.int32, "INT32"),
+    "exclude_input_in_output": (np.bool_, "BOOL"),
+    "return_perf_metrics": (np.bool_, "BOOL"),
+    "return_log_probs": (np.bool_, "BOOL"),
+    "beam_width": (np.int32, "INT32"),
     "stream": (np.bool_, "BOOL"),
+    "stop_words": (np.object_, "BYTES"),
+    "bad_words": (np.object_, "BYTES"),
 }
 
 
@@ -70,16 +84,46 @@ def _chunk(message: dict) -> Chunk:
 def stream_grpc(
     url: str, prompt: str, stream: bool = True, model: str = "ensemble", **params
 ) -> Iterator[Chunk]:
+    for result in _stream(url, model, _inputs([prompt], stream, params)):
+        ids = result.as_numpy("output_ids").reshape(-1).tolist()
+        yield Chunk(result.as_numpy("text_output").reshape(-1)[0].decode(), ids)
+
+
+def generate_batch(
+    url: str, prompts: list[str], stream: bool = True, model: str = "ensemble", **params
+) -> dict[tuple[int, int], list[Chunk]]:
+    """Several prompts in one gRPC request (``[batch, 1]`` tensors, the same parameters for
+    every row); each sequence's chunks by (``batch_index``, ``sequence_index``)."""
+    chunks: dict[tuple[int, int], list[Chunk]] = {}
+    for result in _stream(url, model, _inputs(prompts, stream, params)):
+        key = (int(result.as_numpy("batch_index").reshape(-1)[0]),
+               int(result.as_numpy("sequence_index").reshape(-1)[0]))
+        chunks.setdefault(key, []).append(
+            Chunk(result.as_numpy("text_output").reshape(-1)[0].decode(),
+                  result.as_numpy("output_ids").reshape(-1).tolist()))
+    return chunks
+
+
+def _inputs(prompts: list[str], stream: bool, params: dict) -> list:
+    """``[batch, 1]`` tensors (``[batch, words]`` for stop/bad words), one row per prompt."""
     import tritonclient.grpc as grpcclient
 
-    values = {"text_input": np.array([prompt.encode()], dtype=np.object_)}
-    values.update({k: np.array([v], dtype=PARAMETERS[k][0]) for k, v in params.items()})
-    values["stream"] = np.array([stream])
+    values = {"text_input": np.array([[p.encode()] for p in prompts], dtype=np.object_)}
+    for name, value in {**params, "stream": stream}.items():
+        row = [w.encode() for w in value] if name in ("stop_words", "bad_words") else [value]
+        values[name] = np.array([row] * len(prompts), dtype=PARAMETERS[name][0])
     inputs = []
     for name, array in values.items():
         dtype = "BYTES" if name == "text_input" else PARAMETERS[name][1]
         inputs.append(grpcclient.InferInput(name, list(array.shape), dtype))
         inputs[-1].set_data_from_numpy(array)
+    return inputs
+
+
+def _stream(url: str, model: str, inputs: list) -> Iterator:
+    """The results of one request on a gRPC stream, until its final flag."""
+    import tritonclient.grpc as grpcclient
+
     responses: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
@@ -94,9 +138,8 @@ def stream_grpc(
             if error is not None:
                 raise GenerateError(error.message())
             done = result.get_response().parameters["triton_final_response"].bool_param
-            text = result.as_numpy("text_output")
-            if text is not None:  # the empty final response carries no tensors
-                yield Chunk(text.reshape(-1)[0].decode(), result.as_numpy("output_ids").tolist())
+            if result.as_numpy("text_output") is not None:  # the empty final has no tensors
+                yield result
     finally:
         # Leaving early (an error, a consumer that stops) cancels the request on the server.
         client.stop_stream(cancel_requests=not done)
@@ -121,7 +164,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--temperature", type=float, help="above 0 samples (default greedy)")
     parser.add_argument("--top-k", type=int)
     parser.add_argument("--top-p", type=float)
-    parser.add_argument("--seed", type=int, dest="random_seed")
+    parser.add_argument("--seed", type=int)
     parser.add_argument("--model", default="ensemble")
     args = parser.parse_args(argv)
     try:
@@ -131,7 +174,7 @@ def main(argv: list[str]) -> int:
         return 1
     params = {
         name: getattr(args, name)
-        for name in ("max_tokens", "end_id", "temperature", "top_k", "top_p", "random_seed")
+        for name in ("max_tokens", "end_id", "temperature", "top_k", "top_p", "seed")
         if getattr(args, name) is not None
     }
     run = stream_http if args.protocol == "http" else stream_grpc

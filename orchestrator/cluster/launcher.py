@@ -115,6 +115,7 @@ class Cluster:
         controller_timeout_s: float = DEAD_AFTER_S,
         devices: dict[str, Devices] | None = None,
         spares: int = 0,
+        openai: bool = True,
         **settings,
     ) -> None:
         """``prefill``/``decode``: how many P- and T-pipelines, of depths ``prefill_depth``
@@ -125,7 +126,8 @@ class Cluster:
         lost stage is recovered from them; off: none, a lost stage costs its pipeline's
         requests a rerun); ``devices``: {node name: its cores or GPUs} (nodes not named run
         anywhere, as by default); ``spares``: warm spare T-nodes that take over a lost
-        stage (pipelines deeper than 1, replicate on)."""
+        stage (pipelines deeper than 1, replicate on); ``openai``: also start the
+        OpenAI-compatible API (loopback, in front of the ensemble)."""
         topology = Topology(prefill, decode, prefill_depth, decode_depth, colocated, spares)
         self.model_dir = Path(model_dir).resolve()
         if not (self.model_dir / "config.json").is_file():
@@ -136,6 +138,8 @@ class Cluster:
         self.watchdog: subprocess.Popen | None = None
         # Readable by this user only; the models get its path, never the secret.
         self.secret_file = write_secret(self.run_dir / SECRET_FILE, new_secret())
+        self.openai = (OpenAIApi(free_port(), self.run_dir / "logs" / "openai.log")
+                       if openai else None)
         self.controller = Controller(free_port(), controller_timeout_s,
                                      self.run_dir / "logs" / "controller.log", self.secret_file)
         self.backend_dir = make_backend_dir(self.run_dir / "backends")
@@ -201,6 +205,8 @@ class Cluster:
             self.controller.start()
             for node in self.nodes:
                 node.server.launch()
+            if self.openai is not None:  # it needs no node to start: while they load
+                self.openai.start(self.frontend.grpc_url, self.model_dir, timeout_s)
             for node in self.nodes:
                 node.server.wait_ready(timeout_s)
             pipelines = [stages for stages in self.decode_pipelines() if len(stages) > 1]
@@ -237,6 +243,8 @@ class Cluster:
                 process.wait(timeout=5)
         stop_servers([node.server for node in self.nodes])
         self.controller.stop()
+        if self.openai is not None:
+            self.openai.stop()
         path.unlink(missing_ok=True)
 
     def write_state(self) -> None:
@@ -246,6 +254,7 @@ class Cluster:
             "secret_file": str(self.secret_file),
             "frontend": {"http": self.frontend.http_url, "grpc": self.frontend.grpc_url},
             "controller": self.controller.describe(),
+            "openai": self.openai.describe() if self.openai else None,
             "supervisor": {"log": str(self.run_dir / "logs" / "supervisor.log")},
             "backends": str(self.backend_dir),
             "nodes": [n.describe() for n in self.nodes],
@@ -337,6 +346,52 @@ class Controller:
     def describe(self) -> dict:
         return {"address": self.address, "pid": self.process.pid if self.process else None,
                 "timeout_s": self.timeout_s, "log": str(self.log_path)}
+
+
+@dataclass
+class OpenAIApi:
+    """The OpenAI-compatible API's process (``python -m orchestrator.serving.openai_server``)."""
+
+    port: int
+    log_path: Path
+    process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def start(self, grpc_url: str, model_dir: Path, timeout_s: float = 60.0) -> None:
+        import urllib.error
+        import urllib.request
+
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "orchestrator.serving.openai_server", "--grpc-url",
+                 grpc_url, "--model-dir", str(model_dir), "--port", str(self.port)],
+                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ServerError(f"the OpenAI API exited with {self.process.returncode}; "
+                                  f"log {self.log_path}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/models", timeout=1):
+                    return
+            except (urllib.error.URLError, OSError):
+                time.sleep(0.2)
+        self.stop()
+        raise ServerError(f"the OpenAI API did not answer at {self.url} within "
+                          f"{timeout_s:.0f} s; log {self.log_path}")
+
+    def stop(self) -> None:
+        if self.process is not None:
+            stop_processes([self.process.pid], timeout_s=5.0)
+            self.process.wait(timeout=5)
+
+    def describe(self) -> dict:
+        return {"url": self.url, "pid": self.process.pid if self.process else None,
+                "log": str(self.log_path)}
 
 
 def connect_pipeline(call: Call, urls: list[str], replicate: bool = False) -> None:
@@ -446,6 +501,9 @@ def up_main(argv: list[str]) -> int:
     c = cluster.controller
     print(f"{'controller':<10} {'fault':<9} {'':<14} {'':<10} grpc {c.address}  "
           f"log {c.log_path}")
+    if cluster.openai is not None:
+        print(f"{'openai':<10} {'api':<9} {'':<14} {'':<10} {cluster.openai.url}  "
+              f"log {cluster.openai.log_path}")
     print(f"ready: ensemble at http://{cluster.frontend.http_url} (state in {args.dir})")
     return 0
 
@@ -494,6 +552,10 @@ def status_main(argv: list[str]) -> int:
                            ("watchdog", "starts the supervisor again")]:
             pid = read_pid(Path(args.dir), role)
             print(f"{role} pid {pid}: {does if pid and alive(pid) else 'GONE'}")
+        api = state.get("openai")
+        if api:
+            print(f"OpenAI API {api['url']} pid {api['pid']}: "
+                  f"{'serving' if alive(api['pid']) else 'GONE'}")
     healthy = "error" not in view and all(n["controller"] in ("alive", "-") for n in state["nodes"])
     return 0 if healthy and all(n["ready"] for n in state["nodes"]) else 1
 
@@ -563,4 +625,7 @@ def stop_described(run_dir: str | Path) -> list[str]:
     if (state.get("controller") or {}).get("pid"):
         stop_processes([state["controller"]["pid"]], timeout_s=5.0)
         stopped.append("the controller")
+    if (state.get("openai") or {}).get("pid"):
+        stop_processes([state["openai"]["pid"]], timeout_s=5.0)
+        stopped.append("the OpenAI API")
     return stopped

@@ -16,7 +16,8 @@ from orchestrator.cluster.tritonserver import add_model
 from orchestrator.serving.config import Mode, NodeConfig, Role
 
 ROLE_MODELS = {
-    Role.FRONTEND: ("preprocessing", "postprocessing", "orchestrator", "ensemble"),
+    Role.FRONTEND: ("preprocessing", "postprocessing", "orchestrator", "ensemble",
+                    "tensorrt_llm_bls"),
     Role.PREFILL: ("prefill",),
     Role.DECODE: ("decode",),
     Role.SPARE: ("decode",),

@@ -48,7 +48,8 @@ def generate(
             )
     if not prompts:
         return []
-    samplers = [Sampler(sampling) for _ in prompts]
+    base = sampling or SamplingParams()
+    samplers = [Sampler(base.for_prompt(p)) for p in prompts]
     caches = [[engine.new_cache() for _ in prompts] for engine in engines]
 
     def sample(rows: list[int], logits: torch.Tensor) -> list[int]:

@@ -12,6 +12,11 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
+# A plain chat template (Jinja, as transformers reads it) for the dummy checkpoints.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+)
 SPECIAL_TOKENS = [PAD, BOS, EOS]  # ids 0, 1, 2
 
 CORPUS = """\
@@ -57,6 +62,7 @@ def save_tokenizer(tokenizer: Tokenizer, out_dir: Path, model_max_length: int) -
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": model_max_length,
         "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
         **specials,
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")

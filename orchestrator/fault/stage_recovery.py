@@ -98,7 +98,9 @@ class RecoveryOps:
         steps = ({int(j): int(t) for j, t in json.loads(resume).items()} if lost
                  else dict.fromkeys(range(head.num_microbatches), 1 << 62))
         lengths = head.rewind(steps, prompt_kv_lost=lost)
-        sampling = {s.seq_id: asdict(s.sampling) for s in head.running() if s.seq_id in lengths}
+        # The redo's samplers resume after the tokens kept (penalties, min_tokens read them).
+        sampling = {s.seq_id: asdict(s.sampling.resumed(s.output_ids)) for s in head.running()
+                    if s.seq_id in lengths}
         return json.dumps({"lengths": lengths, "sampling": sampling}).encode()
 
     def _restore(self, to: bytes, lengths: bytes) -> None:

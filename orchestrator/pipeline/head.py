@@ -538,5 +538,7 @@ def _to_message(batch: Batch) -> StepMessage:
         prompts=[torch.tensor(s.prompt_ids) for s in batch.prefill],
         admit=[s.seq_id for s in batch.admit],
         release=batch.release,
-        sampling={s.seq_id: s.sampling for s in batch.prefill + batch.admit},
+        # The last stage's samplers go on after the tokens made (the P-node's first).
+        sampling={s.seq_id: s.sampling.resumed(s.output_ids)
+                  for s in batch.prefill + batch.admit},
     )

@@ -25,6 +25,7 @@ class Status(enum.Enum):
 
 class FinishReason(enum.Enum):
     EOS = "eos"
+    STOP = "stop"  # the output ends with one of the request's stop words
     LENGTH = "length"  # max_tokens reached
     CANCELLED = "cancelled"
     ERROR = "error"
@@ -38,6 +39,7 @@ class Sequence:
     eos_id: int | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     on_token: TokenCallback | None = None
+    stop_words: tuple[tuple[int, ...], ...] = ()  # token sequences that end it, kept
     # Pipeline-internal id: small, unique, used as the key of every stage's KV.
     seq_id: int = field(default_factory=lambda: next(_ids))
     output_ids: list[int] = field(default_factory=list)
@@ -69,12 +71,15 @@ class Sequence:
         return self.status is Status.FINISHED
 
     def append(self, token: int) -> None:
-        """Record one generated token; ends the sequence on eos or max_tokens (early stop)."""
+        """Record one generated token; ends the sequence on eos, a stop word or max_tokens
+        (early stop)."""
         self.output_ids.append(token)
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
         if token == self.eos_id:
             self.finish_reason = FinishReason.EOS
+        elif any(tuple(self.output_ids[-len(w):]) == tuple(w) for w in self.stop_words):
+            self.finish_reason = FinishReason.STOP
         elif len(self.output_ids) >= self.max_tokens:
             self.finish_reason = FinishReason.LENGTH
         if self.finish_reason is not None:

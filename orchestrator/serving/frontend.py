@@ -94,7 +94,9 @@ _MAX_RERUN_WAIT_S = 8.0  # longest wait before a lost request runs again
 
 
 def request_tensors(prompt_ids: list[int], params: GenerationParams) -> list:
-    arrays = {"input_ids": np.array(prompt_ids, dtype=np.int32), **params.to_tensors()}
+    """A generate request to a P-node or T-node: the prompt, and the checked parameters."""
+    arrays = {"input_ids": np.array(prompt_ids, dtype=np.int32),
+              "params": np.array([params.to_json()], dtype=np.object_)}
     return [tensor(name, array) for name, array in arrays.items()]
 
 
@@ -257,6 +259,11 @@ class Frontend:
     @property
     def colocated(self) -> bool:
         return self.prefill is None
+
+    @property
+    def depth(self) -> int:
+        """Token stages of the deepest pipeline: the prompt-KV slots a request holds."""
+        return 1 + max((len(later) for later in self.later_stages.values()), default=0)
 
     def generate(
         self,

@@ -1,17 +1,21 @@
-"""Per-request generation parameters and their checks.
+"""Per-request generation parameters: the TensorRT-LLM backend's inputs, checked at the edge.
 
-Tensor names follow the TensorRT-LLM backend's ensemble (``max_tokens``,
-``end_id``, ``temperature``, ``top_k``, ``top_p``, ``random_seed``, ``stream``)
-so the same request reaches every model of the pipeline unchanged. Greedy is
-the default; a ``temperature`` above zero turns sampling on.
+The ensemble (and ``tensorrt_llm_bls``) take the backend's input names; each is
+honoured, accepted only at its neutral value, or refused with an error naming the
+input and the value (see ``HONOURED``, ``NEUTRAL``, ``REFUSED``). Requests are
+batched as in the backend (``[batch, 1]`` tensors): :meth:`GenerationParams.from_tensors`
+reads one row. Past the frontend the parameters travel as JSON
+(:meth:`GenerationParams.to_json`) and each node checks them again. Greedy is the
+default; a ``temperature`` above zero turns sampling on.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import random
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
@@ -22,68 +26,167 @@ class RequestError(ValueError):
     """A request that cannot be served as given; the message names what is wrong."""
 
 
-# name -> numpy dtype of its ``[1]`` tensor
-PARAM_TENSORS: dict[str, type] = {
-    "max_tokens": np.int32,
-    "end_id": np.int32,
-    "temperature": np.float32,
-    "top_k": np.int32,
-    "top_p": np.float32,
-    "random_seed": np.uint64,
-    "stream": np.bool_,
+MAX_RETURN_SEQUENCES = 16
+MAX_WORDS = 64  # stop or bad words per request
+_U64 = 2**64
+
+# input -> kind of its one value: "int", "float" or "bool"
+HONOURED: dict[str, str] = {
+    "max_tokens": "int",
+    "end_id": "int",
+    "pad_id": "int",
+    "temperature": "float",
+    "top_k": "int",
+    "top_p": "float",
+    "seed": "int",
+    "random_seed": "int",  # the backend's older name of seed
+    "min_tokens": "int",
+    "min_length": "int",  # the backend's older name of min_tokens
+    "repetition_penalty": "float",
+    "presence_penalty": "float",
+    "frequency_penalty": "float",
+    "exclude_input_in_output": "bool",
+    "num_return_sequences": "int",
+    "return_log_probs": "bool",
+    "return_perf_metrics": "bool",
+    "stream": "bool",
 }
+# Accepted only at the value that changes nothing here (no beam search, no logits out).
+NEUTRAL: dict[str, tuple[str, object]] = {
+    "beam_width": ("int", 1),
+    "length_penalty": ("float", None),  # beam search only: no effect at beam_width 1
+    "return_context_logits": ("bool", False),
+    "return_generation_logits": ("bool", False),
+}
+# Refused whenever they hold a value (empty tensors and empty strings pass).
+REFUSED: dict[str, str] = {
+    "prompt_embedding_table": "prompt tables (p-tuning)",
+    "prompt_table_extra_id": "prompt tables (p-tuning)",
+    "prompt_vocab_size": "prompt tables (p-tuning)",
+    "lora_task_id": "LoRA adapters",
+    "lora_weights": "LoRA adapters",
+    "lora_config": "LoRA adapters",
+    "guided_decoding_guide_type": "guided decoding",
+    "guided_decoding_guide": "guided decoding",
+    "embedding_bias_words": "embedding bias",
+    "embedding_bias_weights": "embedding bias",
+    "decoder_text_input": "encoder-decoder models",
+    "image_input": "multimodal input",
+    "num_draft_tokens": "speculative decoding",
+    "use_draft_logits": "speculative decoding",
+}
+# Made by preprocessing from the text inputs stop_words / bad_words: JSON token lists.
+WORD_TENSORS = ("stop_ids", "bad_ids")
+INPUTS = (*HONOURED, *NEUTRAL, *REFUSED, *WORD_TENSORS)
+
+Words = tuple[tuple[int, ...], ...]
 
 
 @dataclass(frozen=True)
 class GenerationParams:
     max_tokens: int
     end_id: int | None = None
+    pad_id: int | None = None
     temperature: float = 0.0
     top_k: int = 0  # 0: no top-k cut
     top_p: float = 1.0
-    random_seed: int | None = None
+    seed: int | None = None  # None: a fresh one per request
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop_words: Words = ()
+    bad_words: Words = ()
+    exclude_input_in_output: bool = False
+    num_return_sequences: int = 1
+    return_log_probs: bool = False
+    return_perf_metrics: bool = False
     stream: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("stop_words", "bad_words"):  # JSON gives lists back
+            object.__setattr__(self, name, tuple(tuple(w) for w in getattr(self, name)))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def sampling(self, offset: int = 0) -> SamplingParams:
-        """``offset`` keeps the P-node's draw of the first token apart from the T-node's."""
-        seed = random.getrandbits(62) if self.random_seed is None else self.random_seed
-        return SamplingParams(self.temperature, self.top_k, self.top_p, (seed + offset) % 2**63)
+    def sampling(self, prompt_ids: Sequence[int]) -> SamplingParams:
+        """The sampler's parameters; every node of one request must get the same seed
+        (the frontend fixes it: :meth:`for_sequence`)."""
+        seed = random.getrandbits(63) if self.seed is None else self.seed % 2**63
+        return SamplingParams(
+            self.temperature, self.top_k, self.top_p, seed, self.min_tokens, self.end_id,
+            self.repetition_penalty, self.presence_penalty, self.frequency_penalty,
+            self.bad_words,
+        ).for_prompt(prompt_ids)
+
+    def for_sequence(self, index: int) -> GenerationParams:
+        """Sample ``index`` of ``num_return_sequences``: its own seed, derived from the
+        request's, so the samples differ and a seeded request repeats."""
+        seed = random.getrandbits(63) if self.seed is None else self.seed
+        return replace(self, seed=(seed + index) % _U64, num_return_sequences=1)
+
+    # -- on the wire -----------------------------------------------------------------
 
     @classmethod
-    def from_tensors(cls, tensors: Mapping[str, np.ndarray | None]) -> GenerationParams:
-        """Read the ``[1]`` (or ``[1, 1]``) parameter tensors; absent ones take defaults."""
-        values = {}
-        for name, dtype in PARAM_TENSORS.items():
-            array = tensors.get(name)
-            if array is None:
+    def from_tensors(cls, tensors: Mapping[str, np.ndarray | None], row: int | None = None
+                     ) -> GenerationParams:
+        """Row ``row`` of a batched request's inputs (``None``: unbatched ``[1]`` tensors);
+        absent inputs take their defaults. Raises RequestError naming the input."""
+        values: dict[str, object] = {}
+        for name, array in tensors.items():
+            if array is None or name not in INPUTS:
                 continue
-            if array.size != 1:
-                raise RequestError(f"{name} must hold one value, got shape {list(array.shape)}")
-            if not np.can_cast(array.dtype, dtype, casting="same_kind") and dtype != np.bool_:
-                raise RequestError(f"{name} must be {np.dtype(dtype).name}, got {array.dtype}")
-            values[name] = array.reshape(-1)[0].item()
+            array = np.asarray(array if row is None else array[row])
+            if name in REFUSED:
+                _refuse(name, array)
+            elif name in WORD_TENSORS:
+                values["stop_words" if name == "stop_ids" else "bad_words"] = _words(name, array)
+            elif name in NEUTRAL:
+                kind, neutral = NEUTRAL[name]
+                value = _one(name, array, kind)
+                if neutral is not None and value != neutral:
+                    raise RequestError(f"{name} {value!r} is not supported: only {neutral!r} "
+                                       f"({'no beam search' if kind == 'int' else 'no logits'} "
+                                       "here)")
+            else:
+                values[name] = _one(name, array, HONOURED[name])
+        for old, new in (("random_seed", "seed"), ("min_length", "min_tokens")):
+            if old in values:
+                value = values.pop(old)
+                if values.setdefault(new, value) != value:
+                    raise RequestError(f"{old} {value} and {new} {values[new]} disagree: "
+                                       f"send {new} alone")
         if "max_tokens" not in values:
             raise RequestError("max_tokens is required")
+        if values.get("end_id") == -1:  # the backend's "no end id"
+            del values["end_id"]
+        if values.get("pad_id") == -1:
+            del values["pad_id"]
         params = cls(**values)
         params.check()
         return params
 
-    def to_tensors(self) -> dict[str, np.ndarray]:
-        tensors = {}
-        for name, dtype in PARAM_TENSORS.items():
-            value = getattr(self, name)
-            if value is not None:
-                tensors[name] = np.array([value], dtype=dtype)
-        return tensors
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> GenerationParams:
+        try:
+            params = cls(**json.loads(data))
+        except (TypeError, ValueError) as exc:
+            raise RequestError(f"malformed parameters: {exc}") from None
+        params.check()
+        return params
 
     def check(self) -> None:
-        for name in ("temperature", "top_p"):
-            if not math.isfinite(getattr(self, name)):
-                raise RequestError(f"{name} must be a finite number, got {getattr(self, name)}")
+        """Ranges that need no model; the vocabulary's are in :func:`check_prompt`."""
+        for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            value = getattr(self, name)
+            if not math.isfinite(value):
+                raise RequestError(f"{name} must be a finite number, got {value}")
         if self.max_tokens < 1:
             raise RequestError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.temperature < 0:
@@ -92,18 +195,80 @@ class GenerationParams:
             raise RequestError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.repetition_penalty <= 0:
+            raise RequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise RequestError(f"min_tokens must be in [0, max_tokens {self.max_tokens}], "
+                               f"got {self.min_tokens}")
+        if self.seed is not None and not 0 <= self.seed < _U64:
+            raise RequestError(f"seed must be in [0, 2^64), got {self.seed}")
+        if self.return_log_probs:
+            raise RequestError("return_log_probs True is not supported yet: log-probs do not "
+                               "travel back through the token pipeline")
+        if not 1 <= self.num_return_sequences <= MAX_RETURN_SEQUENCES:
+            raise RequestError(f"num_return_sequences must be in [1, {MAX_RETURN_SEQUENCES}], "
+                               f"got {self.num_return_sequences}")
+
+
+def _one(name: str, array: np.ndarray, kind: str) -> int | float | bool:
+    if array.size != 1:
+        raise RequestError(f"{name} must hold one value per row, got shape {list(array.shape)}")
+    value = array.reshape(-1)[0]
+    accepted = {"int": "iu", "float": "fiu", "bool": "b"}[kind]
+    if array.dtype.kind not in accepted:
+        raise RequestError(f"{name} must be {kind}, got {array.dtype} value {value!r}")
+    return {"int": int, "float": float, "bool": bool}[kind](value)
+
+
+def _refuse(name: str, array: np.ndarray) -> None:
+    values = [v for v in array.reshape(-1).tolist() if v not in (b"", "")]
+    if values:
+        shown = values[0] if len(values) == 1 else f"{len(values)} values"
+        raise RequestError(f"{name} ({shown!r}) is refused: {REFUSED[name]} are not "
+                           "supported by this server")
+
+
+def _words(name: str, array: np.ndarray) -> Words:
+    value = array.reshape(-1)
+    if value.size != 1:
+        raise RequestError(f"{name} must hold one JSON list per row")
+    try:
+        words = tuple(tuple(int(t) for t in w) for w in json.loads(value[0]) if w)
+    except (TypeError, ValueError) as exc:
+        raise RequestError(f"{name} is not a JSON list of token lists: {exc}") from None
+    if len(words) > MAX_WORDS:
+        raise RequestError(f"{len(words)} {name.replace('_ids', '_words')}: at most {MAX_WORDS}")
+    return words
+
+
+def parse_words(values: Sequence[bytes | str]) -> list[str]:
+    """The backend's string form of ``stop_words`` / ``bad_words``: each element one word,
+    or several joined by commas (quote a word that holds a comma, as in CSV)."""
+    import csv
+
+    words = []
+    for value in values:
+        text = value.decode() if isinstance(value, bytes) else str(value)
+        for line in csv.reader([text], skipinitialspace=False):
+            words += [w for w in line if w]
+    return words
 
 
 def check_prompt(
     prompt_ids: list[int], params: GenerationParams, max_seq_len: int, vocab_size: int
 ) -> None:
-    """The prompt must be valid token ids, and it plus every new token must fit a KV slot."""
+    """The prompt must be valid token ids, and it plus every new token must fit a KV slot;
+    end_id and pad_id must be in the vocabulary."""
     n = len(prompt_ids)
     if n == 0:
         raise RequestError("empty prompt: at least one token is needed")
     bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
     if bad:
         raise RequestError(f"token id {bad[0]} outside the vocabulary [0, {vocab_size})")
+    for name in ("end_id", "pad_id"):
+        value = getattr(params, name)
+        if value is not None and not 0 <= value < vocab_size:
+            raise RequestError(f"{name} {value} outside the vocabulary [0, {vocab_size})")
     if n > max_seq_len:
         raise RequestError(f"prompt of {n} tokens does not fit the context of {max_seq_len}")
     # The last new token is returned but never fed back, so it takes no KV position.

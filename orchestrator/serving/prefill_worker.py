@@ -71,7 +71,7 @@ class PrefillWorker:
                 self.engines, self.senders,
                 {rid: job.prompt_ids for rid, job in todo.items()},
                 {rid: job.tickets for rid, job in todo.items()},
-                {rid: job.params.sampling() for rid, job in todo.items()},
+                {rid: job.params.sampling(job.prompt_ids) for rid, job in todo.items()},
                 self.save_timeout_s,
             )
         except Exception as exc:  # one transfer failed: stream_prefill cannot tell which

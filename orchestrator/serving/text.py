@@ -9,9 +9,11 @@ the postprocessing model stateless.
 
 from __future__ import annotations
 
+import json
+
 from tokenizers import Tokenizer
 
-from orchestrator.serving.params import RequestError
+from orchestrator.serving.params import RequestError, parse_words
 
 CONTEXT_TOKENS = 6
 REPLACEMENT = "\ufffd"  # what a decoder prints for an incomplete UTF-8 sequence
@@ -35,3 +37,19 @@ def new_text(tokenizer: Tokenizer, context: list[int], new: list[int]) -> str:
     # The context's text ended in half a character the new tokens complete.
     before = before.rstrip(REPLACEMENT)
     return after[len(before) :]
+
+
+def encode_words(tokenizer: Tokenizer, values: list[bytes | str]) -> str:
+    """``stop_words`` / ``bad_words`` of one row (the backend's string form) as a JSON list
+    of token lists, each word tokenized alone as the backend does."""
+    return json.dumps([tokenizer.encode(word, add_special_tokens=False).ids
+                       for word in parse_words(values)])
+
+
+def response_text(tokenizer: Tokenizer, tokens: list[int], context: list[int],
+                  full_text: bool) -> str:
+    """``full_text``: the text of context + tokens (a non-streaming answer that holds its
+    prompt); else the text the tokens add after the context."""
+    if full_text:
+        return tokenizer.decode(context + tokens, skip_special_tokens=True)
+    return new_text(tokenizer, context, tokens)

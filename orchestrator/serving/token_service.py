@@ -171,9 +171,9 @@ class TokenService:
             raise RequestError(f"stage {self.node.index} of a token pipeline: generate "
                                "requests go to stage 0")
         check_prompt(prompt_ids, params, self.head.max_seq_len, self.engine.vocab_size)
-        # The P-node sampled the first token with offset 0; the stages go on from offset 1.
         seq = Sequence(request_id, prompt_ids, params.max_tokens, params.end_id,
-                       params.sampling(offset=0 if self.colocated else 1), self._on_token)
+                       params.sampling(prompt_ids), self._on_token,
+                       stop_words=params.stop_words)
         with self.lock:
             if request_id in self.clients:
                 raise RequestError(f"request id {request_id!r} is already running here")

@@ -15,8 +15,6 @@ from orchestrator.control.client import tensor
 from orchestrator.engine.reference import generate
 from orchestrator.engine.tokenizer import load_tokenizer
 from orchestrator.engine.torch_engine import load_engine
-from orchestrator.serving.frontend import request_tensors
-from orchestrator.serving.params import GenerationParams
 
 MAX_SEQ_LEN = 256  # the tiny models' positions: room for a long stream to cancel
 PROMPTS = [
@@ -50,15 +48,18 @@ def stream_orchestrator(url: str, prompt_ids: list[int], max_tokens: int, secret
     client = grpcclient.InferenceServerClient(url)
     responses: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
-    tensors = request_tensors(prompt_ids, GenerationParams(max_tokens, stream=True))
     signature = sign_prompt(secret, np.array(prompt_ids, dtype=np.int32).tobytes())
-    tensors.append(tensor("input_auth", np.array([signature.encode()], dtype=np.object_)))
+    arrays = {"input_ids": np.array([prompt_ids], np.int32),
+              "input_lengths": np.array([[len(prompt_ids)]], np.int32),
+              "input_auth": np.array([[signature.encode()]], dtype=np.object_),
+              "max_tokens": np.array([[max_tokens]], np.int32), "stream": np.array([[True]])}
+    tensors = [tensor(name, array) for name, array in arrays.items()]
     client.async_stream_infer("orchestrator", tensors)
     try:
         while True:
             result, error = responses.get(timeout=30)
             assert error is None, error
-            yield result.as_numpy("output_ids").tolist()
+            yield result.as_numpy("output_ids").reshape(-1).tolist()
     finally:
         client.stop_stream(cancel_requests=True)
         client.close()

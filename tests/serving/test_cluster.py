@@ -26,11 +26,13 @@ from cluster_helpers import (
 )
 from tritonclient.utils import InferenceServerException
 
-from clients.generate import GenerateError, stream_grpc, stream_http
+from clients.generate import GenerateError, generate_batch, stream_grpc, stream_http
 from orchestrator.cluster.launcher import Cluster
 from orchestrator.control.auth import load_secret, request_parameters
 from orchestrator.control.client import tensor
 from orchestrator.control.errors import ErrorCode
+from orchestrator.engine.reference import generate
+from orchestrator.engine.sampling import SamplingParams
 from orchestrator.engine.tokenizer import load_tokenizer
 from orchestrator.engine.torch_engine import load_engine
 from orchestrator.fault.rpc import Stub
@@ -110,6 +112,9 @@ def test_sampling_parameters_are_used_and_seeded(cluster, expected):
         ("hello", {"max_tokens": -3}, "max_tokens must be at least 1"),
         ("hello", {"max_tokens": 300}, "exceeds the context of 256"),
         ("hello", {"max_tokens": 4, "top_p": 0.0}, "top_p must be in"),
+        ("hello", {"max_tokens": 4, "temperature": float("nan")}, "temperature must be a fin"),
+        ("hello", {"max_tokens": 4, "beam_width": 2}, "beam_width 2 is not supported"),
+        ("hello", {"max_tokens": 4, "end_id": 10**6}, "end_id 1000000 outside the vocab"),
     ],
 )
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
@@ -141,13 +146,14 @@ def _infer(url: str, model: str, inputs: dict[str, tuple[np.ndarray, str]]):
 @pytest.mark.parametrize(
     ("model_name", "max_tokens", "message"),
     [
-        ("ensemble", (np.array([4.0], np.float32), "FP32"), "but model 'ensemble' expects 'int32'"),
-        ("ensemble", (np.array([4, 4], np.int32), "INT32"), "shape"),
-        ("no_such_model", (np.array([4], np.int32), "INT32"), "unknown model"),
+        ("ensemble", (np.array([[4.0]], np.float32), "FP32"),
+         "but model 'ensemble' expects 'int32'"),
+        ("ensemble", (np.array([[4, 4]], np.int32), "INT32"), "shape"),
+        ("no_such_model", (np.array([[4]], np.int32), "INT32"), "unknown model"),
     ],
 )
 def test_wrong_dtype_shape_or_model(cluster, expected, model_name, max_tokens, message):
-    prompt = (np.array([b"hello"], dtype=np.object_), "BYTES")
+    prompt = (np.array([[b"hello"]], dtype=np.object_), "BYTES")
     errors = _infer(
         cluster.frontend.grpc_url, model_name, {"text_input": prompt, "max_tokens": max_tokens}
     )
@@ -208,8 +214,8 @@ def test_http_infer_on_the_decoupled_ensemble_says_so(cluster):
     import tritonclient.http as httpclient
 
     client = httpclient.InferenceServerClient(cluster.frontend.http_url)
-    text = httpclient.InferInput("text_input", [1], "BYTES")
-    text.set_data_from_numpy(np.array([b"hello"], dtype=np.object_))
+    text = httpclient.InferInput("text_input", [1, 1], "BYTES")
+    text.set_data_from_numpy(np.array([[b"hello"]], dtype=np.object_))
     with pytest.raises(InferenceServerException, match="decoupled"):
         client.infer("ensemble", [text])
 
@@ -273,7 +279,8 @@ def test_no_model_config_on_any_node_reveals_the_secret(cluster):
         if node.role == "frontend":
             frontend_models = set(models)
         client.close()
-    assert frontend_models == {"ensemble", "preprocessing", "orchestrator", "postprocessing"}
+    assert frontend_models == {"ensemble", "preprocessing", "orchestrator", "postprocessing",
+                               "tensorrt_llm_bls"}
 
 
 def _first_response(url: str, model: str, tensors: list, parameters: dict | None = None):
@@ -330,3 +337,230 @@ def test_internal_surfaces_refuse_requests_without_the_secret(cluster, model, ex
     results = run_concurrently("grpc", cluster.frontend.grpc_url, PROMPTS * 3,
                                max_tokens=MAX_TOKENS)  # 18 at once: every slot is free
     assert [ids_of(r) for r in results] == expected * 3
+# -- the TensorRT-LLM ensemble contract ----------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_batch_of_four_prompts_in_one_call(cluster, model, expected, stream):
+    """[4, 1] tensors: each row its own sequence, told apart by batch_index; without
+    streaming text_output holds the prompt and then the generation, as in the backend."""
+    chunks = generate_batch(cluster.frontend.grpc_url, PROMPTS[:4], stream=stream,
+                            max_tokens=MAX_TOKENS)
+    assert sorted(chunks) == [(row, 0) for row in range(4)]
+    assert [ids_of(chunks[(row, 0)]) for row in range(4)] == expected[:4]
+    tokenizer = load_tokenizer(model)
+    for row in range(4):
+        generation = tokenizer.decode(expected[row])
+        text = text_of(chunks[(row, 0)])
+        if stream:
+            assert text == generation
+        else:
+            prompt_ids = tokenizer.encode(PROMPTS[row]).ids
+            assert text == tokenizer.decode(prompt_ids + expected[row])
+            assert text.startswith(PROMPTS[row]) and len(chunks[(row, 0)]) == 1
+    excluded = generate_batch(cluster.frontend.grpc_url, PROMPTS[:1], stream=False,
+                              max_tokens=MAX_TOKENS, exclude_input_in_output=True)
+    assert text_of(excluded[(0, 0)]) == tokenizer.decode(expected[0])
+
+
+def _roundtrip_token(tokenizer, ids: list[int]) -> tuple[int, str]:
+    """A generated token whose text, tokenized alone, is that token again."""
+    for i, token in enumerate(ids[1:], 1):
+        word = tokenizer.decode([token])
+        if word.strip() and tokenizer.encode(word, add_special_tokens=False).ids == [token]:
+            return i, word
+    raise AssertionError("no token of the reference round-trips alone")
+
+
+def test_stop_words_cut_after_the_word_and_bad_words_never_appear(cluster, model, expected):
+    tokenizer = load_tokenizer(model)
+    at, word = _roundtrip_token(tokenizer, expected[0])
+    url = cluster.frontend.grpc_url
+    stopped = list(stream_grpc(url, PROMPTS[0], max_tokens=MAX_TOKENS, stop_words=[word]))
+    assert ids_of(stopped) == expected[0][: expected[0].index(expected[0][at]) + 1]
+    assert text_of(stopped).endswith(word)
+    banned = ids_of(stream_grpc(url, PROMPTS[0], max_tokens=MAX_TOKENS, bad_words=[word]))
+    assert expected[0][at] not in banned and len(banned) == MAX_TOKENS
+    engine = load_engine(model, max_seq_len=MAX_SEQ_LEN)
+    prompt = tokenizer.encode(PROMPTS[0]).ids
+    ban = SamplingParams(bad_words=((expected[0][at],),))
+    assert banned == generate([engine], [prompt], MAX_TOKENS, sampling=ban)[0]
+
+
+def test_min_tokens_holds_off_end_id(cluster, expected):
+    end_id = expected[1][1]
+    url = cluster.frontend.grpc_url
+    early = ids_of(stream_grpc(url, PROMPTS[1], max_tokens=MAX_TOKENS, end_id=end_id))
+    assert early == expected[1][:2]
+    held = ids_of(stream_grpc(url, PROMPTS[1], max_tokens=MAX_TOKENS, end_id=end_id,
+                              min_tokens=6))
+    assert len(held) >= 6 and end_id not in held[:5]
+
+
+@pytest.mark.parametrize("penalty", [
+    {"repetition_penalty": 1.5}, {"presence_penalty": 1.0, "frequency_penalty": 0.5}])
+def test_penalties_match_the_reference(cluster, model, penalty):
+    """Penalised greedy tokens equal the single-process reference with the same penalty
+    (P-node's first token and T-node's rest), and differ from plain greedy."""
+    tokenizer = load_tokenizer(model)
+    engine = load_engine(model, max_seq_len=MAX_SEQ_LEN)
+    prompt = tokenizer.encode(PROMPTS[3]).ids
+    want = generate([engine], [prompt], 24, sampling=SamplingParams(**penalty))[0]
+    assert want != generate([engine], [prompt], 24)[0]
+    got = ids_of(stream_grpc(cluster.frontend.grpc_url, PROMPTS[3], max_tokens=24, **penalty))
+    assert got == want
+
+
+def test_n_samples_differ_and_repeat_with_a_seed(cluster):
+    params = dict(max_tokens=MAX_TOKENS, temperature=1.0, seed=5, num_return_sequences=2)
+    first = generate_batch(cluster.frontend.grpc_url, PROMPTS[2:3], **params)
+    again = generate_batch(cluster.frontend.grpc_url, PROMPTS[2:3], **params)
+    assert sorted(first) == [(0, 0), (0, 1)]
+    samples = [ids_of(first[(0, i)]) for i in range(2)]
+    assert samples == [ids_of(again[(0, i)]) for i in range(2)]
+    assert samples[0] != samples[1]
+
+
+def test_perf_metrics_and_refused_inputs(cluster, expected):
+    import tritonclient.grpc as grpcclient
+
+    prompt = (np.array([[b"hello"]], dtype=np.object_), "BYTES")
+    one = (np.array([[4]], np.int32), "INT32")
+    client = grpcclient.InferenceServerClient(cluster.frontend.grpc_url)
+    inputs = {"text_input": prompt, "max_tokens": one,
+              "return_perf_metrics": (np.array([[True]]), "BOOL")}
+    tensors = []
+    for name, (array, dtype) in inputs.items():
+        tensors.append(grpcclient.InferInput(name, list(array.shape), dtype))
+        tensors[-1].set_data_from_numpy(array)
+    results = []
+    client.start_stream(callback=lambda result, error: results.append((result, error)))
+    client.async_stream_infer("ensemble", tensors)
+    client.stop_stream()
+    (result, error), = results
+    assert error is None, error
+    times = [int(result.as_numpy(f"{name}_time_ns").reshape(-1)[0]) for name in
+             ("arrival", "first_scheduled", "first_token", "last_token")]
+    assert times == sorted(times) and times[0] > 0
+    assert int(result.as_numpy("kv_cache_alloc_total_blocks").reshape(-1)[0]) == 1
+    for name, (array, dtype), message in [
+        ("lora_task_id", (np.array([[3]], np.uint64), "UINT64"), "LoRA adapters"),
+        ("guided_decoding_guide_type", (np.array([[b"json"]], np.object_), "BYTES"),
+         "guided decoding"),
+        ("return_generation_logits", (np.array([[True]]), "BOOL"), "no logits"),
+    ]:
+        errors = _infer(cluster.frontend.grpc_url, "ensemble",
+                        {"text_input": prompt, "max_tokens": one, name: (array, dtype)})
+        assert errors and name in errors[0].message() and message in errors[0].message()
+    good_request_works(cluster, expected)
+
+
+def test_tensorrt_llm_bls_serves_the_same_contract(cluster, expected):
+    chunks = generate_batch(cluster.frontend.grpc_url, PROMPTS[:2], model="tensorrt_llm_bls",
+                            max_tokens=MAX_TOKENS)
+    assert [ids_of(chunks[(row, 0)]) for row in range(2)] == expected[:2]
+    http = list(stream_http(cluster.frontend.http_url, PROMPTS[2], model="tensorrt_llm_bls",
+                            max_tokens=MAX_TOKENS))
+    assert ids_of(http) == expected[2]
+    with pytest.raises(GenerateError, match="beam_width 3 is not supported"):
+        list(stream_grpc(cluster.frontend.grpc_url, PROMPTS[0], model="tensorrt_llm_bls",
+                         max_tokens=4, beam_width=3))
+
+
+# -- the OpenAI-compatible API, through the openai SDK ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def openai_client(cluster):
+    import openai
+
+    return openai.OpenAI(base_url=cluster.openai.url, api_key="unused", max_retries=0)
+
+
+def _with_eos(model, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    """The reference's greedy tokens, ending at the model's eos as the API asks."""
+    import json
+
+    eos = json.loads((model / "config.json").read_text())["eos_token_id"]
+    tokenizer = load_tokenizer(model)
+    engine = load_engine(model, max_seq_len=MAX_SEQ_LEN)
+    return generate([engine], [tokenizer.encode(p).ids for p in prompts], max_tokens, eos)
+
+
+def test_openai_completions_stream_and_not(cluster, model, openai_client):
+    tokenizer = load_tokenizer(model)
+    (want,) = _with_eos(model, PROMPTS[:1], MAX_TOKENS)
+    name = openai_client.models.list().data[0].id
+    assert name == model.name
+    done = openai_client.completions.create(model=name, prompt=PROMPTS[0],
+                                            max_tokens=MAX_TOKENS, temperature=0)
+    assert done.choices[0].text == tokenizer.decode(want)
+    assert done.choices[0].finish_reason == ("length" if len(want) == MAX_TOKENS else "stop")
+    assert done.usage.completion_tokens == len(want)
+    assert done.usage.prompt_tokens == len(tokenizer.encode(PROMPTS[0]).ids)
+    chunks = list(openai_client.completions.create(
+        model=name, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == done.choices[0].text
+    assert chunks[-1].usage.completion_tokens == len(want) and not chunks[-1].choices
+
+
+def test_openai_chat_stream_and_not(cluster, model, openai_client):
+    tokenizer = load_tokenizer(model)
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    (want,) = _with_eos(model, [f"user: {PROMPTS[1]}\nassistant:"], MAX_TOKENS)
+    done = openai_client.chat.completions.create(model=model.name, messages=messages,
+                                                 max_completion_tokens=MAX_TOKENS,
+                                                 temperature=0)
+    assert done.choices[0].message.content == tokenizer.decode(want)
+    assert done.choices[0].message.role == "assistant"
+    chunks = list(openai_client.chat.completions.create(
+        model=model.name, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+        stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == tokenizer.decode(want)
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_openai_n_samples_with_a_seed_and_stop(cluster, model, openai_client):
+    def sample():
+        done = openai_client.completions.create(model=model.name, prompt=PROMPTS[2], n=2,
+                                                seed=9, temperature=1.0, max_tokens=MAX_TOKENS)
+        return [c.text for c in sorted(done.choices, key=lambda c: c.index)]
+
+    first = sample()
+    assert first == sample() and first[0] != first[1]
+    text = openai_client.completions.create(model=model.name, prompt=PROMPTS[0],
+                                            max_tokens=MAX_TOKENS, temperature=0).choices[0].text
+    stop = text[len(text) // 2:][:3]
+    cut = openai_client.completions.create(model=model.name, prompt=PROMPTS[0], stop=[stop],
+                                           max_tokens=MAX_TOKENS, temperature=0).choices[0]
+    assert cut.text == text[: text.index(stop)] and cut.finish_reason == "stop"
+
+
+def test_openai_errors_have_openai_shape(cluster, model, openai_client, expected):
+    import openai
+
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        openai_client.completions.create(model="gpt-9", prompt="hi", max_tokens=4)
+    for bad in ({"temperature": -1.0}, {"top_p": 0.0}, {"logprobs": 2}, {"max_tokens": 0},
+                {"max_tokens": 10**6}):
+        with pytest.raises(openai.BadRequestError):
+            openai_client.completions.create(model=model.name, prompt="hi",
+                                             **{"max_tokens": 4, **bad})
+    good_request_works(cluster, expected)
+
+
+def test_openai_client_that_leaves_cancels_the_t_node_request(cluster, model, openai_client):
+    decode = cluster.role("decode")[0].server
+    before = metric(decode, "dejavu_requests", outcome="cancelled")
+    prompt_len = len(load_tokenizer(model).encode(PROMPTS[0]).ids)
+    stream = openai_client.completions.create(
+        model=model.name, prompt=PROMPTS[0], max_tokens=MAX_SEQ_LEN - prompt_len,
+        temperature=0, stream=True)
+    next(iter(stream))
+    stream.close()  # the HTTP connection goes: the API cancels its Triton request
+    deadline = time.monotonic() + 15
+    while metric(decode, "dejavu_requests", outcome="cancelled") == before:
+        assert time.monotonic() < deadline, "the T-node never saw the cancellation"
+        time.sleep(0.05)

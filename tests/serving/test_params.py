@@ -1,32 +1,113 @@
-"""Request parameters: defaults, types and the checks that name what is wrong."""
+"""Request parameters: defaults, types, the backend's whole input list (honoured, neutral
+only, refused) and the checks that name the input and the value."""
+
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from orchestrator.serving.params import GenerationParams, RequestError, check_prompt
+from orchestrator.serving.params import (
+    HONOURED,
+    INPUTS,
+    NEUTRAL,
+    REFUSED,
+    GenerationParams,
+    RequestError,
+    check_prompt,
+    parse_words,
+)
+
+REPO = Path(__file__).resolve().parents[2]
 
 
-def test_defaults_are_greedy_and_roundtrip_through_tensors():
-    params = GenerationParams.from_tensors({"max_tokens": np.array([5], np.int32)})
+def batch(**values) -> dict[str, np.ndarray]:
+    """[batch, 1] tensors as a TensorRT-LLM client sends them (one row)."""
+    return {k: v if isinstance(v, np.ndarray) else np.array([[v]]) for k, v in values.items()}
+
+
+def test_defaults_are_greedy_and_roundtrip_through_json():
+    params = GenerationParams.from_tensors(batch(max_tokens=np.array([[5]], np.int32)), row=0)
     assert params.greedy and params.max_tokens == 5 and params.end_id is None
-    sampled = GenerationParams(7, end_id=2, temperature=0.75, top_k=4, top_p=0.5, random_seed=3)
-    assert GenerationParams.from_tensors(sampled.to_tensors()) == sampled
+    sampled = GenerationParams(7, end_id=2, temperature=0.75, top_k=4, top_p=0.5, seed=3,
+                               min_tokens=2, stop_words=((1, 2),), bad_words=((5,),))
+    assert GenerationParams.from_json(sampled.to_json()) == sampled
+
+
+def test_rows_are_read_apart_and_aliases_agree():
+    tensors = {"max_tokens": np.array([[4], [9]], np.int32),
+               "random_seed": np.array([[7], [8]], np.uint64),
+               "min_length": np.array([[1], [2]], np.int32)}
+    rows = [GenerationParams.from_tensors(tensors, row) for row in (0, 1)]
+    assert [(p.max_tokens, p.seed, p.min_tokens) for p in rows] == [(4, 7, 1), (9, 8, 2)]
+    with pytest.raises(RequestError, match="random_seed 7 and seed 8 disagree"):
+        GenerationParams.from_tensors(batch(max_tokens=4, random_seed=np.array([[7]], np.uint64),
+                                            seed=np.array([[8]], np.uint64)), 0)
 
 
 @pytest.mark.parametrize(
-    ("tensors", "message"),
+    ("values", "message"),
     [
         ({}, "max_tokens is required"),
-        ({"max_tokens": np.array([0], np.int32)}, "max_tokens must be at least 1"),
-        ({"max_tokens": np.array([1, 2], np.int32)}, "max_tokens must hold one value"),
-        ({"max_tokens": np.array([1.5], np.float32)}, "max_tokens must be int32"),
-        ({"max_tokens": np.array([4]), "top_p": np.array([0.0], np.float32)}, "top_p"),
-        ({"max_tokens": np.array([4]), "temperature": np.array([-1.0], np.float32)}, "temper"),
+        ({"max_tokens": 0}, "max_tokens must be at least 1, got 0"),
+        ({"max_tokens": np.array([[1, 2]], np.int32)}, "max_tokens must hold one value"),
+        ({"max_tokens": np.array([[1.5]], np.float32)}, "max_tokens must be int"),
+        ({"max_tokens": 4, "top_p": np.array([[0.0]], np.float32)}, r"top_p must be in \(0, 1\]"),
+        ({"max_tokens": 4, "temperature": np.array([[np.nan]], np.float32)},
+         "temperature must be a finite number, got nan"),
+        ({"max_tokens": 4, "temperature": np.array([[np.inf]], np.float32)}, "temperature"),
+        ({"max_tokens": 4, "temperature": np.array([[-1.0]], np.float32)}, "temperature must"),
+        ({"max_tokens": 4, "repetition_penalty": np.array([[0.0]], np.float32)},
+         "repetition_penalty must be > 0"),
+        ({"max_tokens": 4, "presence_penalty": np.array([[np.nan]], np.float32)},
+         "presence_penalty must be a finite"),
+        ({"max_tokens": 4, "min_tokens": 5}, r"min_tokens must be in \[0, max_tokens 4\], got 5"),
+        ({"max_tokens": 4, "num_return_sequences": 0}, "num_return_sequences must be in"),
+        ({"max_tokens": 4, "beam_width": 4}, "beam_width 4 is not supported: only 1"),
+        ({"max_tokens": 4, "return_generation_logits": True}, "return_generation_logits True"),
+        ({"max_tokens": 4, "return_context_logits": True}, "return_context_logits True"),
+        ({"max_tokens": 4, "lora_task_id": np.array([[3]], np.uint64)},
+         r"lora_task_id \(3\) is refused: LoRA adapters are not supported"),
+        ({"max_tokens": 4, "prompt_embedding_table": np.ones((1, 2, 2), np.float16)},
+         "prompt_embedding_table .* prompt tables"),
+        ({"max_tokens": 4, "guided_decoding_guide_type": np.array([[b"json"]], object)},
+         r"guided_decoding_guide_type \(b'json'\) is refused: guided decoding"),
+        ({"max_tokens": 4, "return_log_probs": True}, "return_log_probs"),
     ],
 )
-def test_bad_parameters_are_named(tensors, message):
+def test_bad_parameters_are_named(values, message):
     with pytest.raises(RequestError, match=message):
-        GenerationParams.from_tensors(tensors)
+        GenerationParams.from_tensors(batch(**values), row=0)
+
+
+def test_neutral_values_pass_silently():
+    params = GenerationParams.from_tensors(batch(
+        max_tokens=4, beam_width=1, length_penalty=np.array([[1.0]], np.float32),
+        return_context_logits=False, return_generation_logits=False,
+        exclude_input_in_output=True, end_id=-1, pad_id=-1,
+        embedding_bias_words=np.array([[b""]], object),
+        guided_decoding_guide=np.array([[b""]], object)), row=0)
+    assert params == GenerationParams(4, exclude_input_in_output=True)
+
+
+def test_stop_and_bad_words_take_the_backend_string_form():
+    assert parse_words([b"foo", b"bar,baz", b"", b'"a,b",c']) == ["foo", "bar", "baz", "a,b", "c"]
+    params = GenerationParams.from_tensors(
+        batch(max_tokens=4, stop_ids=np.array([[b"[[1, 2], []]"]], object)), 0)
+    assert params.stop_words == ((1, 2),)
+
+
+def test_every_input_of_the_configs_is_classified():
+    """The ensemble, the orchestrator and tensorrt_llm_bls declare exactly the inputs
+    params.py knows; nothing is silently ignored."""
+    known = set(HONOURED) | set(NEUTRAL) | set(REFUSED)
+    for entry in ("ensemble", "tensorrt_llm_bls"):
+        config = (REPO / f"model_repository/{entry}/config.pbtxt").read_text()
+        declared = set(re.findall(r'\{ name: "(\w+)"', config.split("output [")[0]))
+        assert declared - {"text_input", "stop_words", "bad_words"} == known, entry
+    orchestrator = (REPO / "model_repository/orchestrator/config.pbtxt").read_text()
+    declared = set(re.findall(r'\{ name: "(\w+)"', orchestrator.split("output [")[0]))
+    assert declared == set(INPUTS) | {"input_ids", "input_lengths"}
 
 
 def test_prompt_checks():
@@ -36,6 +117,10 @@ def test_prompt_checks():
         check_prompt([], params, 6, 10)
     with pytest.raises(RequestError, match="outside the vocabulary"):
         check_prompt([1, 10], params, 6, 10)
+    with pytest.raises(RequestError, match="end_id 10 outside the vocabulary"):
+        check_prompt([1], GenerationParams(4, end_id=10), 6, 10)
+    with pytest.raises(RequestError, match="pad_id 12 outside the vocabulary"):
+        check_prompt([1], GenerationParams(4, pad_id=12), 6, 10)
     with pytest.raises(RequestError, match="does not fit the context"):
         check_prompt([1] * 7, params, 6, 10)
     with pytest.raises(RequestError, match="exceeds the context"):

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from cluster_helpers import MAX_SEQ_LEN, PROMPTS, ids_of
 
-from clients.generate import stream_grpc
+from clients.generate import generate_batch, stream_grpc
 from orchestrator.cluster.devices import Devices
 from orchestrator.cluster.launcher import (
     Cluster,
@@ -29,6 +29,7 @@ from orchestrator.cluster.launcher import (
     up_main,
 )
 from orchestrator.engine.reference import generate
+from orchestrator.engine.sampling import SamplingParams
 from orchestrator.engine.tokenizer import load_tokenizer
 from orchestrator.engine.torch_engine import load_engine
 
@@ -67,6 +68,34 @@ def test_decode_depth_2_with_swapping_matches_reference(model, expected, tmp_pat
         url = cluster.frontend.grpc_url
         assert run_all(url) == expected
         assert run_all(url) == expected  # the pipeline's slots and KV all came back
+        contract_holds(model, cluster)
+
+
+def contract_holds(model, cluster) -> None:
+    """The TensorRT-LLM contract and the OpenAI API on a depth-2 pipeline: a batch of 4 in
+    one call, and parameters the P-node and both T-stages must keep (a penalty, a seed)."""
+    import openai
+
+    tokenizer = load_tokenizer(model)
+    engine = load_engine(model, max_seq_len=MAX_SEQ_LEN)
+    prompts = [tokenizer.encode(p).ids for p in PROMPTS[:4]]
+    url = cluster.frontend.grpc_url
+    chunks = generate_batch(url, PROMPTS[:4], max_tokens=8)
+    assert [ids_of(chunks[(row, 0)]) for row in range(4)] == generate([engine], prompts, 8)
+    penalty = SamplingParams(repetition_penalty=1.5)
+    got = ids_of(stream_grpc(url, PROMPTS[3], max_tokens=16, repetition_penalty=1.5))
+    assert got == generate([engine], prompts[3:], 16, sampling=penalty)[0]
+    seeded = dict(max_tokens=10, temperature=1.0, seed=4, num_return_sequences=2)
+    def samples() -> dict[tuple[int, int], list[int]]:
+        return {key: ids_of(c) for key, c in generate_batch(url, PROMPTS[:1], **seeded).items()}
+
+    first = samples()
+    assert first == samples() and first[(0, 0)] != first[(0, 1)]
+    client = openai.OpenAI(base_url=cluster.openai.url, api_key="unused", max_retries=0)
+    done = client.completions.create(model=model.name, prompt=PROMPTS[0], max_tokens=8,
+                                     temperature=0)
+    eos = json.loads((model / "config.json").read_text())["eos_token_id"]
+    assert done.choices[0].text == tokenizer.decode(generate([engine], prompts[:1], 8, eos)[0])
 
 
 def _cli(main, argv: list[str]) -> tuple[int, str]:

@@ -6,7 +6,7 @@ with the cluster secret; failures come back as ``error_code`` and ``error``."""
 from orchestrator.control.errors import ErrorCode, code_of
 from orchestrator.serving import pb
 from orchestrator.serving.node import connect_controller, load_token_service
-from orchestrator.serving.params import PARAM_TENSORS, GenerationParams
+from orchestrator.serving.params import GenerationParams
 from orchestrator.serving.token_service import ControlRequest
 
 
@@ -20,7 +20,7 @@ class TritonPythonModel:
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
-            tensors = pb.inputs(request, ["op", "peers", "input_ids", *PARAM_TENSORS])
+            tensors = pb.inputs(request, ["op", "peers", "input_ids", "params"])
             prompt = [] if tensors["input_ids"] is None else tensors["input_ids"].reshape(-1)
 
             def fail(message, code=ErrorCode.PIPELINE_LOST, sender=sender):
@@ -45,7 +45,7 @@ class TritonPythonModel:
                 self.service.admit(
                     request.request_id(),
                     prompt.tolist(),
-                    GenerationParams.from_tensors(tensors),
+                    GenerationParams.from_json(tensors["params"]),
                     emit,
                     fail,
                     pb.cancelled(request),

@@ -1,14 +1,17 @@
-"""Frontend, decoupled: route each request to a P-node and a T-node, relay tokens. Serves the
-ensemble only: ``input_auth`` must be preprocessing's signature of ``input_ids``."""
+"""Frontend, decoupled: split a batched request into sequences, route each to a P-node and a
+token pipeline, relay their tokens. Serves the ensemble only: each row's ``input_auth`` must
+be preprocessing's signature of its ``input_ids``."""
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from orchestrator.control.auth import check_prompt
 from orchestrator.serving import pb
+from orchestrator.serving.batch import BatchReply, split
 from orchestrator.serving.frontend import Cancelled, Frontend
 from orchestrator.serving.limits import RequestLimits
-from orchestrator.serving.params import PARAM_TENSORS, GenerationParams, RequestError
+from orchestrator.serving.params import INPUTS, RequestError
 from orchestrator.serving.params import check_prompt as check_prompt_fits
 
 
@@ -25,27 +28,28 @@ class TritonPythonModel:
 
     def execute(self, requests):
         for request in requests:
-            self.pool.submit(self.serve, request)
+            self.pool.submit(self.serve, request, time.time_ns())
         return None
 
-    def serve(self, request):
+    def serve(self, request, arrival_ns):
         sender = request.get_response_sender()
 
-        def emit(tokens, context, final):
-            response = pb.response(output_ids=pb.ids(tokens), context_ids=pb.ids(context))
+        def send(tokens, context, meta, final):
+            response = pb.response(output_ids=pb.ids([tokens]), context_ids=pb.ids([context]),
+                                   meta=pb.strings(meta).reshape(1, 1))
             pb.send(sender, response, final)
+
+        def send_error(message, final):
+            pb.send(sender, pb.error(message), final)
 
         self.count(+1)
         outcome = "failed"
         try:
             # Everything a client can get wrong is refused here, before any node works.
-            tensors = pb.inputs(request, ["input_ids", "input_auth", *PARAM_TENSORS])
-            prompt = self.limits.check_ids(tensors["input_ids"])
-            signature = None if tensors["input_auth"] is None else pb.text(tensors["input_auth"])
-            check_prompt(self.secret, signature, pb.ids(prompt).tobytes())
-            params = GenerationParams.from_tensors(tensors)
-            check_prompt_fits(prompt, params, self.limits.max_seq_len, self.limits.vocab_size)
-            self.frontend.generate(prompt, params, emit, pb.cancelled(request))
+            tensors = pb.inputs(request, ["input_ids", "input_lengths", "input_auth", *INPUTS])
+            jobs = split(tensors, self.check_row)
+            reply = BatchReply(jobs, send, send_error, self.frontend.depth, arrival_ns)
+            reply.run(self.frontend.generate, pb.cancelled(request))
             outcome = "finished"
         except Cancelled:  # Triton already closed the stream when is_cancelled() said so
             outcome = "cancelled"
@@ -53,10 +57,15 @@ class TritonPythonModel:
             outcome = "refused"
             pb.send(sender, pb.refused(str(exc)), final=True)
         except Exception as exc:
-            pb.send(sender, pb.error(str(exc)), final=True)
+            send_error(str(exc), True)
         finally:
             self.count(-1)
             self.metrics.request_done(outcome)
+
+    def check_row(self, ids, signature, params):
+        prompt = self.limits.check_ids(ids)
+        check_prompt(self.secret, signature, pb.ids(prompt).tobytes())
+        check_prompt_fits(prompt, params, self.limits.max_seq_len, self.limits.vocab_size)
 
     def count(self, change):
         with self.lock:

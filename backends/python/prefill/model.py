@@ -6,7 +6,7 @@ request must be signed with the cluster secret; failures come back as ``error_co
 from orchestrator.control.errors import code_of
 from orchestrator.serving import pb
 from orchestrator.serving.node import connect_controller, load_prefill_worker
-from orchestrator.serving.params import PARAM_TENSORS, GenerationParams
+from orchestrator.serving.params import GenerationParams
 from orchestrator.serving.prefill_worker import PrefillJob
 
 
@@ -24,10 +24,10 @@ class TritonPythonModel:
     def execute(self, requests):
         jobs, responses = [], [None] * len(requests)
         for i, request in enumerate(requests):
-            tensors = pb.inputs(request, ["input_ids", "kv_ticket", *PARAM_TENSORS])
+            tensors = pb.inputs(request, ["input_ids", "kv_ticket", "params"])
             try:
                 pb.check_signed(request, self.secret, "prefill", "prefill")
-                params = GenerationParams.from_tensors(tensors)
+                params = GenerationParams.from_json(tensors["params"])
                 tickets = list(tensors["kv_ticket"].reshape(-1))
                 prompt = tensors["input_ids"].reshape(-1).tolist()
                 jobs.append((i, PrefillJob(request.request_id(), prompt, params, tickets)))

@@ -1,0 +1,135 @@
+"""One batched request of the TensorRT-LLM contract, served as independent sequences.
+
+A request holds ``batch`` rows (``[batch, 1]`` tensors); each row asks for
+``num_return_sequences`` samples. Every (row, sample) is its own sequence, routed and
+generated on its own; its responses carry ``batch_index`` and ``sequence_index`` so a
+client tells them apart in a stream. The last response of the last sequence to end
+carries the request's final flag.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from orchestrator.serving.frontend import Cancelled
+from orchestrator.serving.params import GenerationParams, RequestError
+
+# (tokens, context tokens, meta JSON, is this the request's last response)
+Send = Callable[[list[int], list[int], bytes, bool], None]
+SendError = Callable[[str, bool], None]  # (message, is this the request's last response)
+# (prompt, params, emit(tokens, context, final), is_cancelled); raises Cancelled
+Generate = Callable[..., None]
+
+
+@dataclass(frozen=True)
+class SequenceJob:
+    batch_index: int
+    sequence_index: int
+    prompt_ids: list[int]
+    params: GenerationParams
+
+
+# (prompt ids, the row's input_auth or None, its parameters): raises if it is refused
+CheckRow = Callable[[np.ndarray, str | None, GenerationParams], None]
+
+
+def split(tensors: Mapping[str, np.ndarray | None], check: CheckRow) -> list[SequenceJob]:
+    """Every sequence of a batched request; raises RequestError (naming the row) if any
+    row is refused by its parameters or by ``check``, before anything runs."""
+    ids, lengths, auth = tensors["input_ids"], tensors["input_lengths"], tensors["input_auth"]
+    if ids is None or lengths is None or ids.ndim != 2:
+        raise RequestError("input_ids must be [batch, tokens] with input_lengths [batch, 1]")
+    jobs = []
+    for row in range(ids.shape[0]):
+        prompt = ids[row, : int(lengths[row].reshape(-1)[0])]
+        signature = None if auth is None else auth[row].reshape(-1)[0]
+        try:
+            params = GenerationParams.from_tensors(tensors, row)
+            check(prompt, None if signature is None else _text(signature), params)
+        except RequestError as exc:
+            raise RequestError(f"batch row {row}: {exc}" if ids.shape[0] > 1 else str(exc)
+                               ) from None
+        prompt = prompt.tolist()
+        jobs += [SequenceJob(row, i, prompt, params.for_sequence(i))
+                 for i in range(params.num_return_sequences)]
+    return jobs
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class BatchReply:
+    """Runs a request's sequences side by side and answers for each; counts the sequences
+    still running so exactly one response carries the final flag."""
+
+    def __init__(self, jobs: list[SequenceJob], send: Send, send_error: SendError,
+                 kv_slots: int = 1, arrival_ns: int | None = None) -> None:
+        """``kv_slots``: prompt-KV slots a sequence holds (one per token stage), for the
+        perf metrics' KV fields."""
+        self.jobs, self.send, self.send_error = jobs, send, send_error
+        self.kv_slots = kv_slots
+        self.arrival_ns = arrival_ns or time.time_ns()
+        self.running = len(jobs)
+        self.cancelled = False
+        self.lock = threading.Lock()
+
+    def run(self, generate: Generate, is_cancelled: Callable[[], bool]) -> None:
+        """Every sequence, each on its own thread (the first on this one); returns when
+        all have ended. Raises Cancelled if the client went away (nothing more is sent)."""
+        threads = [threading.Thread(target=self._serve, args=(job, generate, is_cancelled),
+                                    name=f"sequence-{job.batch_index}-{job.sequence_index}",
+                                    daemon=True) for job in self.jobs[1:]]
+        for thread in threads:
+            thread.start()
+        try:
+            self._serve(self.jobs[0], generate, is_cancelled)
+        finally:
+            for thread in threads:
+                thread.join()
+        if self.cancelled:
+            raise Cancelled()
+
+    def _serve(self, job: SequenceJob, generate: Generate,
+               is_cancelled: Callable[[], bool]) -> None:
+        params = job.params
+        full_text = not params.stream and not params.exclude_input_in_output
+        times = {"first_scheduled_time_ns": time.time_ns()}
+
+        def emit(tokens: list[int], context: list[int], final: bool) -> None:
+            now = time.time_ns()
+            times.setdefault("first_token_time_ns", now)
+            times["last_token_time_ns"] = now
+            meta = {"batch_index": job.batch_index, "sequence_index": job.sequence_index,
+                    "full_text": final and full_text}
+            if params.return_perf_metrics:
+                meta["perf"] = {"arrival_time_ns": self.arrival_ns, **times,
+                                "kv_cache_alloc_new_blocks": self.kv_slots,
+                                "kv_cache_reused_blocks": 0,
+                                "kv_cache_alloc_total_blocks": self.kv_slots}
+            if meta["full_text"]:
+                context = job.prompt_ids  # the text holds the prompt, then the generation
+            self._answer(lambda last: self.send(tokens, context, json.dumps(meta).encode(),
+                                                last), final)
+
+        try:
+            generate(job.prompt_ids, params, emit, is_cancelled)
+        except Cancelled:  # Triton closed the stream: nothing more goes out
+            with self.lock:
+                self.running -= 1
+                self.cancelled = True
+        except Exception as exc:
+            message = str(exc)
+            self._answer(lambda last: self.send_error(message, last), True)
+
+    def _answer(self, answer: Callable[[bool], None], ends_sequence: bool) -> None:
+        with self.lock:  # the count and the send together: one final flag, sent last
+            if ends_sequence:
+                self.running -= 1
+            answer(self.running == 0)

@@ -1,0 +1,393 @@
+"""An OpenAI-compatible HTTP API in front of the ensemble: ``/v1/models``,
+``/v1/completions``, ``/v1/chat/completions`` (FastAPI on uvicorn).
+
+Each call becomes one batched request to the ensemble over Triton gRPC (asyncio
+``tritonclient``): a row per prompt, ``num_return_sequences`` = ``n``; responses come
+back by (``batch_index``, ``sequence_index``), which give the choice's index. There is no
+second inference path: parameters map to the ensemble's inputs and are checked by
+:mod:`orchestrator.serving.params`. ``stop`` ends a choice where its text first holds a
+stop string (the string is left out, as OpenAI does); a client that disconnects
+cancels its request, which Triton passes on to the T-nodes. Errors use OpenAI's JSON
+shape: 400 bad parameters, 404 unknown model, 503 nothing to serve it.
+
+    python -m orchestrator.serving.openai_server --grpc-url 127.0.0.1:8001 --model-dir M
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+
+from orchestrator.engine.tokenizer import load_tokenizer
+from orchestrator.serving.params import GenerationParams, RequestError
+
+TIMEOUT_S = 120.0
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.param = status, kind, param
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": str(self), "type": self.kind, "param": self.param,
+                          "code": None}}
+        return JSONResponse(body, status_code=self.status)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="allow")  # unknown fields are refused by _refuse_extra
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+    user: str | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str]
+    echo: bool = False
+
+
+class Message(BaseModel):
+    role: str
+    content: str
+
+
+class ChatRequest(_Sampling):
+    messages: list[Message]
+    max_completion_tokens: int | None = None
+
+
+@dataclass
+class Choice:
+    """One sequence's text so far; holds back what could still become a stop string."""
+
+    stops: list[str]
+    text: str = ""  # all text made
+    sent: int = 0  # characters of ``text`` already sent
+    tokens: int = 0
+    finish_reason: str | None = None
+
+    def add(self, text: str, tokens: int) -> str:
+        """New text safe to send now."""
+        self.text += text
+        self.tokens += tokens
+        cut = min((i for i in (self.text.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.text, self.finish_reason = self.text[:cut], "stop"
+            safe = cut
+        else:  # a stop string may be starting at the end: keep its length - 1 back
+            safe = len(self.text) - max((len(s) - 1 for s in self.stops), default=0)
+        new = self.text[self.sent: max(self.sent, safe)]
+        self.sent += len(new)
+        return new
+
+    def finish(self, max_tokens: int) -> str:
+        """The text held back, once the sequence has ended."""
+        if self.finish_reason is None:
+            self.finish_reason = "length" if self.tokens >= max_tokens else "stop"
+        new, self.sent = self.text[self.sent:], len(self.text)
+        return new
+
+
+@dataclass
+class Call:
+    """One API call as an ensemble request."""
+
+    prompts: list[str]
+    params: GenerationParams
+    stops: list[str]
+    prompt_tokens: int
+    choices: dict[int, Choice] = field(default_factory=dict)
+
+    def choice(self, batch_index: int, sequence_index: int) -> tuple[int, Choice]:
+        index = batch_index * self.params.num_return_sequences + sequence_index
+        return index, self.choices.setdefault(index, Choice(self.stops))
+
+    def usage(self) -> dict:
+        made = sum(c.tokens for c in self.choices.values())
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": made,
+                "total_tokens": self.prompt_tokens + made}
+
+
+class OpenAIServer:
+    def __init__(self, grpc_url: str, model_dir: Path, model_name: str = "",
+                 triton_model: str = "ensemble") -> None:
+        self.grpc_url, self.triton_model = grpc_url, triton_model
+        self.model_name = model_name or Path(model_dir).name
+        self.tokenizer = load_tokenizer(model_dir)
+        config_path = Path(model_dir) / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.exists() else {}
+        self.chat_template = config.get("chat_template")
+        model_config = Path(model_dir) / "config.json"
+        self.eos_id = (json.loads(model_config.read_text()).get("eos_token_id")
+                       if model_config.exists() else None)
+        self.created = int(time.time())
+
+    # -- requests -> calls ---------------------------------------------------------------
+
+    def call(self, body: _Sampling, prompts: list[str], max_tokens: int | None) -> Call:
+        if body.model != self.model_name:
+            raise ApiError(404, f"model {body.model!r} does not exist: this server serves "
+                                f"{self.model_name!r}", param="model")
+        _refuse_unsupported(body)
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        try:
+            params = GenerationParams(
+                max_tokens=16 if max_tokens is None else max_tokens, end_id=self.eos_id,
+                temperature=body.temperature, top_p=body.top_p, seed=body.seed,
+                presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty, num_return_sequences=body.n,
+                stream=body.stream, exclude_input_in_output=True)
+            params.check()
+        except RequestError as exc:
+            raise ApiError(400, str(exc)) from None
+        if not prompts or not all(prompts):
+            raise ApiError(400, "prompt must be a non-empty string or list of them",
+                           param="prompt")
+        prompt_tokens = sum(len(self.tokenizer.encode(p).ids) for p in prompts)
+        return Call(prompts, params, [s for s in stops if s], prompt_tokens)
+
+    def chat_prompt(self, body: ChatRequest) -> str:
+        if not self.chat_template:
+            raise ApiError(400, f"model {self.model_name!r} has no chat template "
+                                "(tokenizer_config.json chat_template): use /v1/completions")
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        template = ImmutableSandboxedEnvironment().from_string(self.chat_template)
+        return template.render(messages=[m.model_dump() for m in body.messages],
+                               add_generation_prompt=True)
+
+    # -- the ensemble --------------------------------------------------------------------
+
+    def _inputs(self, call: Call) -> list:
+        import tritonclient.grpc.aio as grpcclient
+
+        rows, p = len(call.prompts), call.params
+        arrays = {
+            "text_input": np.array([[s.encode()] for s in call.prompts], dtype=np.object_),
+            "max_tokens": np.full((rows, 1), p.max_tokens, np.int32),
+            "temperature": np.full((rows, 1), p.temperature, np.float32),
+            "top_p": np.full((rows, 1), p.top_p, np.float32),
+            "presence_penalty": np.full((rows, 1), p.presence_penalty, np.float32),
+            "frequency_penalty": np.full((rows, 1), p.frequency_penalty, np.float32),
+            "num_return_sequences": np.full((rows, 1), p.num_return_sequences, np.int32),
+            "exclude_input_in_output": np.full((rows, 1), True),
+            "stream": np.full((rows, 1), True),  # stops are found in the text as it comes
+        }
+        if p.end_id is not None:
+            arrays["end_id"] = np.full((rows, 1), p.end_id, np.int32)
+        if p.seed is not None:
+            arrays["seed"] = np.full((rows, 1), p.seed, np.uint64)
+        if call.stops:
+            arrays["stop_words"] = np.array([[s.encode() for s in call.stops]] * rows,
+                                            dtype=np.object_)
+        inputs = []
+        for name, array in arrays.items():
+            inputs.append(grpcclient.InferInput(name, list(array.shape),
+                                                np_to_triton_dtype(array.dtype)))
+            inputs[-1].set_data_from_numpy(array)
+        return inputs
+
+    async def run(self, call: Call) -> AsyncIterator[tuple[int, str]]:
+        """(choice index, new text) as the ensemble makes it; ends when every choice has
+        ended, cancelling the request early if all choices met a stop string."""
+        import tritonclient.grpc.aio as grpcclient
+
+        client = grpcclient.InferenceServerClient(self.grpc_url)
+        done = asyncio.Event()
+
+        async def requests():
+            yield {"model_name": self.triton_model, "inputs": self._inputs(call),
+                   "request_id": uuid.uuid4().hex, "enable_empty_final_response": True}
+            await done.wait()  # keep the stream open until the last response
+
+        stream = client.stream_infer(requests(), stream_timeout=TIMEOUT_S)
+        try:
+            async for result, error in stream:
+                if error is not None:
+                    raise _api_error(error)
+                response = result.get_response()
+                final = response.parameters["triton_final_response"].bool_param
+                text = result.as_numpy("text_output")
+                if text is not None:
+                    index, choice = call.choice(
+                        int(result.as_numpy("batch_index").reshape(-1)[0]),
+                        int(result.as_numpy("sequence_index").reshape(-1)[0]))
+                    if choice.finish_reason is None:
+                        tokens = result.as_numpy("output_ids").size
+                        yield index, choice.add(text.reshape(-1)[0].decode(), tokens)
+                expected = len(call.prompts) * call.params.num_return_sequences
+                stopped = [c for c in call.choices.values() if c.finish_reason]
+                if final or len(stopped) == expected:
+                    break
+        except InferenceServerException as exc:
+            raise _api_error(exc) from None
+        finally:
+            done.set()
+            stream.cancel()  # a client gone, or every choice stopped: Triton cancels it
+            await client.close()
+        for index, choice in sorted(call.choices.items()):
+            yield index, choice.finish(call.params.max_tokens)
+
+
+def _api_error(error: InferenceServerException) -> ApiError:
+    """Triton unreachable, the ensemble missing or every node down: 503; else the request
+    was refused: 400."""
+    status, message = str(error.status() or ""), error.message() or str(error)
+    if "UNAVAILABLE" in status or "NOT_FOUND" in status or "all nodes down" in message:
+        return ApiError(503, message, "service_unavailable")
+    return ApiError(400, message)
+
+
+def _refuse_unsupported(body: _Sampling) -> None:
+    if body.logprobs or body.top_logprobs:
+        raise ApiError(400, "logprobs are not supported by this server", param="logprobs")
+    if getattr(body, "echo", False):
+        raise ApiError(400, "echo is not supported by this server", param="echo")
+    for name, value in (body.model_extra or {}).items():
+        if value not in (None, False, [], {}, ""):
+            raise ApiError(400, f"{name} is not supported by this server (got {value!r})",
+                           param=name)
+
+
+def create_app(server: OpenAIServer) -> FastAPI:
+    app = FastAPI(title="dejavu OpenAI-compatible API")
+
+    @app.exception_handler(ApiError)
+    async def api_error(_request: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first["loc"][1:])
+        return ApiError(400, f"{param}: {first['msg']}", param=param).response()
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": server.model_name, "object": "model",
+                                            "created": server.created, "owned_by": "dejavu"}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        call = server.call(body, prompts, body.max_tokens)
+        return await _answer(server, body, call, "text_completion", "cmpl")
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest):
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        call = server.call(body, [server.chat_prompt(body)], max_tokens)
+        return await _answer(server, body, call, "chat.completion", "chatcmpl")
+
+    return app
+
+
+async def _answer(server: OpenAIServer, body: _Sampling, call: Call, kind: str, prefix: str):
+    chat = kind == "chat.completion"
+    head = {"id": f"{prefix}-{uuid.uuid4().hex}", "created": int(time.time()),
+            "model": server.model_name}
+    if not body.stream:
+        async for _ in server.run(call):
+            pass
+        choices = []
+        for index, choice in sorted(call.choices.items()):
+            content = ({"message": {"role": "assistant", "content": choice.text}} if chat
+                       else {"text": choice.text})
+            choices.append({"index": index, **content, "logprobs": None,
+                            "finish_reason": choice.finish_reason})
+        return {**head, "object": kind, "choices": choices, "usage": call.usage()}
+
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    chunk_kind = "chat.completion.chunk" if chat else kind
+    stream = server.run(call)
+    # The first response (or error) comes before the HTTP status is sent, so a refused
+    # request gets its 400 and not an event.
+    first = await anext(stream, None)
+
+    def event(index: int, text: str, finish: str | None, role: bool = False) -> bytes:
+        if chat:
+            delta = {"role": "assistant", "content": text} if role else {"content": text}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+        chunk = {**head, "object": chunk_kind, "choices": [choice]}
+        if include_usage:
+            chunk["usage"] = None
+        return f"data: {json.dumps(chunk)}\n\n".encode()
+
+    async def events() -> AsyncIterator[bytes]:
+        greeted: set[int] = set()
+        pending = [first] if first is not None else []
+        try:
+            async for index, text in _chain(pending, stream):
+                if text or index not in greeted:
+                    yield event(index, text, None, role=index not in greeted)
+                    greeted.add(index)
+            for index, choice in sorted(call.choices.items()):
+                yield event(index, "", choice.finish_reason)
+        except ApiError as exc:  # after the status went out: an error event
+            yield f"data: {json.dumps({'error': {'message': str(exc)}})}\n\n".encode()
+        if include_usage:
+            usage = {**head, "object": chunk_kind, "choices": [], "usage": call.usage()}
+            yield f"data: {json.dumps(usage)}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+async def _chain(first: list, rest: AsyncIterator) -> AsyncIterator:
+    for item in first:
+        yield item
+    async for item in rest:
+        yield item
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--grpc-url", required=True, help="the frontend's Triton gRPC address")
+    parser.add_argument("--model-dir", required=True, type=Path, help="tokenizer, config")
+    parser.add_argument("--model-name", default="", help="the id clients use (default: dir name)")
+    parser.add_argument("--triton-model", default="ensemble",
+                        choices=["ensemble", "tensorrt_llm_bls"])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=9000)
+    args = parser.parse_args(argv)
+    import uvicorn
+
+    server = OpenAIServer(args.grpc_url, args.model_dir, args.model_name, args.triton_model)
+    uvicorn.run(create_app(server), host=args.host, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()
