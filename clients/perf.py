@@ -30,6 +30,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
+
 from orchestrator.cluster.tritonserver import ServerError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -169,7 +171,7 @@ class GenaiPoint:
     mode: str
     concurrency: int
     requests: int
-    tokens_streamed: int  # data events with output_ids in its raw export: one token each
+    tokens_streamed: int  # in its raw export (kserve: output_ids; completions: text events)
     requests_per_s: float
     tokens_per_s: float
     ttft_avg_ms: float
@@ -196,10 +198,8 @@ def run_genai_perf(tools: Tools, http_url: str, model_dir: Path, mode: str, conc
         raise BenchError(f"expected one genai-perf summary under {out_dir}, found {summaries}")
     summary = json.loads(summaries[0].read_text())
     raw = json.loads((summaries[0].parent / "profile_export.json").read_text())
-    streamed = sum(
-        '"output_ids"' in out["response"]
-        for r in raw["experiments"][0]["requests"] for out in r["response_outputs"]
-    )
+    streamed = sum(_streamed(out) for r in raw["experiments"][0]["requests"]
+                   for out in r["response_outputs"])
     return GenaiPoint(
         mode=mode, concurrency=concurrency, requests=int(summary["request_count"]["avg"]),
         tokens_streamed=streamed, requests_per_s=summary["request_throughput"]["avg"],
@@ -209,6 +209,16 @@ def run_genai_perf(tools: Tools, http_url: str, model_dir: Path, mode: str, conc
         itl_avg_ms=summary["inter_token_latency"]["avg"],
         output_len_avg=summary["output_sequence_length"]["avg"],
     )
+
+
+def _streamed(output: dict) -> int:
+    """Tokens in one exported response: kserve, its output_ids; completions (server-sent
+    events), one per event that carries text."""
+    if "response" not in output:
+        return int(np.size(output.get("output_ids", [])))
+    events = [line.removeprefix("data:").strip() for line in output["response"].splitlines()]
+    return sum(any(c.get("text") for c in json.loads(e).get("choices", []))
+               for e in events if e.startswith("{"))
 
 
 # -- the bare engine ---------------------------------------------------------------------------

@@ -564,3 +564,14 @@ def test_openai_client_that_leaves_cancels_the_t_node_request(cluster, model, op
     while metric(decode, "dejavu_requests", outcome="cancelled") == before:
         assert time.monotonic() < deadline, "the T-node never saw the cancellation"
         time.sleep(0.05)
+
+
+def test_genai_perf_completions_mode_against_the_openai_api(cluster, model, tmp_path):
+    from clients.perf import install_tools, run_genai_perf
+
+    tools = install_tools()  # raises (the test fails) when the tools cannot be installed
+    base = cluster.openai.url.removesuffix("/v1")
+    point = run_genai_perf(tools, base, model, "disaggregated", concurrency=2, requests=4,
+                           max_tokens=8, out_dir=tmp_path / "genai", api="completions")
+    assert point.requests == 4 and point.tokens_streamed > 0
+    assert 0 < point.ttft_avg_ms <= point.ttft_p99_ms
