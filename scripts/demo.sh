@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The README's main command (`make demo`): make a tiny dummy model, start a
 # frontend + 1 prefill node + 1 decode node (real tritonservers on loopback),
-# stream a generation over HTTP and over gRPC, and stop the cluster.
+# stream a generation over HTTP and over gRPC, ask the OpenAI-compatible API, and stop
+# the cluster.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,6 +21,12 @@ echo "--- HTTP generate_stream (prompt on the P-node, tokens from the T-node):"
 dejavu generate --dir "$RUN_DIR" --stream --max-tokens 24 "The prompt phase reads the whole prompt"
 echo "--- gRPC stream:"
 dejavu generate --dir "$RUN_DIR" --protocol grpc --stream --max-tokens 24 "Where is the server?"
+echo "--- OpenAI-compatible API (/v1/completions, greedy):"
+API=$(python -c 'import json, sys; print(json.load(open(sys.argv[1]))["openai"]["url"])' \
+  "$RUN_DIR/cluster.json")
+curl -sf "$API/completions" -H 'Content-Type: application/json' \
+  -d "{\"model\": \"$(basename "$MODEL_DIR")\", \"prompt\": \"Hello\", \"max_tokens\": 16, \"temperature\": 0}"
+echo
 
 trap - EXIT
 dejavu down --dir "$RUN_DIR"
