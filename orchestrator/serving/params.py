@@ -172,7 +172,12 @@ class GenerationParams:
         return json.dumps(asdict(self)).encode()
 
     @classmethod
-    def from_json(cls, data: bytes | str) -> GenerationParams:
+    def from_json(cls, data: np.ndarray | bytes | str | None) -> GenerationParams:
+        """From :meth:`to_json`, or the ``params`` tensor that carries it."""
+        if data is None:
+            raise RequestError("params (the request's parameters as JSON) is required")
+        if isinstance(data, np.ndarray):
+            data = data.reshape(-1)[0]
         try:
             params = cls(**json.loads(data))
         except (TypeError, ValueError) as exc:
