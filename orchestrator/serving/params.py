@@ -16,10 +16,12 @@ import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from orchestrator.engine.sampling import SamplingParams
+if TYPE_CHECKING:  # torch stays out of processes that only check (the OpenAI API)
+    from orchestrator.engine.sampling import SamplingParams
 
 
 class RequestError(ValueError):
@@ -114,6 +116,8 @@ class GenerationParams:
     def sampling(self, prompt_ids: Sequence[int]) -> SamplingParams:
         """The sampler's parameters; every node of one request must get the same seed
         (the frontend fixes it: :meth:`for_sequence`)."""
+        from orchestrator.engine.sampling import SamplingParams
+
         seed = random.getrandbits(63) if self.seed is None else self.seed % 2**63
         return SamplingParams(
             self.temperature, self.top_k, self.top_p, seed, self.min_tokens, self.end_id,
