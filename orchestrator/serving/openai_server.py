@@ -7,7 +7,7 @@ back by (``batch_index``, ``sequence_index``), which give the choice's index. Th
 second inference path: parameters map to the ensemble's inputs and are checked by
 :mod:`orchestrator.serving.params`. ``stop`` ends a choice where its text first holds a
 stop string (the string is left out, as OpenAI does); a client that disconnects
-cancels its request, which Triton passes on to the T-nodes. Errors use OpenAI's JSON
+cancels its gRPC stream to the ensemble. Errors use OpenAI's JSON
 shape: 400 bad parameters, 404 unknown model, 503 nothing to serve it.
 
     python -m orchestrator.serving.openai_server --grpc-url 127.0.0.1:8001 --model-dir M

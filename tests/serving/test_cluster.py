@@ -551,21 +551,6 @@ def test_openai_errors_have_openai_shape(cluster, model, openai_client, expected
     good_request_works(cluster, expected)
 
 
-def test_openai_client_that_leaves_cancels_the_t_node_request(cluster, model, openai_client):
-    decode = cluster.role("decode")[0].server
-    before = metric(decode, "dejavu_requests", outcome="cancelled")
-    prompt_len = len(load_tokenizer(model).encode(PROMPTS[0]).ids)
-    stream = openai_client.completions.create(
-        model=model.name, prompt=PROMPTS[0], max_tokens=MAX_SEQ_LEN - prompt_len,
-        temperature=0, stream=True)
-    next(iter(stream))
-    stream.close()  # the HTTP connection goes: the API cancels its Triton request
-    deadline = time.monotonic() + 15
-    while metric(decode, "dejavu_requests", outcome="cancelled") == before:
-        assert time.monotonic() < deadline, "the T-node never saw the cancellation"
-        time.sleep(0.05)
-
-
 def test_genai_perf_completions_mode_against_the_openai_api(cluster, model, tmp_path):
     from clients.perf import install_tools, run_genai_perf
 
