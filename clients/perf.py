@@ -212,13 +212,14 @@ def run_genai_perf(tools: Tools, http_url: str, model_dir: Path, mode: str, conc
 
 
 def _streamed(output: dict) -> int:
-    """Tokens in one exported response: kserve, its output_ids; completions (server-sent
-    events), one per event that carries text."""
+    """Tokens in one exported response: kserve, its output_ids; server-sent events
+    (generate, completions), one per event with output_ids or a choice's text."""
     if "response" not in output:
         return int(np.size(output.get("output_ids", [])))
-    events = [line.removeprefix("data:").strip() for line in output["response"].splitlines()]
-    return sum(any(c.get("text") for c in json.loads(e).get("choices", []))
-               for e in events if e.startswith("{"))
+    events = [json.loads(line.removeprefix("data:")) for line in output["response"].splitlines()
+              if line.removeprefix("data:").strip().startswith("{")]
+    return sum("output_ids" in e or any(c.get("text") for c in e.get("choices", []))
+               for e in events)
 
 
 # -- the bare engine ---------------------------------------------------------------------------
