@@ -107,7 +107,7 @@ def test_every_input_of_the_configs_is_classified():
         assert declared - {"text_input", "stop_words", "bad_words"} == known, entry
     orchestrator = (REPO / "model_repository/orchestrator/config.pbtxt").read_text()
     declared = set(re.findall(r'\{ name: "(\w+)"', orchestrator.split("output [")[0]))
-    assert declared == set(INPUTS) | {"input_ids", "input_lengths"}
+    assert declared == set(INPUTS) | {"input_ids", "input_lengths", "input_auth"}
 
 
 def test_prompt_checks():
