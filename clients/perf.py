@@ -171,7 +171,7 @@ class GenaiPoint:
     mode: str
     concurrency: int
     requests: int
-    tokens_streamed: int  # in its raw export (kserve: output_ids; completions: text events)
+    tokens_streamed: int  # data events with output_ids in its raw export: one token each
     requests_per_s: float
     tokens_per_s: float
     ttft_avg_ms: float

@@ -549,14 +549,3 @@ def test_openai_errors_have_openai_shape(cluster, model, openai_client, expected
             openai_client.completions.create(model=model.name, prompt="hi",
                                              **{"max_tokens": 4, **bad})
     good_request_works(cluster, expected)
-
-
-def test_genai_perf_completions_mode_against_the_openai_api(cluster, model, tmp_path):
-    from clients.perf import install_tools, run_genai_perf
-
-    tools = install_tools()  # raises (the test fails) when the tools cannot be installed
-    base = cluster.openai.url.removesuffix("/v1")
-    point = run_genai_perf(tools, base, model, "disaggregated", concurrency=2, requests=4,
-                           max_tokens=8, out_dir=tmp_path / "genai", api="completions")
-    assert point.requests == 4 and point.tokens_streamed > 0
-    assert 0 < point.ttft_avg_ms <= point.ttft_p99_ms
