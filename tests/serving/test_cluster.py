@@ -36,6 +36,7 @@ from orchestrator.engine.sampling import SamplingParams
 from orchestrator.engine.tokenizer import load_tokenizer
 from orchestrator.engine.torch_engine import load_engine
 from orchestrator.fault.rpc import Stub
+from orchestrator.serving.params import GenerationParams
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 12
@@ -316,7 +317,8 @@ def test_internal_surfaces_refuse_requests_without_the_secret(cluster, model, ex
         result, error = _first_response(decode, "decode", reserve, parameters)
         assert error is None and _code(result) is ErrorCode.UNAUTHENTICATED
         assert "cluster secret" in result.as_numpy("error")[0].decode()
-    params = [tensor("input_ids", ids), tensor("max_tokens", np.array([4], dtype=np.int32))]
+    params = [tensor("input_ids", ids),
+              tensor("params", np.array([GenerationParams(4).to_json()], dtype=np.object_))]
     result, _ = _first_response(decode, "decode", params)  # a generate request
     assert _code(result) is ErrorCode.UNAUTHENTICATED
     ticket = tensor("kv_ticket", np.array([b"x"], dtype=np.object_))
@@ -325,8 +327,10 @@ def test_internal_surfaces_refuse_requests_without_the_secret(cluster, model, ex
     assert ErrorCode(int(answer.as_numpy("error_code")[0])) is ErrorCode.UNAUTHENTICATED
     prefill.close()
     # The frontend's orchestrator model serves the ensemble only.
-    for auth in [[], [tensor("input_auth", np.array([b"1:00"], dtype=np.object_))]]:
-        _, error = _first_response(cluster.frontend.grpc_url, "orchestrator", [*params, *auth])
+    batched = [tensor("input_ids", ids[None]), tensor("max_tokens", np.array([[4]], np.int32)),
+               tensor("input_lengths", np.array([[len(ids)]], np.int32))]
+    for auth in [[], [tensor("input_auth", np.array([[b"1:00"]], dtype=np.object_))]]:
+        _, error = _first_response(cluster.frontend.grpc_url, "orchestrator", [*batched, *auth])
         assert error is not None and "cluster secret" in error.message()
     stub = Stub(cluster.controller.address, b"guessed-but-wrong-secret")
     fake = {"node_id": "fake", "pipeline": "prefill0", "stage": 0, "depth": 1, "role": "prompt",
