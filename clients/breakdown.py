@@ -95,13 +95,16 @@ def signed_request(secret: bytes, model: str, prompt_ids: list[int], params) -> 
     from orchestrator.control.client import tensor
     from orchestrator.serving.frontend import request_tensors
 
-    inputs = request_tensors(prompt_ids, params)
-    if model == "orchestrator":
-        auth = sign_prompt(secret, np.array(prompt_ids, dtype=np.int32).tobytes())
-        return {"inputs": [*inputs, tensor("input_auth", np.array([auth.encode()],
-                                                                  dtype=np.object_))]}
+    if model == "orchestrator":  # the ensemble's batched [1, ...] tensors
+        ids = np.array([prompt_ids], dtype=np.int32)
+        arrays = {"input_ids": ids, "input_lengths": np.array([[len(prompt_ids)]], np.int32),
+                  "input_auth": np.array([[sign_prompt(secret, ids.tobytes()).encode()]],
+                                         dtype=np.object_),
+                  "max_tokens": np.array([[params.max_tokens]], np.int32),
+                  "stream": np.array([[params.stream]])}
+        return {"inputs": [tensor(name, array) for name, array in arrays.items()]}
     request_id = uuid.uuid4().hex
-    return {"inputs": inputs, "request_id": request_id,
+    return {"inputs": request_tensors(prompt_ids, params), "request_id": request_id,
             "parameters": request_parameters(secret, model, "generate", request_id)}
 
 

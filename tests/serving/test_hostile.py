@@ -109,10 +109,10 @@ def test_a_huge_prompt_is_refused_before_it_is_tokenized(cluster, expected):
     assert status == 400, body
     assert b"exceeds the limit" in body
     client = grpcclient.InferenceServerClient(cluster.frontend.grpc_url)
-    text = grpcclient.InferInput("text_input", [1], "BYTES")
-    text.set_data_from_numpy(np.array([b"word " * 10_000_000], dtype=np.object_))  # 50 MB
-    tokens = grpcclient.InferInput("max_tokens", [1], "INT32")
-    tokens.set_data_from_numpy(np.array([8], dtype=np.int32))
+    text = grpcclient.InferInput("text_input", [1, 1], "BYTES")
+    text.set_data_from_numpy(np.array([[b"word " * 10_000_000]], dtype=np.object_))  # 50 MB
+    tokens = grpcclient.InferInput("max_tokens", [1, 1], "INT32")
+    tokens.set_data_from_numpy(np.array([[8]], dtype=np.int32))
     alone = _timed(lambda: normal_request_works(cluster, expected))
     with ThreadPoolExecutor(1) as pool:
         def refuse() -> float:
@@ -179,14 +179,14 @@ def test_cancelled_streams_leave_the_t_node_at_once(cluster, model, expected):
        text=st.binary(max_size=64))
 def test_fuzzed_grpc_requests_get_an_answer_or_a_client_error(cluster, max_tokens, temperature,
                                                                top_p, top_k, text):
-    values = {"text_input": (np.array([text], np.object_), "BYTES"),
-              "max_tokens": (np.array([min(max_tokens, MAX_TOKENS)], np.int32), "INT32"),
-              "temperature": (np.array([temperature], np.float32), "FP32"),
-              "top_p": (np.array([top_p], np.float32), "FP32"),
-              "top_k": (np.array([top_k], np.int32), "INT32")}
+    values = {"text_input": (np.array([[text]], np.object_), "BYTES"),
+              "max_tokens": (np.array([[min(max_tokens, MAX_TOKENS)]], np.int32), "INT32"),
+              "temperature": (np.array([[temperature]], np.float32), "FP32"),
+              "top_p": (np.array([[top_p]], np.float32), "FP32"),
+              "top_k": (np.array([[top_k]], np.int32), "INT32")}
     inputs = []
     for name, (array, dtype) in values.items():
-        inputs.append(grpcclient.InferInput(name, [1], dtype))
+        inputs.append(grpcclient.InferInput(name, [1, 1], dtype))  # [batch, 1]
         inputs[-1].set_data_from_numpy(array)
     client = grpcclient.InferenceServerClient(cluster.frontend.grpc_url)
     try:
