@@ -157,18 +157,22 @@ def test_cancelled_streams_leave_the_t_node_at_once(cluster, model, expected):
     T-node (its slot and microbatch seat are free) within a few hundred ms."""
     prompt_ids = load_tokenizer(model).encode(PROMPTS[0]).ids
     seconds = []
-    for _ in range(10):
+    for _ in range(20):
         stream = stream_orchestrator(cluster.frontend.grpc_url, prompt_ids, MAX_SEQ_LEN - 32,
                                      load_secret(cluster.secret_file))
         next(stream)
-        next(stream)  # the T-node is generating
-        assert held(cluster)["clients"] == 1
+        next(stream)
+        # The T-node does not wait for the client: a fast one may have made all its tokens
+        # by now, and then there is nothing left to cancel in this round.
+        generating = held(cluster)["clients"] == 1
         cancelled = time.monotonic()
         stream.close()
         until_nothing_held(cluster, timeout_s=5)
-        seconds.append(time.monotonic() - cancelled)
-    print(f"cancel -> T-node free: median {sorted(seconds)[5] * 1000:.0f} ms, "
-          f"max {max(seconds) * 1000:.0f} ms")
+        if generating:
+            seconds.append(time.monotonic() - cancelled)
+    assert len(seconds) >= 5, f"only {len(seconds)} of 20 streams were still generating"
+    print(f"cancel -> T-node free ({len(seconds)} streams): median "
+          f"{sorted(seconds)[len(seconds) // 2] * 1000:.0f} ms, max {max(seconds) * 1000:.0f} ms")
     normal_request_works(cluster, expected)
 
 
