@@ -133,6 +133,7 @@ def node_main(argv: list[str]) -> int:
     repo = args.work / "repo"
     shutil.rmtree(repo, ignore_errors=True)
     write_node_repo(repo, config)
+    # Inside a container only: peers reach it over the compose network, not loopback.
     server = TritonServer(args.node, repo, make_backend_dir(args.work / "backends"),
                           args.work / "unused.log", HTTP_PORT, GRPC_PORT, METRICS_PORT,
                           host="0.0.0.0", devices=devices)
