@@ -23,7 +23,6 @@ run, are checked against the single-process reference.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import signal
 import tempfile
@@ -33,22 +32,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from clients.common import PROMPTS, reference, write_csv
+
 MODES = {
     "spare": {"replicate": "on", "spares": 1},
     "replicas": {"replicate": "on", "spares": 0},
     "restart": {"replicate": "off", "spares": 0},
 }
 PAPER = {"spare": 1.24, "replicas": 1.24, "restart": 1.91}  # OPT-66B, Fig. 14
-PROMPTS = [
-    "The quick brown fox",
-    "Where is the server?",
-    "A pipeline splits the layers of a model into stages",
-    "0, 1, 2, 3",
-    "How many tokens per second",
-    "Large language models answer a prompt in two phases.",
-    "Once upon a time",
-    "Token by token, the answer grows",
-]
 
 
 class Stream(threading.Thread):
@@ -198,23 +189,9 @@ def expected_prompts(batch: int) -> list[str]:
     return [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
 
 
-def reference(model: Path, prompts: list[str], max_tokens: int, max_seq_len: int
-              ) -> list[list[int]]:
-    from orchestrator.engine.reference import generate
-    from orchestrator.engine.tokenizer import load_tokenizer
-    from orchestrator.engine.torch_engine import load_engine
-
-    tokenizer = load_tokenizer(model)
-    engine = load_engine(model, max_seq_len=max_seq_len)
-    return generate([engine], [tokenizer.encode(p).ids for p in prompts], max_tokens)
-
-
 def write_outputs(out: Path, rows: list[dict], args) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "recovery.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(out / "recovery.csv", rows)
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     (out / "recovery.json").write_text(json.dumps({"settings": settings, "rows": rows},
                                                   indent=2) + "\n")

@@ -28,7 +28,7 @@ import queue
 import statistics
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -106,6 +106,20 @@ def signed_request(secret: bytes, model: str, prompt_ids: list[int], params) -> 
     request_id = uuid.uuid4().hex
     return {"inputs": request_tensors(prompt_ids, params), "request_id": request_id,
             "parameters": request_parameters(secret, model, "generate", request_id)}
+
+
+def stream_orchestrator(url: str, secret: bytes, prompt_ids: list[int], max_tokens: int
+                        ) -> Iterator[list[int]]:
+    """Token ids straight from the frontend's ``orchestrator`` model, one response at a time
+    (signed as preprocessing signs them); closing the generator early cancels the request,
+    which frees its T-node at once."""
+    from clients.generate import stream_results
+    from orchestrator.serving.params import GenerationParams
+
+    params = GenerationParams(max_tokens=max_tokens, stream=True)
+    request = signed_request(secret, "orchestrator", prompt_ids, params)
+    for result in stream_results(url, "orchestrator", request["inputs"]):
+        yield result.as_numpy("output_ids").reshape(-1).tolist()
 
 
 def time_stream(url: str, model: str, request: dict, timeout_s: float = 60.0) -> list[float]:

@@ -26,7 +26,6 @@ Triton nodes here (prompts enter a pipeline only within one process).
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import os
 import random
@@ -35,8 +34,10 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
+
+from clients.common import dummy_model, markdown, write_csv
 
 MODES = ("colocated", "disaggregated")
 
@@ -213,15 +214,6 @@ COLUMNS = {
 }
 
 
-def markdown(points: list[Point]) -> str:
-    def fmt(v) -> str:
-        return f"{v:.3g}" if isinstance(v, float) else str(v)
-
-    lines = ["| " + " | ".join(COLUMNS.values()) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(fmt(getattr(p, k)) for k in COLUMNS) + " |" for p in points]
-    return "\n".join(lines)
-
-
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="dejavu bench disagg",
                                      description=__doc__.splitlines()[0])
@@ -262,7 +254,7 @@ def main(argv: list[str]) -> int:
                     (args.machines or [f"cpu:{c}" for c in sorted(os.sched_getaffinity(0))])]
         if len(machines) < 2:
             raise ValueError("disaggregation needs at least 2 machines")
-        model_dir = (args.model or _dummy_model(args)).resolve()
+        model_dir = (args.model or dummy_model(args.out, args.arch, args.preset)).resolve()
         vocab = ModelConfig.from_dir(model_dir).vocab_size
         lengths = scaled_requests(args.trace, args.requests, args.seed, args.prompt_scale,
                                   args.output_scale, args.max_prompt, args.max_new)
@@ -307,25 +299,14 @@ def main(argv: list[str]) -> int:
         print(f"dejavu bench disagg: {exc}", file=sys.stderr)
         return 1
     points.sort(key=lambda p: (p.rate_rps, p.mode))
-    with (args.out / "disagg.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(asdict(points[0])))
-        writer.writeheader()
-        writer.writerows(asdict(p) for p in points)
+    write_csv(args.out / "disagg.csv", points)
     plot(points, args.out / "disagg.png")
-    print(markdown(points))
+    print(markdown(points, COLUMNS))
     print(f"\nunloaded (bare engine): prefill {pred['prompt_s_per_token'] * 1e3:.2f} ms/token, "
           f"step {pred['step_s'] * 1e3:.1f} ms; SLO TTFT <= {args.ttft_slo:g}x, mean TBT <= "
           f"{args.tbt_slo:g}x; machines {' '.join(map(str, machines))}")
     print(f"wrote {args.out}/disagg.csv, disagg.png")
     return 0
-
-
-def _dummy_model(args) -> Path:
-    from orchestrator.engine.checkpoint import make_checkpoint
-
-    folder = args.out / f"{args.arch}-{args.preset}"
-    return folder if (folder / "config.json").is_file() else make_checkpoint(
-        args.arch, args.preset, folder)
 
 
 if __name__ == "__main__":

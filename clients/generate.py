@@ -47,7 +47,12 @@ PARAMETERS = {
 
 
 class GenerateError(RuntimeError):
-    """The server refused or failed the request; the message is the server's."""
+    """The server refused or failed the request; the message is the server's, ``status`` its
+    gRPC status (``StatusCode.INVALID_ARGUMENT``: a client error), if any."""
+
+    def __init__(self, message: str, status: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass
@@ -84,7 +89,7 @@ def _chunk(message: dict) -> Chunk:
 def stream_grpc(
     url: str, prompt: str, stream: bool = True, model: str = "ensemble", **params
 ) -> Iterator[Chunk]:
-    for result in _stream(url, model, _inputs([prompt], stream, params)):
+    for result in stream_results(url, model, _inputs([prompt], stream, params)):
         ids = result.as_numpy("output_ids").reshape(-1).tolist()
         yield Chunk(result.as_numpy("text_output").reshape(-1)[0].decode(), ids)
 
@@ -95,7 +100,7 @@ def generate_batch(
     """Several prompts in one gRPC request (``[batch, 1]`` tensors, the same parameters for
     every row); each sequence's chunks by (``batch_index``, ``sequence_index``)."""
     chunks: dict[tuple[int, int], list[Chunk]] = {}
-    for result in _stream(url, model, _inputs(prompts, stream, params)):
+    for result in stream_results(url, model, _inputs(prompts, stream, params)):
         key = (int(result.as_numpy("batch_index").reshape(-1)[0]),
                int(result.as_numpy("sequence_index").reshape(-1)[0]))
         chunks.setdefault(key, []).append(
@@ -120,7 +125,7 @@ def _inputs(prompts: list[str], stream: bool, params: dict) -> list:
     return inputs
 
 
-def _stream(url: str, model: str, inputs: list) -> Iterator:
+def stream_results(url: str, model: str, inputs: list) -> Iterator:
     """The results of one request on a gRPC stream, until its final flag."""
     import tritonclient.grpc as grpcclient
 
@@ -136,9 +141,9 @@ def _stream(url: str, model: str, inputs: list) -> Iterator:
             except queue.Empty:
                 raise GenerateError(f"no response from {url} in {TIMEOUT_S:.0f} s") from None
             if error is not None:
-                raise GenerateError(error.message())
+                raise GenerateError(error.message(), error.status())
             done = result.get_response().parameters["triton_final_response"].bool_param
-            if result.as_numpy("text_output") is not None:  # the empty final has no tensors
+            if result.as_numpy("output_ids") is not None:  # the empty final has no tensors
                 yield result
     finally:
         # Leaving early (an error, a consumer that stops) cancels the request on the server.

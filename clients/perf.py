@@ -17,7 +17,6 @@ installed).
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 import os
@@ -27,11 +26,12 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from clients.common import dummy_model, fmt, markdown, write_csv
 from orchestrator.cluster.tritonserver import ServerError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -258,12 +258,6 @@ def compare_to_bare(point: LoadPoint, bare: dict[int, float]) -> None:
 # -- output ----------------------------------------------------------------------------------
 
 
-def _fmt(value) -> str:
-    if isinstance(value, float):
-        return "-" if math.isnan(value) else f"{value:.3g}" if abs(value) < 10 else f"{value:.0f}"
-    return str(value)
-
-
 LOAD_COLUMNS = {
     "mode": "mode", "concurrency": "conc", "requests": "requests", "tokens_per_s": "tok/s",
     "requests_per_s": "req/s", "ttft_p50_ms": "TTFT p50 ms", "ttft_p99_ms": "TTFT p99 ms",
@@ -278,13 +272,6 @@ GENAI_COLUMNS = {
 }
 
 
-def write_csv(path: Path, rows: list) -> None:
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
-        writer.writeheader()
-        writer.writerows(asdict(r) for r in rows)
-
-
 def print_table(title: str, rows: list, columns: dict[str, str]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -293,15 +280,8 @@ def print_table(title: str, rows: list, columns: dict[str, str]) -> None:
     for header in columns.values():
         table.add_column(header, justify="right")
     for row in rows:
-        table.add_row(*(_fmt(getattr(row, key)) for key in columns))
+        table.add_row(*(fmt(getattr(row, key)) for key in columns))
     Console(width=200).print(table)
-
-
-def markdown(rows: list, columns: dict[str, str]) -> str:
-    lines = ["| " + " | ".join(columns.values()) + " |",
-             "|" + "---:|" * len(columns)]
-    lines += ["| " + " | ".join(_fmt(getattr(r, key)) for key in columns) + " |" for r in rows]
-    return "\n".join(lines)
 
 
 # -- the command -----------------------------------------------------------------------------
@@ -357,7 +337,7 @@ def main(argv: list[str]) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     try:
         tools = install_tools()
-        model_dir = (args.model or _dummy_model(args)).resolve()
+        model_dir = (args.model or dummy_model(args.out, args.arch, args.preset)).resolve()
         bare = bare_tokens_per_s(model_dir, args.prompt, args.max_tokens, args.concurrency)
         points, genai = [], []
         for mode in modes:
@@ -387,28 +367,17 @@ def _breakdown(args) -> int:
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     try:
-        model_dir = (args.model or _dummy_model(args)).resolve()
+        model_dir = (args.model or dummy_model(args.out, args.arch, args.preset)).resolve()
         layers, hop = run_breakdown(model_dir, args.prompt, args.max_tokens,
                                     args.breakdown_requests, out)
     except (ServerError, RuntimeError, ValueError, OSError) as exc:
         print(f"dejavu bench serving --breakdown: {exc}", file=sys.stderr)
         return 1
     rows = as_rows(layers, hop)
-    with (out / "breakdown.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(out / "breakdown.csv", rows)
     print(report(layers, hop, args.max_tokens, args.breakdown_requests))
     print(f"wrote {out}/breakdown.csv")
     return 0
-
-
-def _dummy_model(args) -> Path:
-    from orchestrator.engine.checkpoint import make_checkpoint
-
-    folder = args.out / f"{args.arch}-{args.preset}"
-    return folder if (folder / "config.json").is_file() else make_checkpoint(
-        args.arch, args.preset, folder)
 
 
 def report(args, points: list[LoadPoint], genai: list[GenaiPoint]) -> None:

@@ -1,0 +1,86 @@
+"""What the benches and the cluster tests share: their prompts, the single-process reference
+they check tokens against, a dummy model folder, and CSV and markdown output of result rows
+(dicts or dataclasses)."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import math
+from pathlib import Path
+
+PROMPTS = [
+    "The quick brown fox",
+    "Where is the server?",
+    "A pipeline splits the layers of a model into stages",
+    "0, 1, 2, 3",
+    "How many tokens per second",
+    "Large language models answer a prompt in two phases.",
+    "Once upon a time",
+    "Token by token, the answer grows",
+]
+
+
+def reference(model_dir: Path, prompts: list[str], max_tokens: int, max_seq_len: int,
+              eos_id: int | None = None) -> list[list[int]]:
+    """Greedy tokens of the single-process reference on the same weights (``eos_id``: each
+    ends at that token, as a request with ``end_id`` does)."""
+    from orchestrator.engine.reference import generate
+    from orchestrator.engine.tokenizer import load_tokenizer
+    from orchestrator.engine.torch_engine import load_engine
+
+    tokenizer = load_tokenizer(model_dir)
+    engine = load_engine(model_dir, max_seq_len=max_seq_len)
+    return generate([engine], [tokenizer.encode(p).ids for p in prompts], max_tokens, eos_id)
+
+
+def dummy_model(folder: Path, arch: str, preset: str) -> Path:
+    """A seeded dummy checkpoint in ``folder/<arch>-<preset>`` (made once, then reused)."""
+    from orchestrator.engine.checkpoint import make_checkpoint
+
+    folder = folder / f"{arch}-{preset}"
+    return folder if (folder / "config.json").is_file() else make_checkpoint(arch, preset, folder)
+
+
+def _as_dict(row) -> dict:
+    return dataclasses.asdict(row) if dataclasses.is_dataclass(row) else dict(row)
+
+
+def write_csv(path: Path, rows: list) -> None:
+    """One line per row, the first row's fields as the header."""
+    dicts = [_as_dict(r) for r in rows]
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(dicts[0]))
+        writer.writeheader()
+        writer.writerows(dicts)
+
+
+def fmt(value) -> str:
+    """A table cell: 3 significant digits below 10, whole numbers above, ``-`` for NaN."""
+    if isinstance(value, float):
+        return "-" if math.isnan(value) else f"{value:.3g}" if abs(value) < 10 else f"{value:.0f}"
+    return str(value)
+
+
+def markdown(rows: list, columns: dict[str, str]) -> str:
+    """A markdown table of ``rows``: ``columns`` maps each field to its header."""
+    dicts = [_as_dict(r) for r in rows]
+    lines = ["| " + " | ".join(columns.values()) + " |", "|" + "---:|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(d[key]) for key in columns) + " |" for d in dicts]
+    return "\n".join(lines)
+
+
+def metric(address: str, name: str, **labels: str) -> float:
+    """Sum of a counter or gauge on a node's Prometheus port (``host:port``) over the series
+    matching ``labels``."""
+    import re
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    total = 0.0
+    for match in re.finditer(rf"^{name}\{{([^}}]*)\}} (\S+)$", text, re.MULTILINE):
+        found = dict(re.findall(r'(\w+)="([^"]*)"', match.group(1)))
+        if all(found.get(k) == v for k, v in labels.items()):
+            total += float(match.group(2))
+    return total
