@@ -28,6 +28,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "kv"): ("benchmarks.kv:main", "KV streaming ablation (Fig. 11)"),
     ("bench", "recovery"): ("benchmarks.recovery:main", "failure recovery (Fig. 14, 15)"),
     ("bench", "pipeline"): ("benchmarks.pipeline:main", "pipeline bubbles and swapping"),
+    ("bench", "soak"): ("benchmarks.soak:main", "mixed load while every role is killed in turn"),
     ("bench", "serving"): ("clients.perf:main", "perf_analyzer against the ensemble"),
     ("bench", "disagg"): ("clients.disagg:main", "disaggregated vs colocated, equal devices"),
 }
