@@ -712,6 +712,8 @@ def report(args, result: dict) -> bool:
 
 
 def main(argv: list[str]) -> int:
+    from orchestrator.pipeline import DEAD_AFTER_S
+
     parser = argparse.ArgumentParser(prog="dejavu bench soak",
                                      description=__doc__.splitlines()[0])
     length = parser.add_mutually_exclusive_group()
@@ -728,9 +730,9 @@ def main(argv: list[str]) -> int:
                         help="seconds between one kill's recovery and the next kill")
     parser.add_argument("--kills", default=",".join(KILLS),
                         help=f"the roles killed in turn, of {', '.join(KILLS)}")
-    parser.add_argument("--back-timeout-s", type=float, default=240.0,
+    parser.add_argument("--back-timeout-s", type=float, default=300.0,
                         help="deadline for the cluster to be whole again after a kill")
-    parser.add_argument("--timeout-s", type=float, default=3.0,
+    parser.add_argument("--timeout-s", type=float, default=DEAD_AFTER_S,
                         help="heartbeat timeout of the controller and the head")
     parser.add_argument("--sample-s", type=float, default=2.0, help="/proc sampling period")
     parser.add_argument("--seed", type=int, default=0)
