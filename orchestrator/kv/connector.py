@@ -8,6 +8,11 @@ Decode node (owns a registered pool of KV slots in host memory)::
     ...decode with ``cache``...
     receiver.release(request_id)                        # also after an error or a cancel
 
+A reservation nobody uses expires (``reserve_ttl_s``): one that no ``poll``, ``wait``
+or ``cache`` asked about is dropped once its ticket expires, and the ticket's
+deadline (signed, in it) stops any sender writing with it after that, so the slot
+is free again after a short grace for a write posted just before the deadline.
+
 Prefill node (one ticket per token stage; layers are routed to the stage that holds them)::
 
     sender = KVSender(transport, layout, secret)
@@ -78,6 +83,11 @@ def _pieces(cache: KVCache, layers: range, positions: range) -> list[torch.Tenso
     ]
 
 
+# An expired ticket's slot is reused after this: a layer posted just before the deadline
+# has landed by then (and the nodes' clocks agree to well within it).
+_LATE_WRITE_GRACE_S = 2.0
+
+
 def _sleep(waited_s: float) -> None:
     """Poll back-off: sub-millisecond at first, at most 2 ms."""
     time.sleep(min(0.002, 0.0001 + waited_s / 100))
@@ -93,6 +103,7 @@ class _Incoming:
     extra: bytes | None = None
     error: KVTransferError | None = None
     heard_from: dict[str, float] = field(default_factory=dict)  # peer -> last message time
+    expires_at: float | None = None  # monotonic; None once used (or with no TTL)
     early_deltas: list[tuple[str, int, int | None]] = field(
         default_factory=list
     )  # (peer, pos, crc)
@@ -110,11 +121,15 @@ class KVReceiver:
         timeout_s: float = 30.0,
         checksum: bool = False,
         delta_depth: int = 8,
+        reserve_ttl_s: float | None = None,
     ) -> None:
+        """``reserve_ttl_s``: how long a reservation may wait for its first use, and its
+        ticket's writes may go on (None: forever)."""
         if num_slots < 1 or delta_depth < 1 or not secret:
             raise ValueError("need at least one slot, a delta depth >= 1 and a non-empty secret")
         self.transport, self.layout, self.secret = transport, layout, secret
         self.timeout_s, self.checksum = timeout_s, checksum
+        self.reserve_ttl_s = reserve_ttl_s
         self.pool = torch.zeros((num_slots, *layout.shape), dtype=layout.torch_dtype)
         self._base = transport.register(self.pool).addr
         # Token-step deltas land here contiguously, then are scattered into the slot.
@@ -134,6 +149,7 @@ class KVReceiver:
         return self._base + slot * self.layout.slot_bytes()
 
     def _take_slot(self) -> int | None:
+        self._expire()
         now = time.monotonic()
         while self._quarantine and self._quarantine[0][0] <= now:
             self._free.append(self._quarantine.popleft()[1])
@@ -149,7 +165,12 @@ class KVReceiver:
             slot = self._take_slot()
             if slot is None:
                 raise NoFreeSlot(f"no free KV slot ({len(self.pool)} in use)")
-            self._requests[request_id] = _Incoming(slot, prompt_len, set(self.layout.layer_range))
+            incoming = _Incoming(slot, prompt_len, set(self.layout.layer_range))
+            expires = 0.0
+            if self.reserve_ttl_s is not None:
+                incoming.expires_at = time.monotonic() + self.reserve_ttl_s
+                expires = time.time() + self.reserve_ttl_s
+            self._requests[request_id] = incoming
             self.consumed[slot] = 0
         depth, step = self.landing.shape[1], self.layout.step_bytes()
         ticket = Ticket(
@@ -163,8 +184,22 @@ class KVReceiver:
             landing_addr=self._landing_base + slot * depth * step,
             landing_depth=depth,
             consumed_addr=self._consumed_base + slot * self.consumed.element_size(),
+            expires=expires,
         )
         return ticket.encode(self.secret)
+
+    def _expire(self) -> None:
+        """Drop reservations never used before their tickets expired."""
+        self._progress()  # a filled one is freed at once
+        now = time.monotonic()
+        for request_id, incoming in list(self._requests.items()):
+            if incoming.expires_at is not None and incoming.expires_at < now:
+                log.warning("KV slot reservation of %r expired unused", request_id)
+                self._requests.pop(request_id)
+                if incoming.state == KVPoll.SUCCESS:  # every write landed
+                    self._free.append(incoming.slot)
+                else:
+                    self._quarantine.append((now + _LATE_WRITE_GRACE_S, incoming.slot))
 
     def progress(self) -> None:
         """Handle what arrived: validate blocks, scatter token-step deltas into slots.
@@ -227,6 +262,7 @@ class KVReceiver:
         """Slots held by requests (a failed one's slot, waiting out a late writer, is not:
         it comes back on its own)."""
         with self._lock:
+            self._expire()
             return len(self._requests)
 
     def close(self) -> None:
@@ -236,10 +272,13 @@ class KVReceiver:
         self._requests.clear()
 
     def _get(self, request_id: str) -> _Incoming:
+        """The request's reservation, now in use: it no longer expires."""
         try:
-            return self._requests[request_id]
+            incoming = self._requests[request_id]
         except KeyError:
             raise KeyError(f"request {request_id!r} holds no slot on this node") from None
+        incoming.expires_at = None
+        return incoming
 
     def _timeout_error(self, rid: str, incoming: _Incoming, waited: float) -> KVTransferError:
         missing = sorted(incoming.missing)
@@ -483,6 +522,9 @@ class KVSender:
                 raise KVTransferError(
                     ticket.node, f"{name} mismatch: ticket has {got}, sender {want}", request_id
                 )
+        if ticket.expired:
+            raise KVTransferError(ticket.node, "ticket expired: its KV slot reservation was "
+                                  "not used in time", request_id)
         if ticket.prompt_len > ours.max_seq_len:
             raise KVTransferError(
                 ticket.node,
@@ -499,6 +541,11 @@ class KVSender:
         if ticket_index is None:
             raise ValueError(f"layer {global_layer} is not on this prompt stage")
         ticket = handle.tickets[ticket_index]
+        if ticket.expired:  # its slot may be someone else's by now: write nothing
+            handle.error = KVTransferError(ticket.node, f"ticket expired before layer "
+                                           f"{global_layer} was sent", handle.request_id)
+            handle.state = KVPoll.FAILED
+            return
         layers, positions = range(global_layer, global_layer + 1), range(handle.prompt_len)
         nbytes = handle.prompt_len * self.layout.token_bytes_per_layer()
         offset = (global_layer - self.layout.first_layer) * nbytes

@@ -21,6 +21,7 @@ import hashlib
 import hmac
 import json
 import struct
+import time
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -222,6 +223,11 @@ class Ticket:
     landing_addr: int = 0
     landing_depth: int = 0
     consumed_addr: int = 0
+    expires: float = 0.0  # Unix time after which no sender may write with it; 0: never
+
+    @property
+    def expired(self) -> bool:
+        return bool(self.expires) and time.time() > self.expires
 
     def encode(self, secret: bytes) -> bytes:
         body = json.dumps(
@@ -234,6 +240,7 @@ class Ticket:
                 "prompt_len": self.prompt_len,
                 "checksum": self.checksum,
                 "landing": [self.landing_addr, self.landing_depth, self.consumed_addr],
+                "expires": self.expires,
             }
         ).encode()
         return body + mac(secret, body)
@@ -258,4 +265,5 @@ class Ticket:
             int(fields["prompt_len"]),
             bool(fields["checksum"]),
             *(int(v) for v in fields["landing"]),
+            float(fields["expires"]),
         )

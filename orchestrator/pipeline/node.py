@@ -96,6 +96,8 @@ class PipelineConfig:
     prompt_slots: int = 16  # prompt KVs a stage can hold before their requests are admitted
     step_timeout_s: float = 60.0
     kv_timeout_s: float = 30.0
+    reserve_ttl_s: float | None = None  # a prompt KV slot reserved and not used is freed
+    # after this (its ticket then writes nothing); None: kv_timeout_s, the head's own wait
     heartbeat_s: float = HEARTBEAT_S
     dead_after_s: float = DEAD_AFTER_S
     recover_timeout_s: float | None = None  # a lost stage pauses the head this long for a
@@ -196,7 +198,8 @@ class StageNode:
             self.kv_transport = make_transport(f"{self.name}-kv")
             self.receiver = KVReceiver(self.kv_transport, engine.kv_layout,
                                        config.prompt_slots, secret,
-                                       timeout_s=config.kv_timeout_s)
+                                       timeout_s=config.kv_timeout_s,
+                                       reserve_ttl_s=config.reserve_ttl_s or config.kv_timeout_s)
             self.prompt_kv = ReceiverKVSource(self.receiver)
 
         capacity = link_capacity(mbs)

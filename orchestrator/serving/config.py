@@ -54,6 +54,8 @@ class NodeConfig:
     max_seq_len: int | None = None  # KV slot size; None: the model's
     max_batch: int = 16  # sequences per microbatch
     num_slots: int | None = None  # prompt KVs held before admission; None: the pipeline's
+    reserve_ttl_s: float | None = None  # an unused prompt KV slot is freed after this;
+    # None: the pipeline's kv_timeout_s (30 s)
     swap: SwapMode = SwapMode.OFF
     replicate: ReplicateMode = ReplicateMode.ON  # pipelines deeper than 1 only
     replica_dir: str = ""  # replicate=disk: where this node writes its replicas
@@ -77,7 +79,8 @@ class NodeConfig:
     def _validate(self) -> None:
         positive = ("depth", "prefill_depth", "max_batch", "threads", "max_requests",
                     "heartbeat_s", "recover_timeout_s")
-        for name in (*positive, "max_seq_len", "num_slots", "max_prompt_bytes"):
+        for name in (*positive, "max_seq_len", "num_slots", "max_prompt_bytes",
+                     "reserve_ttl_s"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"node config: {name} must be > 0, got {value}")

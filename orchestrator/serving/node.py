@@ -60,7 +60,7 @@ def stage_service(config: NodeConfig, metrics: Metrics | None,
     pipeline_config = PipelineConfig(
         depth=config.depth, batch_size=config.max_batch, swap=config.swap,
         max_seq_len=config.max_seq_len, heartbeat_s=config.heartbeat_s,
-        dead_after_s=config.dead_after_s,
+        dead_after_s=config.dead_after_s, reserve_ttl_s=config.reserve_ttl_s,
         recover_timeout_s=config.recover_timeout_s if config.replicates else None, **slots,
     )
     secret = config.secret()

@@ -257,3 +257,94 @@ def test_sender_rejects_overlapping_token_stages() -> None:
     with pytest.raises(KVTransferError, match="overlap") as info:
         cluster.senders[0].start("r1", tickets)
     assert info.value.peer == "t0,twin"
+
+
+class FakeClock:
+    """Monotonic and wall time for the connector and its tickets, moved by the test."""
+
+    def __init__(self) -> None:
+        self.now = 1_000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch) -> FakeClock:
+    from orchestrator.kv import connector, wire
+
+    fake = FakeClock()
+    monkeypatch.setattr(connector, "time", fake)
+    monkeypatch.setattr(wire, "time", fake)
+    return fake
+
+
+def ttl_cluster(ttl_s: float = 10.0) -> Cluster:
+    cluster = Cluster(1, 1)
+    cluster.receivers = [KVReceiver(cluster.node("t-ttl"), MODEL, 2, SECRET, timeout_s=30,
+                                    reserve_ttl_s=ttl_s)]
+    return cluster
+
+
+def test_unused_reservations_expire_and_their_slots_come_back(clock) -> None:
+    """Abandoned reservations (a client that reserved and left) cannot hold every slot."""
+    receiver = ttl_cluster().receivers[0]
+    receiver.reserve("a", 4)
+    receiver.reserve("b", 4)
+    with pytest.raises(RuntimeError, match="no free KV slot"):
+        receiver.reserve("c", 4)
+    clock.now += 9
+    assert receiver.held() == 2
+    clock.now += 2
+    assert receiver.held() == 0
+    with pytest.raises(KeyError, match="holds no slot"):
+        receiver.poll("a")
+    with pytest.raises(RuntimeError, match="no free KV slot"):  # a write posted at the deadline
+        receiver.reserve("c", 4)
+    clock.now += 2.5  # ... has landed by now; not the 30 s of a failed transfer
+    receiver.reserve("c", 4)
+    receiver.reserve("d", 4)
+
+
+def test_a_reservation_in_use_does_not_expire(clock) -> None:
+    cluster = ttl_cluster()
+    receiver = cluster.receivers[0]
+    tickets = cluster.reserve("r1", 4)
+    assert receiver.poll("r1") == KVPoll.WAITING  # the pipeline asked for it: it is in use
+    cluster.send("r1", tickets, torch.randn(MODEL.shape), extra=b"\x01")
+    clock.now += 60
+    assert receiver.held() == 1
+    assert receiver.cache("r1").length == 4
+
+
+def test_an_expired_ticket_writes_nothing(clock) -> None:
+    cluster = ttl_cluster()
+    full = torch.randn(MODEL.shape)
+    late = cluster.reserve("late", 4)
+    clock.now += 11
+    with pytest.raises(KVTransferError, match="ticket expired"):
+        cluster.senders[0].start("late", late)
+    # A send that began in time stops writing at the deadline.
+    sender, cache = cluster.senders[0], cluster.prompt_caches(full)[0]
+    handle = sender.start("slow", cluster.reserve("slow", 4))
+    sender.save_layer(handle, 0, cache)
+    clock.now += 11
+    sender.save_layer(handle, 1, cache)
+    with pytest.raises(KVTransferError, match="ticket expired before layer 1"):
+        sender.wait_for_save(handle, timeout_s=1)
+
+
+def test_a_filled_reservation_nobody_takes_is_freed_at_once(clock) -> None:
+    """A raw prefill into a raw reservation: every write landed, so no grace is needed."""
+    cluster = ttl_cluster()
+    cluster.send("raw", cluster.reserve("raw", 4), torch.randn(MODEL.shape), extra=b"\x01")
+    clock.now += 11
+    assert cluster.receivers[0].held() == 0
+    cluster.receivers[0].reserve("a", 4)
+    cluster.receivers[0].reserve("b", 4)

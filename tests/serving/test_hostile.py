@@ -34,10 +34,12 @@ from clients.generate import GenerateError, stream_grpc
 from orchestrator.cluster.launcher import Cluster
 from orchestrator.control.auth import load_secret
 from orchestrator.control.client import ControlClient
+from orchestrator.control.errors import ControlError
 from orchestrator.engine.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 8
+RESERVE_TTL_S = 5.0  # an unused KV slot reservation on the T-node is freed after this
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +50,8 @@ def model(tiny_model):
 @pytest.fixture(scope="module")
 def cluster(model, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("hostile")
-    with Cluster.up(model, prefill=1, decode=1, run_dir=run_dir, max_seq_len=MAX_SEQ_LEN) as c:
+    with Cluster.up(model, prefill=1, decode=1, run_dir=run_dir, max_seq_len=MAX_SEQ_LEN,
+                    reserve_ttl_s=RESERVE_TTL_S) as c:
         yield c
 
 
@@ -100,6 +103,36 @@ def test_nan_temperature_is_refused_and_the_service_stays_up(cluster, expected):
         list(stream_grpc(cluster.frontend.grpc_url, "Hi", max_tokens=8, temperature=np.nan))
     until_nothing_held(cluster)
     normal_request_works(cluster, expected)
+
+
+def test_a_request_without_max_tokens_is_refused_naming_it(cluster, expected):
+    """Before (max_tokens a required input): Triton answered generate with 200 and an error
+    text, generate_stream with an empty 200, and a gRPC stream waited for ever."""
+    for endpoint in ("generate", "generate_stream"):
+        status, body = post(cluster, b'{"text_input": "Hi"}', endpoint)
+        assert status == 400, (endpoint, body)
+        assert b"max_tokens is required" in body, endpoint
+    for model_name in ("ensemble", "tensorrt_llm_bls"):
+        with pytest.raises(GenerateError, match="max_tokens is required"):
+            list(stream_grpc(cluster.frontend.grpc_url, "Hi", model=model_name))
+    until_nothing_held(cluster)
+    normal_request_works(cluster, expected)
+
+
+def test_abandoned_kv_slot_reservations_expire(cluster, expected):
+    """Signed ``reserve`` control ops that are never used (a client that reserved and left)
+    hold every KV slot of the T-node only until their time is up."""
+    control = ControlClient(load_secret(cluster.secret_file), 10.0)
+    decode = cluster.role("decode")[0].server
+    reserved = 0
+    with pytest.raises(ControlError, match="no free KV slot"):
+        while reserved <= 256:
+            control.call(decode.grpc_url, "reserve", request_id=f"abandoned-{reserved}",
+                         prompt_ids=[1, 2, 3])
+            reserved += 1
+    assert held(cluster)["slots"] == reserved > 0
+    until_nothing_held(cluster, timeout_s=RESERVE_TTL_S + 5)
+    normal_request_works(cluster, expected)  # once the short grace for a late writer is over
 
 
 def test_a_huge_prompt_is_refused_before_it_is_tokenized(cluster, expected):

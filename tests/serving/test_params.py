@@ -110,6 +110,18 @@ def test_every_input_of_the_configs_is_classified():
     assert declared == set(INPUTS) | {"input_ids", "input_lengths", "input_auth"}
 
 
+def test_only_the_prompt_is_a_required_input():
+    """Triton 2.51 answers a request missing a required ensemble input with HTTP 200 and an
+    error text (an empty 200 on generate_stream; a gRPC stream waits): every other input is
+    optional, so params.py refuses a missing max_tokens with an error that names it."""
+    required = {"ensemble": {"text_input"}, "tensorrt_llm_bls": {"text_input"},
+                "orchestrator": {"input_ids", "input_lengths"}}
+    for entry, prompt in required.items():
+        config = (REPO / f"model_repository/{entry}/config.pbtxt").read_text()
+        inputs = re.findall(r'\{ name: "(\w+)"([^}]*)\}', config.split("output [")[0])
+        assert {name for name, rest in inputs if "optional: true" not in rest} == prompt, entry
+
+
 def test_prompt_checks():
     params = GenerationParams(max_tokens=4)
     check_prompt([1, 2, 3], params, max_seq_len=6, vocab_size=10)  # 3 + 4 - 1 = 6 fits
