@@ -39,6 +39,7 @@ PARAMETERS = {
     "exclude_input_in_output": (np.bool_, "BOOL"),
     "return_perf_metrics": (np.bool_, "BOOL"),
     "return_log_probs": (np.bool_, "BOOL"),
+    "top_log_probs": (np.int32, "INT32"),
     "beam_width": (np.int32, "INT32"),
     "stream": (np.bool_, "BOOL"),
     "stop_words": (np.object_, "BYTES"),
@@ -59,6 +60,11 @@ class GenerateError(RuntimeError):
 class Chunk:
     text: str
     ids: list[int]
+    # with return_log_probs: each new token's log-prob, the sum so far, and with
+    # top_log_probs each token's likeliest (id, log-prob)
+    log_probs: list[float] | None = None
+    cum_log_prob: float | None = None
+    top: list[list[tuple[int, float]]] | None = None
 
 
 def stream_http(url: str, prompt: str, stream: bool = True, model: str = "ensemble", **params):
@@ -90,8 +96,7 @@ def stream_grpc(
     url: str, prompt: str, stream: bool = True, model: str = "ensemble", **params
 ) -> Iterator[Chunk]:
     for result in stream_results(url, model, _inputs([prompt], stream, params)):
-        ids = result.as_numpy("output_ids").reshape(-1).tolist()
-        yield Chunk(result.as_numpy("text_output").reshape(-1)[0].decode(), ids)
+        yield _grpc_chunk(result)
 
 
 def generate_batch(
@@ -103,10 +108,24 @@ def generate_batch(
     for result in stream_results(url, model, _inputs(prompts, stream, params)):
         key = (int(result.as_numpy("batch_index").reshape(-1)[0]),
                int(result.as_numpy("sequence_index").reshape(-1)[0]))
-        chunks.setdefault(key, []).append(
-            Chunk(result.as_numpy("text_output").reshape(-1)[0].decode(),
-                  result.as_numpy("output_ids").reshape(-1).tolist()))
+        chunks.setdefault(key, []).append(_grpc_chunk(result))
     return chunks
+
+
+def _grpc_chunk(result) -> Chunk:
+    chunk = Chunk(result.as_numpy("text_output").reshape(-1)[0].decode(),
+                  result.as_numpy("output_ids").reshape(-1).tolist())
+    log_probs = result.as_numpy("output_log_probs")
+    if log_probs is not None:
+        chunk.log_probs = log_probs.reshape(-1).tolist()
+        chunk.cum_log_prob = float(result.as_numpy("cum_log_probs").reshape(-1)[0])
+    top = result.as_numpy("output_top_log_probs")
+    if top is not None:
+        ids = result.as_numpy("output_top_log_prob_ids")
+        k = top.shape[-1]
+        chunk.top = [list(zip(i.tolist(), p.tolist(), strict=True))
+                     for i, p in zip(ids.reshape(-1, k), top.reshape(-1, k), strict=True)]
+    return chunk
 
 
 def _inputs(prompts: list[str], stream: bool, params: dict) -> list:

@@ -74,6 +74,24 @@ def generate(
     return outputs
 
 
+def log_softmax_along(
+    engines: Sequence[TorchEngine], prompt: Sequence[int], output_ids: Sequence[int]
+) -> torch.Tensor:
+    """``[len(output_ids), vocab]``: the model's log-softmax at each position that made an
+    output token, feeding ``output_ids`` back (what served log-probs must equal)."""
+    caches = [engine.new_cache() for engine in engines]
+    x: list[torch.Tensor] = [torch.tensor(prompt, dtype=torch.long)]
+    for engine, cache in zip(engines, caches, strict=True):
+        x = engine.prefill(x, [cache])
+    rows = [x[0]]
+    for token in output_ids[:-1]:
+        h = torch.tensor([token], dtype=torch.long)
+        for engine, cache in zip(engines, caches, strict=True):
+            h = engine.decode(h, [cache])
+        rows.append(h[0])
+    return torch.log_softmax(torch.stack(rows).float(), dim=-1)
+
+
 def load_stages(model_dir: str, depth: int = 1, device: str = "cpu", **kwargs) -> list[TorchEngine]:
     """The model split evenly into ``depth`` stages, each its own engine."""
     num_layers = ModelConfig.from_dir(model_dir).num_layers

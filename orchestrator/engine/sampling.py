@@ -4,6 +4,11 @@ after the request's logits processors (penalties, ``min_tokens``, bad words).
 The random draw for a token depends only on the seed and the token's position, so a
 seeded request makes the same tokens whether one process samples them all or a P-node
 samples the first and a T-node the rest, and after a T-stage recovery redoes steps.
+
+Log-probs (asked with ``log_probs``) are those of the model's raw distribution: the
+log-softmax of the logits the model made, before penalties, masks, temperature or top-k/p
+(vLLM's default; TensorRT-LLM reports the processed ones). They are computed only for
+the sequences that ask, where each token is sampled.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
+
+from orchestrator.engine.log_probs import TokenLogProb
 
 _POSITION_MIX = 0x9E3779B97F4A7C15  # spreads (seed, position) pairs over the seed space
 
@@ -31,6 +38,8 @@ class SamplingParams:
     bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences never completed
     prompt: tuple[int, ...] = ()  # carried only when the repetition penalty needs it
     made: tuple[int, ...] = ()  # tokens made before this sampler took over
+    log_probs: bool = False  # compute each sampled token's log-prob
+    top_log_probs: int = 0  # and this many alternatives' (needs log_probs)
 
     def __post_init__(self) -> None:
         # JSON round trips (pipeline step headers, recovery) give lists back.
@@ -45,6 +54,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.top_log_probs < 0:
+            raise ValueError(f"top_log_probs must be >= 0, got {self.top_log_probs}")
 
     @property
     def greedy(self) -> bool:
@@ -77,6 +88,14 @@ class Sampler:
         if len(tokens) == 1:
             self.made.append(int(tokens[0]))
         return tokens
+
+    def pick(self, logits: torch.Tensor) -> tuple[int, TokenLogProb | None]:
+        """One sequence's ``[1, vocab]`` logits -> its token, and the token's log-prob if
+        the request asked for them."""
+        token = int(self(logits)[0])
+        if not self.params.log_probs:
+            return token, None
+        return token, token_log_prob(logits[0], token, self.params.top_log_probs)
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:
         """Penalties, then the masks (``min_tokens``, bad words), on ``[B, vocab]`` logits."""
@@ -116,3 +135,11 @@ class Sampler:
         position_seed = (p.seed * _POSITION_MIX + len(self.made)) % 2**63
         generator = torch.Generator(logits.device).manual_seed(position_seed)
         return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
+
+
+def token_log_prob(logits: torch.Tensor, token: int, top: int = 0) -> TokenLogProb:
+    """``token``'s log-prob under the raw ``[vocab]`` logits, with the ``top`` likeliest."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    best = log_probs.topk(top) if top else None
+    return TokenLogProb(float(log_probs[token]), () if best is None else tuple(
+        zip(best.indices.tolist(), best.values.tolist(), strict=True)))

@@ -304,7 +304,7 @@ class PipelineHead:
                 self._in_flight[mb] = False
             if prompt_kv_lost and self.mode != "colocated":
                 for seq in self.scheduler.waiting:  # admitted: it has its first token
-                    seq.output_ids.clear()
+                    seq.truncate(0)
                     seq.status = Status.WAITING
                 restarted += [*self.scheduler.waiting, *(s for s, _ in self._pending_kv.values())]
                 self.scheduler.waiting.clear()
@@ -423,7 +423,7 @@ class PipelineHead:
             self._error(message.error)
             self.scheduler.fail(mb, message.error)
         else:
-            self.scheduler.postprocess(mb, message.tokens)
+            self.scheduler.postprocess(mb, message.tokens, message.log_probs)
         if not self._paused:
             self._issue(mb)
 

@@ -17,6 +17,7 @@ from typing import Protocol
 
 import torch
 
+from orchestrator.engine.log_probs import TokenLogProb
 from orchestrator.engine.sampling import SamplingParams
 
 
@@ -44,6 +45,7 @@ class TokenMessage:
     step: int
     tokens: dict[int, int]  # seq id -> new token
     error: str | None = None
+    log_probs: dict[int, TokenLogProb] = field(default_factory=dict)  # those that asked
 
 
 @dataclass

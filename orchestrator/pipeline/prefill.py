@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from orchestrator.engine.base import Engine
+from orchestrator.engine.log_probs import TokenLogProb
 from orchestrator.engine.sampling import Sampler, SamplingParams
 from orchestrator.kv.connector import KVSender, SendHandle
 from orchestrator.layout import KVCache
@@ -45,11 +46,13 @@ def stream_prefill(
     tickets: Mapping[str, Sequence[bytes]],
     sampling: Mapping[str, SamplingParams] | None = None,
     save_timeout_s: float = 30.0,
+    log_probs: dict[str, TokenLogProb] | None = None,
 ) -> dict[str, int]:
     """Prefill ``prompts`` (request id -> ids) on the prompt stages ``engines`` (one
     ``KVSender`` each), streaming every layer's KV while the next computes to the token
     stages that reserved ``tickets[request_id]`` (one ticket per token stage). Returns each
-    first token; raises ``KVTransferError`` naming the token stage a transfer failed to."""
+    first token (and puts into ``log_probs`` the log-prob of those whose sampling asks);
+    raises ``KVTransferError`` naming the token stage a transfer failed to."""
     sampling = sampling or {}
     rids = list(prompts)
     x: list[torch.Tensor] = [torch.tensor(prompts[r], dtype=torch.long) for r in rids]
@@ -67,8 +70,11 @@ def stream_prefill(
                     sender.save_layer(handle, layer, cache)
 
             x = engine.prefill(x, [engine.new_cache() for _ in rids], on_layer=save)
-        first = {rid: int(Sampler(sampling.get(rid))(logits[None])[0])
-                 for rid, logits in zip(rids, x, strict=True)}
+        first = {}
+        for rid, logits in zip(rids, x, strict=True):
+            first[rid], log_prob = Sampler(sampling.get(rid)).pick(logits[None])
+            if log_prob is not None and log_probs is not None:
+                log_probs[rid] = log_prob
         for sender, handle in taken:
             sender.finish(handle, extra=encode_first_token(first[handle.request_id]))
         for sender, handle in taken:

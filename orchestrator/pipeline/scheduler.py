@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from orchestrator.engine.log_probs import TokenLogProb
 from orchestrator.pipeline.sequence import FinishReason, Sequence, Status
 
 
@@ -84,12 +85,15 @@ class MicrobatchScheduler:
             self.steps[microbatch] += 1
         return batch
 
-    def postprocess(self, microbatch: int, tokens: dict[int, int]) -> list[Sequence]:
-        """Record one step's tokens; returns the sequences that ended (their KV is freed next)."""
+    def postprocess(self, microbatch: int, tokens: dict[int, int],
+                    log_probs: dict[int, TokenLogProb] | None = None) -> list[Sequence]:
+        """Record one step's tokens (and the log-probs of those that asked); returns the
+        sequences that ended (their KV is freed next)."""
         ended = []
+        log_probs = log_probs or {}
         for seq in self.running[microbatch]:
             if not seq.is_finished:  # cancelled while in flight: its token is dropped
-                seq.append(tokens[seq.seq_id])
+                seq.append(tokens[seq.seq_id], log_probs.get(seq.seq_id))
             if seq.is_finished:
                 ended.append(seq)
         self._retire(microbatch, ended)
@@ -119,12 +123,12 @@ class MicrobatchScheduler:
             # Colocated, its first step was the prefill; disaggregated, the first token
             # came with the prompt KV and every step here added one.
             keep = done if self.colocated else done + 1
-            del seq.output_ids[keep:]
+            seq.truncate(keep)
             lengths[seq.seq_id] = seq.prompt_len + keep - 1
         for seq in restarted:
             self.running[microbatch].remove(seq)
             del self.joined[seq.seq_id]
-            seq.output_ids.clear()
+            seq.truncate(0)
             seq.status = Status.WAITING
         self.steps[microbatch] = step
         return lengths, restarted

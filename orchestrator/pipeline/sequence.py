@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from orchestrator.engine.log_probs import TokenLogProb
 from orchestrator.engine.sampling import SamplingParams
 
 # (sequence, new token or None for an ending without one, finished?)
@@ -43,6 +44,9 @@ class Sequence:
     # Pipeline-internal id: small, unique, used as the key of every stage's KV.
     seq_id: int = field(default_factory=lambda: next(_ids))
     output_ids: list[int] = field(default_factory=list)
+    # Aligned with output_ids when the sampling asks for log-probs (None: made elsewhere,
+    # e.g. the P-node's first token, whose log-prob the client got from the P-node).
+    log_probs: list[TokenLogProb | None] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
     error: str | None = None
@@ -70,10 +74,12 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
 
-    def append(self, token: int) -> None:
+    def append(self, token: int, log_prob: TokenLogProb | None = None) -> None:
         """Record one generated token; ends the sequence on eos, a stop word or max_tokens
         (early stop)."""
         self.output_ids.append(token)
+        if self.sampling.log_probs:
+            self.log_probs.append(log_prob)
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
         if token == self.eos_id:
@@ -86,6 +92,10 @@ class Sequence:
             self.status, self.finish_time = Status.FINISHED, time.monotonic()
         if self.on_token is not None:
             self.on_token(self, token, self.is_finished)
+
+    def truncate(self, keep: int) -> None:
+        """Keep the first ``keep`` tokens (a recovery redoes the rest)."""
+        del self.output_ids[keep:], self.log_probs[keep:]
 
     def finish(self, reason: FinishReason, error: str | None = None) -> None:
         """End without a new token (cancel, error); the callback hears it once."""

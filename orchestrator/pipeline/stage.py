@@ -244,12 +244,15 @@ class StageWorker:
         self.members[mb] = seq_ids
         if not self.is_last:
             return replace(message, inputs=step_out, prompts=prompt_out)
-        tokens = {s: self._sample(s, logits[None]) for s, logits in
-                  zip(message.prompt_seq_ids, prompt_out, strict=True)}
+        rows = list(zip(message.prompt_seq_ids, prompt_out, strict=True))
         if step_out is not None:
-            tokens |= {s: self._sample(s, row[None]) for s, row in
-                       zip(message.seq_ids, step_out, strict=True)}
-        return TokenMessage(mb, message.step, tokens)
+            rows += zip(message.seq_ids, step_out, strict=True)
+        answer = TokenMessage(mb, message.step, {})
+        for seq_id, logits in rows:
+            answer.tokens[seq_id], log_prob = self.samplers[seq_id].pick(logits[None])
+            if log_prob is not None:
+                answer.log_probs[seq_id] = log_prob
+        return answer
 
     def _compute(
         self, message: StepMessage, caches: list[KVCache]
@@ -279,9 +282,6 @@ class StageWorker:
             if self.members.get(following):
                 return following
         return mb
-
-    def _sample(self, seq_id: int, logits: torch.Tensor) -> int:
-        return int(self.samplers[seq_id](logits)[0])
 
     def _forget(self, seq_ids: list[int]) -> None:
         """Free ended sequences; after a failed step some may never have arrived here."""

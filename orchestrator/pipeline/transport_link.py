@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from orchestrator.engine.log_probs import TokenLogProb
 from orchestrator.engine.sampling import SamplingParams
 from orchestrator.kv.transport.base import KVPoll, Region, Transport
 from orchestrator.layout import DTYPES
@@ -144,7 +145,8 @@ def encode(message: Message, out: torch.Tensor) -> int:
         header: dict = {"type": "shutdown"}
     elif isinstance(message, TokenMessage):
         header = {"type": "tokens", "microbatch": message.microbatch, "step": message.step,
-                  "tokens": [[s, t] for s, t in message.tokens.items()], "error": message.error}
+                  "tokens": [[s, t] for s, t in message.tokens.items()], "error": message.error,
+                  "log_probs": [[s, p.to_list()] for s, p in message.log_probs.items()]}
     elif isinstance(message, KVProbe):
         header = {"type": "probe", **{key: list(getattr(message, key).items())
                                       for key in _PROBE_FIELDS}}
@@ -185,7 +187,8 @@ def decode(slot: torch.Tensor) -> Message:
         return Shutdown()
     if header["type"] == "tokens":
         return TokenMessage(header["microbatch"], header["step"],
-                            {s: t for s, t in header["tokens"]}, header["error"])
+                            {s: t for s, t in header["tokens"]}, header["error"],
+                            {s: TokenLogProb.from_list(p) for s, p in header["log_probs"]})
     if header["type"] == "probe":
         return KVProbe(**{key: dict(header[key]) for key in _PROBE_FIELDS})
     start = -(-(_LENGTH.size + length) // _ALIGN) * _ALIGN

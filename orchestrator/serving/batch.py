@@ -17,13 +17,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from orchestrator.engine.log_probs import TokenLogProb
 from orchestrator.serving.frontend import Cancelled
 from orchestrator.serving.params import GenerationParams, RequestError
 
 # (tokens, context tokens, meta JSON, is this the request's last response)
 Send = Callable[[list[int], list[int], bytes, bool], None]
 SendError = Callable[[str, bool], None]  # (message, is this the request's last response)
-# (prompt, params, emit(tokens, context, final), is_cancelled); raises Cancelled
+# (prompt, params, emit(tokens, log_probs, context, final), is_cancelled); raises Cancelled
 Generate = Callable[..., None]
 
 
@@ -101,8 +102,11 @@ class BatchReply:
         params = job.params
         full_text = not params.stream and not params.exclude_input_in_output
         times = {"first_scheduled_time_ns": time.time_ns()}
+        cum_log_prob = 0.0
 
-        def emit(tokens: list[int], context: list[int], final: bool) -> None:
+        def emit(tokens: list[int], log_probs: list[TokenLogProb] | None, context: list[int],
+                 final: bool) -> None:
+            nonlocal cum_log_prob
             now = time.time_ns()
             times.setdefault("first_token_time_ns", now)
             times["last_token_time_ns"] = now
@@ -113,6 +117,10 @@ class BatchReply:
                                 "kv_cache_alloc_new_blocks": self.kv_slots,
                                 "kv_cache_reused_blocks": 0,
                                 "kv_cache_alloc_total_blocks": self.kv_slots}
+            if log_probs is not None:
+                cum_log_prob += sum(p.log_prob for p in log_probs)
+                meta["log_probs"] = {"tokens": [p.to_list() for p in log_probs],
+                                     "cum": cum_log_prob, "top": params.top_log_probs}
             if meta["full_text"]:
                 context = job.prompt_ids  # the text holds the prompt, then the generation
             self._answer(lambda last: self.send(tokens, context, json.dumps(meta).encode(),

@@ -52,6 +52,8 @@ from orchestrator.control.client import (
     tensor,
 )
 from orchestrator.control.errors import ControlError, ErrorCode
+from orchestrator.engine.log_probs import TokenLogProb
+from orchestrator.engine.log_probs import decode as decode_log_probs
 from orchestrator.serving.metrics import Metrics
 from orchestrator.serving.params import GenerationParams
 from orchestrator.serving.router import NoNodeError, Router
@@ -59,8 +61,11 @@ from orchestrator.serving.text import CONTEXT_TOKENS
 
 log = logging.getLogger(__name__)
 
-# tokens of this response, the tokens already sent just before them, is it the last
-Emit = Callable[[list[int], list[int], bool], None]
+# tokens of this response, their log-probs (None: not asked for), the tokens already sent
+# just before them, is it the last
+Emit = Callable[[list[int], list[TokenLogProb] | None, list[int], bool], None]
+# new tokens, their log-probs (None: not asked for), is it the last
+Relay = Callable[[list[int], list[TokenLogProb] | None, bool], None]
 CANCEL_POLL_S = 0.05  # how often a waiting relay asks Triton whether its client left
 
 
@@ -280,22 +285,31 @@ class Frontend:
         and no token twice (greedy and seeded decoding make the same tokens again)."""
         sent: list[int] = []
         held: list[int] = []  # without streaming, everything goes out in the last response
+        held_log_probs: list[TokenLogProb] = []  # held's, if the request asked
         made = 0  # tokens this attempt made so far
 
-        def relay(tokens: list[int], final: bool) -> None:
+        def relay(tokens: list[int], log_probs: list[TokenLogProb] | None, final: bool) -> None:
             nonlocal made
-            fresh = tokens[max(0, len(sent) + len(held) - made):]  # a rerun's repeats go
+            repeats = max(0, len(sent) + len(held) - made)  # a rerun's repeats go
             made += len(tokens)
-            held.extend(fresh)
+            held.extend(tokens[repeats:])
+            if params.return_log_probs:
+                log_probs = log_probs or []
+                if len(log_probs) != len(tokens):  # a node that lost them: never silently
+                    raise Refused(f"{len(tokens)} tokens came with {len(log_probs)} log-probs")
+                held_log_probs.extend(log_probs[repeats:])
             if not (params.stream or final):
                 return
             # A T-node answers a stream that fell behind with several tokens at once;
             # clients still get one response per token.
-            chunks = [[t] for t in held] if params.stream and held else [list(held)]
-            for i, chunk in enumerate(chunks):
-                emit(chunk, sent[-CONTEXT_TOKENS:], final and i == len(chunks) - 1)
-                sent.extend(chunk)
+            n = len(held)
+            cuts = [(i, i + 1) for i in range(n)] if params.stream and n else [(0, n)]
+            for k, (a, b) in enumerate(cuts):
+                emit(held[a:b], held_log_probs[a:b] if params.return_log_probs else None,
+                     sent[-CONTEXT_TOKENS:], final and k == len(cuts) - 1)
+                sent.extend(held[a:b])
             held.clear()
+            held_log_probs.clear()
 
         lost_at: float | None = None
         busy_until = time.monotonic() + self.timeout_s
@@ -341,7 +355,7 @@ class Frontend:
         self,
         prompt_ids: list[int],
         params: GenerationParams,
-        relay: Callable[[list[int], bool], None],
+        relay: Relay,
         is_cancelled: Callable[[], bool],
     ) -> None:
         """One try: route, hand the prompt from P to T, relay tokens. Raises PipelineLost
@@ -350,11 +364,12 @@ class Frontend:
         url = self.decode.pick(params.max_tokens)
         left = params.max_tokens  # pending tokens this request holds on the T-node
 
-        def counted(tokens: list[int], final: bool) -> None:
+        def counted(tokens: list[int], log_probs: list[TokenLogProb] | None,
+                    final: bool) -> None:
             nonlocal left
             self.decode.done(url, min(left, len(tokens)))
             left -= min(left, len(tokens))
-            relay(tokens, final)
+            relay(tokens, log_probs, final)
 
         stream = None
         cancel = True
@@ -379,11 +394,11 @@ class Frontend:
                     stream, tickets = admit(request_id)
                     admitted = True
                     first = self._prefill(request_id, prompt_ids, params, tickets)
-                counted([first], False)
+                counted(*first, False)
             while True:
                 result, final = stream.next(is_cancelled)
                 tokens = result.as_numpy("output_ids")
-                counted([] if tokens is None else tokens.tolist(), final)
+                counted([] if tokens is None else tokens.tolist(), _log_probs(result), final)
                 if final:
                     cancel = False
                     return
@@ -445,7 +460,8 @@ class Frontend:
 
     def _prefill(
         self, request_id: str, prompt_ids: list[int], params: GenerationParams, tickets: np.ndarray
-    ) -> int:
+    ) -> tuple[list[int], list[TokenLogProb] | None]:
+        """The first token, and its log-prob if the request asked."""
         assert self.prefill is not None
         with self.prefill.assign(len(prompt_ids)) as url:
             inputs = [*request_tensors(prompt_ids, params), tensor("kv_ticket", tickets)]
@@ -469,4 +485,10 @@ class Frontend:
                     self.prefill.mark_down(url)
                     raise PrefillLost(str(exc)) from exc
                 raise Refused(str(exc)) from exc
-            return int(result.as_numpy("output_ids")[0])
+            return [int(result.as_numpy("output_ids")[0])], _log_probs(result)
+
+
+def _log_probs(result: grpcclient.InferResult) -> list[TokenLogProb] | None:
+    """A node's response's log-probs (None: the request did not ask for them)."""
+    data = result.as_numpy("log_probs")
+    return None if data is None else decode_log_probs(data.reshape(-1)[0])

@@ -7,7 +7,9 @@ back by (``batch_index``, ``sequence_index``), which give the choice's index. Th
 second inference path: parameters map to the ensemble's inputs and are checked by
 :mod:`orchestrator.serving.params`. ``stop`` ends a choice where its text first holds a
 stop string (the string is left out, as OpenAI does); a client that disconnects
-cancels its gRPC stream to the ensemble. Errors use OpenAI's JSON
+cancels its gRPC stream to the ensemble. ``logprobs`` / ``top_logprobs`` map to
+``return_log_probs`` / ``top_log_probs``: each token's log-prob under the raw model
+distribution, with up to 5 alternatives. Errors use OpenAI's JSON
 shape: 400 bad parameters, 404 unknown model, 503 nothing to serve it.
 
     python -m orchestrator.serving.openai_server --grpc-url 127.0.0.1:8001 --model-dir M
@@ -32,7 +34,7 @@ from pydantic import BaseModel, ConfigDict
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from orchestrator.engine.tokenizer import load_tokenizer
-from orchestrator.serving.params import GenerationParams, RequestError
+from orchestrator.serving.params import MAX_TOP_LOG_PROBS, GenerationParams, RequestError
 
 TIMEOUT_S = 120.0
 
@@ -88,6 +90,16 @@ class ChatRequest(_Sampling):
 
 
 @dataclass
+class TokenInfo:
+    """One generated token's log-prob, and the likeliest alternatives' (id, log-prob)."""
+
+    id: int
+    log_prob: float
+    top: list[tuple[int, float]]
+    offset: int  # where its text starts in the choice's text
+
+
+@dataclass
 class Choice:
     """One sequence's text so far; holds back what could still become a stop string."""
 
@@ -96,14 +108,21 @@ class Choice:
     sent: int = 0  # characters of ``text`` already sent
     tokens: int = 0
     finish_reason: str | None = None
+    log_probs: list[TokenInfo] = field(default_factory=list)  # if asked for
+    log_probs_sent: int = 0
+    cut: bool = False  # a stop string ended it
+    ended: bool = False
 
-    def add(self, text: str, tokens: int) -> str:
+    def add(self, text: str, tokens: int, log_probs: list[TokenInfo] = ()) -> str:
         """New text safe to send now."""
+        for info in log_probs:
+            info.offset = len(self.text)
+        self.log_probs += log_probs
         self.text += text
         self.tokens += tokens
         cut = min((i for i in (self.text.find(s) for s in self.stops) if i >= 0), default=-1)
         if cut >= 0:
-            self.text, self.finish_reason = self.text[:cut], "stop"
+            self.text, self.finish_reason, self.cut = self.text[:cut], "stop", True
             safe = cut
         else:  # a stop string may be starting at the end: keep its length - 1 back
             safe = len(self.text) - max((len(s) - 1 for s in self.stops), default=0)
@@ -115,7 +134,18 @@ class Choice:
         """The text held back, once the sequence has ended."""
         if self.finish_reason is None:
             self.finish_reason = "length" if self.tokens >= max_tokens else "stop"
+        self.ended = True
         new, self.sent = self.text[self.sent:], len(self.text)
+        return new
+
+    def new_log_probs(self) -> list[TokenInfo]:
+        """Log-probs not sent before of the tokens whose text starts in what was sent; once
+        the sequence has ended, of every token left unless a stop string cut it off."""
+        every = self.ended and not self.cut
+        end = self.log_probs_sent
+        while end < len(self.log_probs) and (every or self.log_probs[end].offset < self.sent):
+            end += 1
+        new, self.log_probs_sent = self.log_probs[self.log_probs_sent:end], end
         return new
 
 
@@ -160,9 +190,11 @@ class OpenAIServer:
             raise ApiError(404, f"model {body.model!r} does not exist: this server serves "
                                 f"{self.model_name!r}", param="model")
         _refuse_unsupported(body)
+        return_log_probs, top = _log_probs_asked(body)
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         try:
             params = GenerationParams(
+                return_log_probs=return_log_probs, top_log_probs=top,
                 max_tokens=16 if max_tokens is None else max_tokens, end_id=self.eos_id,
                 temperature=body.temperature, top_p=body.top_p, seed=body.seed,
                 presence_penalty=body.presence_penalty,
@@ -187,6 +219,31 @@ class OpenAIServer:
         return template.render(messages=[m.model_dump() for m in body.messages],
                                add_generation_prompt=True)
 
+    def log_probs(self, call: Call, choice: Choice, chat: bool) -> dict | None:
+        """The OpenAI ``logprobs`` of the choice's tokens not sent before (None: not asked
+        for, or none new): chat's ``content`` entries, or completions' parallel lists
+        (``top_logprobs`` holds the alternatives and the sampled token, as OpenAI's)."""
+        infos = choice.new_log_probs() if call.params.return_log_probs else []
+        if not infos:
+            return None
+        text = self.token_text
+        if chat:
+            def entry(token: int, log_prob: float) -> dict:
+                piece = text(token)
+                return {"token": piece, "logprob": log_prob, "bytes": list(piece.encode())}
+
+            return {"content": [entry(i.id, i.log_prob) | {
+                "top_logprobs": [entry(*alt) for alt in i.top]} for i in infos],
+                "refusal": None}
+        return {"tokens": [text(i.id) for i in infos],
+                "token_logprobs": [i.log_prob for i in infos],
+                "top_logprobs": [{text(t): p for t, p in i.top} | {text(i.id): i.log_prob}
+                                 for i in infos],
+                "text_offset": [i.offset for i in infos]}
+
+    def token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=False)
+
     # -- the ensemble --------------------------------------------------------------------
 
     def _inputs(self, call: Call) -> list:
@@ -208,6 +265,9 @@ class OpenAIServer:
             arrays["end_id"] = np.full((rows, 1), p.end_id, np.int32)
         if p.seed is not None:
             arrays["seed"] = np.full((rows, 1), p.seed, np.uint64)
+        if p.return_log_probs:
+            arrays["return_log_probs"] = np.full((rows, 1), True)
+            arrays["top_log_probs"] = np.full((rows, 1), p.top_log_probs, np.int32)
         if call.stops:
             arrays["stop_words"] = np.array([[s.encode() for s in call.stops]] * rows,
                                             dtype=np.object_)
@@ -219,8 +279,9 @@ class OpenAIServer:
         return inputs
 
     async def run(self, call: Call) -> AsyncIterator[tuple[int, str]]:
-        """(choice index, new text) as the ensemble makes it; ends when every choice has
-        ended, cancelling the request early if all choices met a stop string."""
+        """(choice index, new text) as the ensemble makes it (the choice keeps the tokens'
+        log-probs, if asked for); ends when every choice has ended, cancelling the request
+        early if all choices met a stop string."""
         import tritonclient.grpc.aio as grpcclient
 
         client = grpcclient.InferenceServerClient(self.grpc_url)
@@ -244,8 +305,9 @@ class OpenAIServer:
                         int(result.as_numpy("batch_index").reshape(-1)[0]),
                         int(result.as_numpy("sequence_index").reshape(-1)[0]))
                     if choice.finish_reason is None:
-                        tokens = result.as_numpy("output_ids").size
-                        yield index, choice.add(text.reshape(-1)[0].decode(), tokens)
+                        tokens = result.as_numpy("output_ids").reshape(-1).tolist()
+                        yield index, choice.add(text.reshape(-1)[0].decode(), len(tokens),
+                                                _token_infos(result, tokens))
                 expected = len(call.prompts) * call.params.num_return_sequences
                 stopped = [c for c in call.choices.values() if c.finish_reason]
                 if final or len(stopped) == expected:
@@ -260,6 +322,21 @@ class OpenAIServer:
             yield index, choice.finish(call.params.max_tokens)
 
 
+def _token_infos(result, tokens: list[int]) -> list[TokenInfo]:
+    """One response's tokens with their log-probs (none if the request did not ask)."""
+    log_probs = result.as_numpy("output_log_probs")
+    if log_probs is None:
+        return []
+    top_ids, top = result.as_numpy("output_top_log_prob_ids"), result.as_numpy(
+        "output_top_log_probs")
+    k = 0 if top is None else top.shape[-1]
+    alternatives = ([[]] * len(tokens) if not k else [
+        list(zip(i.tolist(), p.tolist(), strict=True))
+        for i, p in zip(top_ids.reshape(-1, k), top.reshape(-1, k), strict=True)])
+    return [TokenInfo(t, p, a, 0) for t, p, a in
+            zip(tokens, log_probs.reshape(-1).tolist(), alternatives, strict=True)]
+
+
 def _api_error(error: InferenceServerException) -> ApiError:
     """Triton unreachable, the ensemble missing or every node down: 503; else the request
     was refused: 400."""
@@ -269,9 +346,28 @@ def _api_error(error: InferenceServerException) -> ApiError:
     return ApiError(400, message)
 
 
+def _log_probs_asked(body: _Sampling) -> tuple[bool, int]:
+    """(log-probs wanted, alternatives per token): completions' ``logprobs`` is the number
+    of alternatives; chat's is a flag, with ``top_logprobs`` the number."""
+    if isinstance(body, ChatRequest):
+        asked, top, name = bool(body.logprobs), body.top_logprobs or 0, "top_logprobs"
+        if top and not asked:
+            raise ApiError(400, f"top_logprobs {top} needs logprobs true", param=name)
+    else:
+        if body.top_logprobs is not None:
+            raise ApiError(400, "top_logprobs is for chat: completions take logprobs as the "
+                                "number of alternatives", param="top_logprobs")
+        if isinstance(body.logprobs, bool):
+            raise ApiError(400, f"logprobs must be an integer for completions, got "
+                                f"{body.logprobs}", param="logprobs")
+        asked, top, name = body.logprobs is not None, body.logprobs or 0, "logprobs"
+    if not 0 <= top <= MAX_TOP_LOG_PROBS:
+        raise ApiError(400, f"{name} {top} is not supported: at most {MAX_TOP_LOG_PROBS} "
+                            "alternatives per token", param=name)
+    return asked, top
+
+
 def _refuse_unsupported(body: _Sampling) -> None:
-    if body.logprobs or body.top_logprobs:
-        raise ApiError(400, "logprobs are not supported by this server", param="logprobs")
     if getattr(body, "echo", False):
         raise ApiError(400, "echo is not supported by this server", param="echo")
     for name, value in (body.model_extra or {}).items():
@@ -324,7 +420,8 @@ async def _answer(server: OpenAIServer, body: _Sampling, call: Call, kind: str, 
         for index, choice in sorted(call.choices.items()):
             content = ({"message": {"role": "assistant", "content": choice.text}} if chat
                        else {"text": choice.text})
-            choices.append({"index": index, **content, "logprobs": None,
+            choices.append({"index": index, **content,
+                            "logprobs": server.log_probs(call, choice, chat),
                             "finish_reason": choice.finish_reason})
         return {**head, "object": kind, "choices": choices, "usage": call.usage()}
 
@@ -335,12 +432,15 @@ async def _answer(server: OpenAIServer, body: _Sampling, call: Call, kind: str, 
     # request gets its 400 and not an event.
     first = await anext(stream, None)
 
-    def event(index: int, text: str, finish: str | None, role: bool = False) -> bytes:
+    def event(index: int, text: str, finish: str | None, role: bool = False,
+              log_probs: dict | None = None) -> bytes:
         if chat:
             delta = {"role": "assistant", "content": text} if role else {"content": text}
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": log_probs,
+                      "finish_reason": finish}
         else:
-            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "text": text, "logprobs": log_probs,
+                      "finish_reason": finish}
         chunk = {**head, "object": chunk_kind, "choices": [choice]}
         if include_usage:
             chunk["usage"] = None
@@ -351,8 +451,9 @@ async def _answer(server: OpenAIServer, body: _Sampling, call: Call, kind: str, 
         pending = [first] if first is not None else []
         try:
             async for index, text in _chain(pending, stream):
-                if text or index not in greeted:
-                    yield event(index, text, None, role=index not in greeted)
+                log_probs = server.log_probs(call, call.choices[index], chat)
+                if text or log_probs or index not in greeted:
+                    yield event(index, text, None, index not in greeted, log_probs)
                     greeted.add(index)
             for index, choice in sorted(call.choices.items()):
                 yield event(index, "", choice.finish_reason)

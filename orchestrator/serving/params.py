@@ -29,6 +29,7 @@ class RequestError(ValueError):
 
 
 MAX_RETURN_SEQUENCES = 16
+MAX_TOP_LOG_PROBS = 5  # alternatives per token a request may ask for
 MAX_WORDS = 64  # stop or bad words per request
 _U64 = 2**64
 
@@ -50,6 +51,7 @@ HONOURED: dict[str, str] = {
     "exclude_input_in_output": "bool",
     "num_return_sequences": "int",
     "return_log_probs": "bool",
+    "top_log_probs": "int",  # this project's own: alternatives per token, with their log-probs
     "return_perf_metrics": "bool",
     "stream": "bool",
 }
@@ -102,6 +104,7 @@ class GenerationParams:
     exclude_input_in_output: bool = False
     num_return_sequences: int = 1
     return_log_probs: bool = False
+    top_log_probs: int = 0
     return_perf_metrics: bool = False
     stream: bool = False
 
@@ -122,7 +125,7 @@ class GenerationParams:
         return SamplingParams(
             self.temperature, self.top_k, self.top_p, seed, self.min_tokens, self.end_id,
             self.repetition_penalty, self.presence_penalty, self.frequency_penalty,
-            self.bad_words,
+            self.bad_words, log_probs=self.return_log_probs, top_log_probs=self.top_log_probs,
         ).for_prompt(prompt_ids)
 
     def for_sequence(self, index: int) -> GenerationParams:
@@ -211,9 +214,12 @@ class GenerationParams:
                                f"got {self.min_tokens}")
         if self.seed is not None and not 0 <= self.seed < _U64:
             raise RequestError(f"seed must be in [0, 2^64), got {self.seed}")
-        if self.return_log_probs:
-            raise RequestError("return_log_probs True is not supported yet: log-probs do not "
-                               "travel back through the token pipeline")
+        if not 0 <= self.top_log_probs <= MAX_TOP_LOG_PROBS:
+            raise RequestError(f"top_log_probs must be in [0, {MAX_TOP_LOG_PROBS}], "
+                               f"got {self.top_log_probs}")
+        if self.top_log_probs and not self.return_log_probs:
+            raise RequestError(f"top_log_probs {self.top_log_probs} needs return_log_probs "
+                               "true")
         if not 1 <= self.num_return_sequences <= MAX_RETURN_SEQUENCES:
             raise RequestError(f"num_return_sequences must be in [1, {MAX_RETURN_SEQUENCES}], "
                                f"got {self.num_return_sequences}")

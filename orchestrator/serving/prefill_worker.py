@@ -17,9 +17,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from orchestrator.engine.base import Engine
+from orchestrator.engine.log_probs import TokenLogProb
 from orchestrator.pipeline.prefill import stream_prefill
 from orchestrator.serving.metrics import Metrics
 from orchestrator.serving.params import GenerationParams
+
+First = tuple[int, TokenLogProb | None]  # a first token, its log-prob if asked for
 
 
 @dataclass
@@ -45,8 +48,9 @@ class PrefillWorker:
         self.save_timeout_s = save_timeout_s
         self.lock = threading.Lock()  # Triton may run execute() from several threads
 
-    def run(self, jobs: Sequence[PrefillJob]) -> list[int | Exception]:
-        """First token per job, or the exception that job failed with."""
+    def run(self, jobs: Sequence[PrefillJob]) -> list[First | Exception]:
+        """First token (and its log-prob if the job asked) per job, or the exception that
+        job failed with."""
         with self.lock:
             try:
                 results = self._run(jobs)
@@ -60,12 +64,13 @@ class PrefillWorker:
         """Staging blocks still taken (0 between batches once their transfers drained)."""
         return sum(sender.in_flight() for sender in self.senders)
 
-    def _run(self, jobs: Sequence[PrefillJob]) -> list[int | Exception]:
-        results: list[int | Exception] = [ValueError("empty prompt")] * len(jobs)
+    def _run(self, jobs: Sequence[PrefillJob]) -> list[First | Exception]:
+        results: list[First | Exception] = [ValueError("empty prompt")] * len(jobs)
         todo = {job.request_id: job for job in jobs if job.prompt_ids}
         if not todo:
             return results
         opened = time.perf_counter()
+        log_probs: dict[str, TokenLogProb] = {}
         try:
             first = stream_prefill(
                 self.engines, self.senders,
@@ -73,6 +78,7 @@ class PrefillWorker:
                 {rid: job.tickets for rid, job in todo.items()},
                 {rid: job.params.sampling(job.prompt_ids) for rid, job in todo.items()},
                 self.save_timeout_s,
+                log_probs,
             )
         except Exception as exc:  # one transfer failed: stream_prefill cannot tell which
             return [exc if job.prompt_ids else r for job, r in zip(jobs, results, strict=True)]
@@ -81,6 +87,6 @@ class PrefillWorker:
                               for e in self.engines)
         for i, job in enumerate(jobs):
             if job.prompt_ids:
-                results[i] = first[job.request_id]
+                results[i] = (first[job.request_id], log_probs.get(job.request_id))
                 self.metrics.kv_streamed(len(job.prompt_ids) * bytes_per_token, seconds)
         return results

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from orchestrator.engine.base import Engine
+from orchestrator.engine.log_probs import TokenLogProb
 from orchestrator.fault.stage_recovery import RecoveryOps
 from orchestrator.pipeline.head import PipelineHead
 from orchestrator.pipeline.node import StageNode
@@ -49,16 +50,21 @@ class ControlRequest:
     args: tuple[bytes, ...] = ()
 
 
+# new tokens, their log-probs (None: not asked for), is this the last response
+Emit = Callable[[list[int], list[TokenLogProb] | None, bool], None]
+
+
 @dataclass(eq=False)
 class _Client:
     """Where one request's tokens go."""
 
-    emit: Callable[[list[int], bool], None]  # new tokens, is this the last response
+    emit: Emit
     fail: Callable[[str], None]  # final error response
     is_cancelled: Callable[[], bool]
     sent: int  # tokens handed to the sender (disaggregated: the P-node sent the first)
     reserved_at: float
     outbox: list[int] = field(default_factory=list)  # made, not yet answered
+    log_probs: list[TokenLogProb] | None = None  # the outbox's, if the request asked
     final: bool = False
     error: str | None = None
 
@@ -161,7 +167,7 @@ class TokenService:
         request_id: str,
         prompt_ids: list[int],
         params: GenerationParams,
-        emit: Callable[[list[int], bool], None],
+        emit: Emit,
         fail: Callable[[str], None],
         is_cancelled: Callable[[], bool],
         send_ticket: Callable[[bytes], None],
@@ -177,8 +183,9 @@ class TokenService:
         with self.lock:
             if request_id in self.clients:
                 raise RequestError(f"request id {request_id!r} is already running here")
-            self.clients[request_id] = _Client(emit, fail, is_cancelled,
-                                               0 if self.colocated else 1, time.perf_counter())
+            self.clients[request_id] = _Client(
+                emit, fail, is_cancelled, 0 if self.colocated else 1, time.perf_counter(),
+                log_probs=[] if params.return_log_probs else None)
             self.metrics.queue_length(len(self.clients))
         try:
             if self.colocated:
@@ -218,7 +225,8 @@ class TokenService:
                     self._send(client, [], seq.error or
                                f"ended ({seq.finish_reason.value}) without a token")
             elif finished or len(seq.output_ids) > client.sent:
-                self._send(client, seq.output_ids[client.sent :], finished=finished)
+                self._send(client, seq.output_ids[client.sent :], finished=finished,
+                           log_probs=seq.log_probs[client.sent :])
                 client.sent = len(seq.output_ids)
         except Exception:
             log.exception("could not answer request %s", seq.request_id)
@@ -227,9 +235,11 @@ class TokenService:
             self.metrics.request_done(outcome.get(seq.finish_reason, "finished"))
 
     def _send(self, client: _Client, tokens: list[int], error: str | None = None,
-              finished: bool = False) -> None:
+              finished: bool = False, log_probs: list[TokenLogProb | None] = ()) -> None:
         with self._outbox:
             client.outbox += tokens
+            if client.log_probs is not None:
+                client.log_probs += log_probs
             client.final |= finished
             client.error = client.error or error
             self._ready[client] = None
@@ -242,14 +252,15 @@ class TokenService:
                 self._outbox.wait_for(lambda: self._ready or self._closing)
                 if not self._ready:
                     return
-                work = [(c, c.outbox, c.final, c.error) for c in self._ready]
+                work = [(c, c.outbox, c.log_probs, c.final, c.error) for c in self._ready]
                 for client in self._ready:
                     client.outbox = []
+                    client.log_probs = None if client.log_probs is None else []
                 self._ready.clear()
-            for client, tokens, final, error in work:
+            for client, tokens, log_probs, final, error in work:
                 try:
                     if tokens or final:
-                        client.emit(tokens, final)
+                        client.emit(tokens, log_probs, final)
                     if error is not None:
                         client.fail(error)
                 except Exception:

@@ -63,3 +63,39 @@ def test_stop_word_ends_a_sequence_after_it():
     for token in (5, 7, 5, 6):
         seq.append(token)
     assert seq.finish_reason is FinishReason.STOP and seq.output_ids == [5, 7, 5, 6]
+
+
+def test_log_probs_are_the_raw_distribution_whatever_the_processing():
+    """Log-probs are the log-softmax of the model's logits, before penalties and masks:
+    the picked token's, and the top alternatives', most likely first."""
+    row = logits(1.0, 3.0, 2.0, 0.5)
+    want = torch.log_softmax(row[0], -1)
+    token, log_prob = Sampler(SamplingParams(log_probs=True, top_log_probs=2)).pick(row)
+    assert token == 1 and log_prob.log_prob == pytest.approx(float(want[1]), abs=1e-6)
+    assert [i for i, _ in log_prob.top] == [1, 2]
+    assert [p for _, p in log_prob.top] == pytest.approx([float(want[1]), float(want[2])])
+    # A bad word moves the pick; its log-prob is still the raw model's.
+    banned = Sampler(SamplingParams(bad_words=((1,),), log_probs=True))
+    token, log_prob = banned.pick(row)
+    assert token == 2 and log_prob.log_prob == pytest.approx(float(want[2]), abs=1e-6)
+    assert log_prob.top == ()
+
+
+def test_log_probs_cost_nothing_unless_asked():
+    token, log_prob = Sampler().pick(logits(1.0, 3.0))
+    assert (token, log_prob) == (1, None)
+
+
+def test_log_probs_travel_with_the_tokens_and_are_cut_on_a_rewind():
+    from orchestrator.engine.log_probs import TokenLogProb, decode, encode
+
+    seq = Sequence("r", [1, 2], max_tokens=5, sampling=SamplingParams(log_probs=True))
+    seq.append(7)  # the P-node's first token: its log-prob went to the client from there
+    seq.append(8, TokenLogProb(-0.5, ((8, -0.5),)))
+    seq.append(9, TokenLogProb(-1.25))
+    assert seq.log_probs[0] is None and decode(encode(seq.log_probs[1:])) == seq.log_probs[1:]
+    seq.truncate(2)
+    assert seq.output_ids == [7, 8] and len(seq.log_probs) == 2
+    plain = Sequence("p", [1], max_tokens=3)
+    plain.append(4)
+    assert plain.log_probs == []

@@ -5,9 +5,14 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
+
 from clients import breakdown, common
 from clients.common import PROMPTS as ALL_PROMPTS
 from clients.generate import stream_grpc, stream_http
+from orchestrator.engine.reference import generate, log_softmax_along
+from orchestrator.engine.tokenizer import load_tokenizer
+from orchestrator.engine.torch_engine import load_engine
 
 MAX_SEQ_LEN = 256  # the tiny models' positions: room for a long stream to cancel
 PROMPTS = ALL_PROMPTS[:6]
@@ -42,3 +47,31 @@ def text_of(chunks) -> str:
 def metric(server, name: str, **labels: str) -> float:
     """Sum of a counter or gauge on a node's Prometheus port over series matching ``labels``."""
     return common.metric(f"127.0.0.1:{server.metrics_port}", name, **labels)
+
+
+def assert_log_probs_match_reference(url: str, model_dir: Path, prompt: str, max_tokens: int,
+                                     top: int = 3) -> None:
+    """gRPC, streaming and not: greedy tokens with ``return_log_probs`` equal the
+    reference's, and each token's log-prob (and the ``top`` likeliest) equal the
+    reference model's log-softmax at its position; ``cum_log_probs`` sums them so far."""
+    tokenizer = load_tokenizer(model_dir)
+    engine = load_engine(model_dir, max_seq_len=MAX_SEQ_LEN)
+    prompt_ids = tokenizer.encode(prompt).ids
+    want_ids = generate([engine], [prompt_ids], max_tokens)[0]
+    rows = log_softmax_along([engine], prompt_ids, want_ids)
+    want = rows[range(len(want_ids)), want_ids].tolist()
+    best = rows.topk(top, dim=-1)
+    for stream in (True, False):
+        chunks = list(stream_grpc(url, prompt, stream=stream, max_tokens=max_tokens,
+                                  return_log_probs=True, top_log_probs=top))
+        assert [t for c in chunks for t in c.ids] == want_ids
+        got = [p for c in chunks for p in c.log_probs]
+        assert np.allclose(got, want, atol=1e-4), (stream, got, want)
+        sums = np.cumsum(got)[np.cumsum([len(c.ids) for c in chunks]) - 1]
+        assert np.allclose([c.cum_log_prob for c in chunks], sums, atol=1e-4)
+        alternatives = [pair for c in chunks for pair in c.top]
+        assert [[i for i, _ in a] for a in alternatives] == best.indices.tolist()
+        assert np.allclose([[p for _, p in a] for a in alternatives], best.values, atol=1e-4)
+    plain = list(stream_grpc(url, prompt, max_tokens=max_tokens))
+    assert [c.ids for c in plain] == [[t] for t in want_ids]
+    assert all(c.log_probs is None and c.top is None for c in plain)  # none unless asked

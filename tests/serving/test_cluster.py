@@ -17,6 +17,7 @@ import tritonclient.grpc as grpcclient
 from cluster_helpers import (
     MAX_SEQ_LEN,
     PROMPTS,
+    assert_log_probs_match_reference,
     ids_of,
     metric,
     reference,
@@ -31,7 +32,7 @@ from orchestrator.cluster.launcher import Cluster
 from orchestrator.control.auth import load_secret, request_parameters
 from orchestrator.control.client import tensor
 from orchestrator.control.errors import ErrorCode
-from orchestrator.engine.reference import generate
+from orchestrator.engine.reference import generate, log_softmax_along
 from orchestrator.engine.sampling import SamplingParams
 from orchestrator.engine.tokenizer import load_tokenizer
 from orchestrator.engine.torch_engine import load_engine
@@ -459,6 +460,11 @@ def test_perf_metrics_and_refused_inputs(cluster, expected):
     good_request_works(cluster, expected)
 
 
+def test_log_probs_equal_the_reference_log_softmax(cluster, model):
+    """The P-node's first token's and the T-node's rest."""
+    assert_log_probs_match_reference(cluster.frontend.grpc_url, model, PROMPTS[4], MAX_TOKENS)
+
+
 def test_tensorrt_llm_bls_serves_the_same_contract(cluster, expected):
     chunks = generate_batch(cluster.frontend.grpc_url, PROMPTS[:2], model="tensorrt_llm_bls",
                             max_tokens=MAX_TOKENS)
@@ -542,12 +548,75 @@ def test_openai_n_samples_with_a_seed_and_stop(cluster, model, openai_client):
     assert cut.text == text[: text.index(stop)] and cut.finish_reason == "stop"
 
 
+def test_openai_log_probs_equal_the_reference_log_softmax(cluster, model, openai_client):
+    """Completions ``logprobs: k`` and chat ``logprobs`` + ``top_logprobs``, streaming and
+    not: each token's log-prob and alternatives are the reference model's log-softmax."""
+    import openai
+
+    tokenizer = load_tokenizer(model)
+    engine = load_engine(model, max_seq_len=MAX_SEQ_LEN)
+    prompt = f"user: {PROMPTS[2]}\nassistant:"
+    (want_ids,) = _with_eos(model, [prompt], MAX_TOKENS)
+    rows = log_softmax_along([engine], tokenizer.encode(prompt).ids, want_ids)
+    want = rows[range(len(want_ids)), want_ids].tolist()
+    best = rows.topk(2, dim=-1)
+    pieces = [tokenizer.decode([t], skip_special_tokens=False) for t in want_ids]
+    top = [{tokenizer.decode([i], skip_special_tokens=False): p for i, p in
+            zip(ids, values, strict=True)} for ids, values in
+           zip(best.indices.tolist(), best.values.tolist(), strict=True)]
+    common = dict(model=model.name, max_tokens=MAX_TOKENS, temperature=0)
+
+    for stream in (False, True):
+        made = openai_client.completions.create(prompt=prompt, logprobs=2, stream=stream,
+                                                **common)
+        if stream:
+            parts = [c.choices[0].logprobs for c in made if c.choices[0].logprobs]
+        else:
+            parts = [made.choices[0].logprobs]
+        tokens = [t for p in parts for t in p.tokens]
+        assert tokens == pieces
+        assert np.allclose([v for p in parts for v in p.token_logprobs], want, atol=1e-4)
+        offsets = [sum(map(len, pieces[:i])) for i in range(len(pieces))]
+        assert [p for part in parts for p in part.text_offset] == offsets
+        alternatives = [d for p in parts for d in p.top_logprobs]
+        for got, best_two, piece, value in zip(alternatives, top, pieces, want, strict=True):
+            assert got.keys() == best_two.keys() | {piece}
+            assert np.allclose([got[k] for k in best_two], list(best_two.values()), atol=1e-4)
+            assert abs(got[piece] - value) < 1e-4
+
+        chat = openai_client.chat.completions.create(
+            messages=[{"role": "user", "content": PROMPTS[2]}], logprobs=True, top_logprobs=2,
+            stream=stream, **common)
+        if stream:
+            content = [e for c in chat if c.choices and c.choices[0].logprobs
+                       for e in c.choices[0].logprobs.content]
+        else:
+            content = chat.choices[0].logprobs.content
+        assert [e.token for e in content] == pieces
+        assert [bytes(e.bytes).decode() for e in content] == pieces
+        assert np.allclose([e.logprob for e in content], want, atol=1e-4)
+        for entry, best_two in zip(content, top, strict=True):
+            assert {a.token: a.logprob for a in entry.top_logprobs}.keys() == best_two.keys()
+            assert np.allclose([a.logprob for a in entry.top_logprobs],
+                               list(best_two.values()), atol=1e-4)
+
+    plain = openai_client.completions.create(prompt=prompt, **common)
+    assert plain.choices[0].logprobs is None  # none unless asked
+    for bad, message in (({"logprobs": 6}, "logprobs 6 is not supported: at most 5"),):
+        with pytest.raises(openai.BadRequestError, match=message):
+            openai_client.completions.create(prompt=prompt, **common, **bad)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs 6 is not supported"):
+        openai_client.chat.completions.create(
+            messages=[{"role": "user", "content": "hi"}], logprobs=True, top_logprobs=6,
+            **common)
+
+
 def test_openai_errors_have_openai_shape(cluster, model, openai_client, expected):
     import openai
 
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         openai_client.completions.create(model="gpt-9", prompt="hi", max_tokens=4)
-    for bad in ({"temperature": -1.0}, {"top_p": 0.0}, {"logprobs": 2}, {"max_tokens": 0},
+    for bad in ({"temperature": -1.0}, {"top_p": 0.0}, {"logprobs": 9}, {"max_tokens": 0},
                 {"max_tokens": 10**6}):
         with pytest.raises(openai.BadRequestError):
             openai_client.completions.create(model=model.name, prompt="hi",

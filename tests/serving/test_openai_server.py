@@ -8,6 +8,7 @@ from orchestrator.serving.openai_server import (
     Choice,
     CompletionRequest,
     OpenAIServer,
+    TokenInfo,
 )
 
 
@@ -28,6 +29,31 @@ def test_a_stop_string_ends_the_text_before_it_even_across_chunks():
     assert held.finish_reason == "stop"
 
 
+def test_log_probs_of_tokens_a_stop_string_cut_off_never_go_out(server):
+    choice = Choice(stops=["END"])
+    choice.add("ab", 1, [TokenInfo(5, -0.5, [], 0)])
+    choice.add("cE", 1, [TokenInfo(6, -1.0, [], 0)])
+    assert [i.id for i in choice.new_log_probs()] == [5]  # "cE" may start the stop string
+    choice.add("NDx", 1, [TokenInfo(7, -2.0, [], 0)])
+    choice.finish(max_tokens=8)
+    assert [(i.id, i.offset) for i in choice.new_log_probs()] == [(6, 2)]
+    ended = Choice(stops=[])
+    ended.add("ab", 1, [TokenInfo(5, -0.5, [], 0)])
+    ended.add("", 1, [TokenInfo(2, -0.1, [], 0)])  # eos: no text, still a token
+    ended.finish(max_tokens=2)
+    assert [i.id for i in ended.new_log_probs()] == [5, 2]
+
+
+def test_log_probs_map_to_the_ensemble_inputs(server):
+    completion = server.call(CompletionRequest(model="tiny", prompt="a", logprobs=0), ["a"], 4)
+    assert (completion.params.return_log_probs, completion.params.top_log_probs) == (True, 0)
+    chat = server.call(ChatRequest(model="tiny", messages=[], logprobs=True, top_logprobs=3),
+                       ["a"], 4)
+    assert (chat.params.return_log_probs, chat.params.top_log_probs) == (True, 3)
+    plain = server.call(ChatRequest(model="tiny", messages=[]), ["a"], 4)
+    assert not plain.params.return_log_probs
+
+
 def test_requests_map_to_checked_parameters(server):
     call = server.call(CompletionRequest(model="tiny", prompt=["a", "b"], max_tokens=5, n=2,
                                          seed=3, temperature=0.5, stop="x"), ["a", "b"], 5)
@@ -38,7 +64,13 @@ def test_requests_map_to_checked_parameters(server):
     assert info.value.status == 404
     for body, message in [
         (CompletionRequest(model="tiny", prompt="a", temperature=-1), "temperature must be"),
-        (CompletionRequest(model="tiny", prompt="a", logprobs=2), "logprobs are not supported"),
+        (CompletionRequest(model="tiny", prompt="a", logprobs=6),
+         "logprobs 6 is not supported: at most 5"),
+        (CompletionRequest(model="tiny", prompt="a", top_logprobs=2), "top_logprobs is for chat"),
+        (ChatRequest(model="tiny", messages=[], top_logprobs=2),
+         "top_logprobs 2 needs logprobs true"),
+        (ChatRequest(model="tiny", messages=[], logprobs=True, top_logprobs=7),
+         "top_logprobs 7 is not supported"),
         (CompletionRequest(model="tiny", prompt="a", best_of=3), "best_of is not supported"),
         (CompletionRequest(model="tiny", prompt="a", top_p=float("nan")), "top_p must be a fin"),
     ]:

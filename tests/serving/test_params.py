@@ -72,7 +72,9 @@ def test_rows_are_read_apart_and_aliases_agree():
          "prompt_embedding_table .* prompt tables"),
         ({"max_tokens": 4, "guided_decoding_guide_type": np.array([[b"json"]], object)},
          r"guided_decoding_guide_type \(b'json'\) is refused: guided decoding"),
-        ({"max_tokens": 4, "return_log_probs": True}, "return_log_probs"),
+        ({"max_tokens": 4, "return_log_probs": True, "top_log_probs": 6},
+         r"top_log_probs must be in \[0, 5\], got 6"),
+        ({"max_tokens": 4, "top_log_probs": 2}, "top_log_probs 2 needs return_log_probs true"),
     ],
 )
 def test_bad_parameters_are_named(values, message):

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from cluster_helpers import MAX_SEQ_LEN, PROMPTS, ids_of
+from cluster_helpers import MAX_SEQ_LEN, PROMPTS, assert_log_probs_match_reference, ids_of
 
 from clients.generate import generate_batch, stream_grpc
 from orchestrator.cluster.devices import Devices
@@ -73,7 +73,8 @@ def test_decode_depth_2_with_swapping_matches_reference(model, expected, tmp_pat
 
 def contract_holds(model, cluster) -> None:
     """The TensorRT-LLM contract and the OpenAI API on a depth-2 pipeline: a batch of 4 in
-    one call, and parameters the P-node and both T-stages must keep (a penalty, a seed)."""
+    one call, parameters the P-node and both T-stages must keep (a penalty, a seed), and
+    log-probs."""
     import openai
 
     tokenizer = load_tokenizer(model)
@@ -91,6 +92,7 @@ def contract_holds(model, cluster) -> None:
 
     first = samples()
     assert first == samples() and first[(0, 0)] != first[(0, 1)]
+    assert_log_probs_match_reference(url, model, PROMPTS[5], 10)
     client = openai.OpenAI(base_url=cluster.openai.url, api_key="unused", max_retries=0)
     done = client.completions.create(model=model.name, prompt=PROMPTS[0], max_tokens=8,
                                      temperature=0)

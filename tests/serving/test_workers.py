@@ -35,7 +35,7 @@ class Client:
         self.done = threading.Event()
         self.cancel_after = cancel_after
 
-    def emit(self, tokens: list[int], final: bool) -> None:
+    def emit(self, tokens: list[int], log_probs, final: bool) -> None:
         self.tokens += tokens
         if self.cancel_after is not None:
             time.sleep(0.02)  # a slow client: the cancellation is seen mid-stream
@@ -109,7 +109,7 @@ def test_disaggregated_batch_matches_reference(model, engine):
             for i, (prompt, client, n) in enumerate(zip(PROMPTS, clients, limits, strict=True))
         ]
         firsts = prefill.run(jobs)
-        got = [[first, *c.wait().tokens] for first, c in zip(firsts, clients, strict=True)]
+        got = [[first, *c.wait().tokens] for (first, _), c in zip(firsts, clients, strict=True)]
         assert not service.clients  # every request forgotten
     finally:
         service.stop()
@@ -184,7 +184,7 @@ def test_a_failing_prefill_gives_its_staging_block_back(model, engine, monkeypat
             client = Client()
             admit(service, f"bad{i}", PROMPTS[0], GenerationParams(max_tokens=4), client)
             with monkeypatch.context() as patch:
-                patch.setattr(prefill_module, "Sampler", lambda params: lambda logits: 1 / 0)
+                patch.setattr(prefill_module.Sampler, "pick", lambda self, logits: 1 / 0)
                 (result,) = prefill.run([PrefillJob(f"bad{i}", PROMPTS[0],
                                                     GenerationParams(max_tokens=4),
                                                     [client.ticket])])
@@ -196,8 +196,8 @@ def test_a_failing_prefill_gives_its_staging_block_back(model, engine, monkeypat
             time.sleep(0.02)
         good = Client()
         admit(service, "good", PROMPTS[1], GenerationParams(max_tokens=3), good)
-        (first,) = prefill.run([PrefillJob("good", PROMPTS[1], GenerationParams(max_tokens=3),
-                                           [good.ticket])])
+        ((first, _),) = prefill.run([PrefillJob("good", PROMPTS[1],
+                                                GenerationParams(max_tokens=3), [good.ticket])])
         assert [first, *good.wait().tokens] == generate([engine], PROMPTS[1:2], 3)[0]
     finally:
         service.stop()

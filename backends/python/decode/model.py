@@ -4,6 +4,7 @@ KV reservation, recovery) answered with one final ``reply``. Every request must 
 with the cluster secret; failures come back as ``error_code`` and ``error``."""
 
 from orchestrator.control.errors import ErrorCode, code_of
+from orchestrator.engine.log_probs import encode as encode_log_probs
 from orchestrator.serving import pb
 from orchestrator.serving.node import connect_controller, load_token_service
 from orchestrator.serving.params import GenerationParams
@@ -36,8 +37,11 @@ class TritonPythonModel:
                     pb.send(sender, pb.response(reply=pb.strings(reply)), final=True)
                     continue
 
-                def emit(tokens, final, sender=sender):
-                    pb.send(sender, pb.response(output_ids=pb.ids(tokens)), final)
+                def emit(tokens, log_probs, final, sender=sender):
+                    outputs = {"output_ids": pb.ids(tokens)}
+                    if log_probs is not None:
+                        outputs["log_probs"] = pb.strings(encode_log_probs(log_probs))
+                    pb.send(sender, pb.response(**outputs), final)
 
                 def send_ticket(ticket, sender=sender):
                     pb.send(sender, pb.response(kv_ticket=pb.strings(ticket)))

@@ -1,10 +1,12 @@
 """Detokenize ``tokens``; ``context_tokens`` (sent just before, or the prompt) make the text
-exact; ``meta`` (the orchestrator's JSON) becomes batch_index, sequence_index, perf metrics."""
+exact; ``meta`` (the orchestrator's JSON) becomes batch_index, sequence_index, perf metrics
+and log-probs."""
 
 import json
 
 import numpy as np
 
+from orchestrator.engine.log_probs import TokenLogProb, response_tensors
 from orchestrator.engine.tokenizer import load_tokenizer
 from orchestrator.serving import pb
 from orchestrator.serving.text import response_text
@@ -35,5 +37,9 @@ class TritonPythonModel:
             }
             for name, value in meta.get("perf", {}).items():
                 outputs[name] = np.array([[value]], dtype=PERF[name])
+            if "log_probs" in meta:
+                lp = meta["log_probs"]
+                outputs |= response_tensors([TokenLogProb.from_list(p) for p in lp["tokens"]],
+                                            lp["cum"], lp["top"])
             responses.append(pb.response(**outputs))
         return responses

@@ -4,6 +4,7 @@ request must be signed with the cluster secret; failures come back as ``error_co
 ``error``."""
 
 from orchestrator.control.errors import code_of
+from orchestrator.engine.log_probs import encode as encode_log_probs
 from orchestrator.serving import pb
 from orchestrator.serving.node import connect_controller, load_prefill_worker
 from orchestrator.serving.params import GenerationParams
@@ -38,7 +39,11 @@ class TritonPythonModel:
             if isinstance(result, Exception):
                 responses[i] = _failure(result)
             else:
-                responses[i] = pb.response(output_ids=pb.ids([result]))
+                token, log_prob = result
+                outputs = {"output_ids": pb.ids([token])}
+                if log_prob is not None:
+                    outputs["log_probs"] = pb.strings(encode_log_probs([log_prob]))
+                responses[i] = pb.response(**outputs)
         return responses
 
     def finalize(self):
