@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from orchestrator.engine.reference import generate, load_stages
+from orchestrator.engine.reference import generate, load_stages, log_softmax_along
+from orchestrator.engine.sampling import SamplingParams
 from orchestrator.fault.local import Kill, ReplicatedPipeline
 from orchestrator.pipeline.local import LocalPipeline
 from orchestrator.pipeline.node import PipelineConfig
@@ -49,7 +50,8 @@ def run(controller: str, model, depth: int, kills: list[Kill], name: str, swap: 
     def on_token(seq: Sequence, token: int | None, finished: bool) -> None:
         finishes[seq.request_id] = finishes.get(seq.request_id, 0) + finished
 
-    seqs = [Sequence(f"r{i}", p, m, on_token=on_token)
+    # Log-probs asked for: a recovery redoes them with the tokens.
+    seqs = [Sequence(f"r{i}", p, m, on_token=on_token, sampling=SamplingParams(log_probs=True))
             for i, (p, m) in enumerate(zip(make_prompts(), LIMITS, strict=True))]
     with ft:
         for seq in seqs:
@@ -59,7 +61,19 @@ def run(controller: str, model, depth: int, kills: list[Kill], name: str, swap: 
         assert pipeline.kv_held() == 0
     assert all(s.finish_reason is FinishReason.LENGTH for s in seqs), [s.error for s in seqs]
     assert not ft.kills, "a kill never fired"
-    return [s.output_ids for s in seqs], finishes, ft, held
+    return [s.output_ids for s in seqs], finishes, ft, held, [s.log_probs for s in seqs]
+
+
+def assert_reference_log_probs(model, outputs, log_probs) -> None:
+    """Each log-prob the pipeline made (disaggregated, the P-side's first token's went to
+    the client) is the reference model's log-softmax at its position."""
+    engines = load_stages(str(model), 1, max_seq_len=MAX_SEQ)
+    for prompt, ids, got in zip(make_prompts(), outputs, log_probs, strict=True):
+        rows = log_softmax_along(engines, prompt, ids)
+        made = [(i, p.log_prob) for i, p in enumerate(got) if p is not None]
+        assert len(made) >= len(ids) - 1
+        want = [float(rows[i, ids[i]]) for i, _ in made]
+        assert [p for _, p in made] == pytest.approx(want, abs=1e-4)
 
 
 @pytest.mark.parametrize(
@@ -73,9 +87,10 @@ def run(controller: str, model, depth: int, kills: list[Kill], name: str, swap: 
 def test_recovery_on_the_token_pipeline_is_token_exact(controller, tiny_model, arch, depth,
                                                        swap, mode, kill) -> None:
     model = tiny_model(arch)
-    outputs, finishes, ft, held = run(controller, model, depth, [kill], f"tp-{arch}-{mode}",
-                                      swap, mode=mode)
+    outputs, finishes, ft, held, log_probs = run(controller, model, depth, [kill],
+                                                 f"tp-{arch}-{mode}", swap, mode=mode)
     assert outputs == reference(model, make_prompts())
+    assert_reference_log_probs(model, outputs, log_probs)
     assert finishes == {f"r{i}": 1 for i in range(len(LIMITS))}  # none lost, none twice
     (recovery,) = ft.recoveries
     assert recovery.stages == [kill.stage] and not recovery.recompute
@@ -90,7 +105,7 @@ def test_recovery_on_the_token_pipeline_is_token_exact(controller, tiny_model, a
 def test_unsettled_kill_redoes_no_later_step_and_stays_exact(controller, tiny_model) -> None:
     model = tiny_model("gpt2")
     kill = Kill(stage=2, microbatch=1, step=7, settled=False)
-    outputs, finishes, ft, held = run(controller, model, 3, [kill], "tp-unsettled")
+    outputs, finishes, ft, held, _ = run(controller, model, 3, [kill], "tp-unsettled")
     assert outputs == reference(model, make_prompts())
     assert set(finishes.values()) == {1}
     (recovery,) = ft.recoveries
@@ -103,9 +118,10 @@ def test_holder_also_lost_falls_back_to_recompute(controller, tiny_model, mode) 
     prefills them again."""
     model = tiny_model("gpt2")
     kill = Kill(stage=1, microbatch=0, step=4, also=(2,))  # stage 2 holds stage 1's replicas
-    outputs, finishes, ft, held = run(controller, model, 3, [kill], f"tp-fallback-{mode}",
-                                      mode=mode)
+    outputs, finishes, ft, held, log_probs = run(controller, model, 3, [kill],
+                                                 f"tp-fallback-{mode}", mode=mode)
     assert outputs == reference(model, make_prompts())
+    assert_reference_log_probs(model, outputs, log_probs)
     assert set(finishes.values()) == {1}
     (recovery,) = ft.recoveries
     assert recovery.recompute and recovery.stages == [1, 2] and recovery.restarted > 0
@@ -115,8 +131,8 @@ def test_holder_also_lost_falls_back_to_recompute(controller, tiny_model, mode) 
 def test_restart_from_scratch_baseline_is_token_exact(controller, tiny_model) -> None:
     model = tiny_model("gpt2")
     kill = Kill(stage=2, microbatch=0, step=6)
-    outputs, finishes, ft, held = run(controller, model, 3, [kill], "tp-restart",
-                                      replicate=False)
+    outputs, finishes, ft, held, _ = run(controller, model, 3, [kill], "tp-restart",
+                                         replicate=False)
     assert outputs == reference(model, make_prompts())
     assert set(finishes.values()) == {1}
     (recovery,) = ft.recoveries

@@ -469,6 +469,13 @@ def test_tensorrt_llm_bls_serves_the_same_contract(cluster, expected):
     chunks = generate_batch(cluster.frontend.grpc_url, PROMPTS[:2], model="tensorrt_llm_bls",
                             max_tokens=MAX_TOKENS)
     assert [ids_of(chunks[(row, 0)]) for row in range(2)] == expected[:2]
+    asked = dict(max_tokens=4, return_log_probs=True, top_log_probs=2)
+    bls = generate_batch(cluster.frontend.grpc_url, PROMPTS[:1], model="tensorrt_llm_bls",
+                         **asked)[(0, 0)]
+    ensemble = generate_batch(cluster.frontend.grpc_url, PROMPTS[:1], **asked)[(0, 0)]
+    assert [(c.log_probs, c.cum_log_prob, c.top) for c in bls] == [
+        (c.log_probs, c.cum_log_prob, c.top) for c in ensemble]
+    assert len([p for c in bls for p in c.log_probs]) == 4
     http = list(stream_http(cluster.frontend.http_url, PROMPTS[2], model="tensorrt_llm_bls",
                             max_tokens=MAX_TOKENS))
     assert ids_of(http) == expected[2]

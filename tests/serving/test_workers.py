@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from orchestrator.engine.reference import generate
+from orchestrator.engine.reference import generate, log_softmax_along
 from orchestrator.engine.torch_engine import load_engine
 from orchestrator.kv.connector import KVSender
 from orchestrator.kv.transport.local import LocalFabric, LocalTransport
@@ -30,6 +30,7 @@ class Client:
 
     def __init__(self, cancel_after: int | None = None) -> None:
         self.tokens: list[int] = []
+        self.log_probs: list = []
         self.error: str | None = None
         self.ticket: bytes | None = None
         self.done = threading.Event()
@@ -37,6 +38,8 @@ class Client:
 
     def emit(self, tokens: list[int], log_probs, final: bool) -> None:
         self.tokens += tokens
+        if log_probs is not None:
+            self.log_probs += log_probs
         if self.cancel_after is not None:
             time.sleep(0.02)  # a slow client: the cancellation is seen mid-stream
         if final:
@@ -89,6 +92,23 @@ def test_colocated_batch_matches_reference(engine):
     finally:
         service.stop()
     assert got == generate([engine], PROMPTS, max_tokens=6)
+
+
+def test_colocated_log_probs_are_the_reference_log_softmax(engine):
+    service = colocated(engine, 2)
+    try:
+        asked, plain = Client(), Client()
+        admit(service, "lp", PROMPTS[0], GenerationParams(max_tokens=6, return_log_probs=True,
+                                                          top_log_probs=2), asked)
+        admit(service, "plain", PROMPTS[0], GenerationParams(max_tokens=6), plain)
+        asked.wait(), plain.wait()
+    finally:
+        service.stop()
+    rows = log_softmax_along([engine], PROMPTS[0], asked.tokens)
+    assert asked.tokens == plain.tokens and plain.log_probs == []
+    assert [p.log_prob for p in asked.log_probs] == pytest.approx(
+        rows[range(6), asked.tokens].tolist(), abs=1e-5)
+    assert [[i for i, _ in p.top] for p in asked.log_probs] == rows.topk(2).indices.tolist()
 
 
 def test_disaggregated_batch_matches_reference(model, engine):
