@@ -14,11 +14,15 @@ import numpy as np
 import pytest
 from cluster_helpers import reference
 
-from clients.perf import GENAI_APIS, PROMPT, BenchError, install_tools, main, summarize_export
+from clients.perf import PROMPT, BenchError, install_tools, main, summarize_export
 
 MAX_TOKENS = 8
 REQUESTS = 3  # per concurrent stream
 CONCURRENCY = [1, 2]
+# genai-perf's gRPC TensorRT-LLM mode and one OpenAI mode (aiperf takes the other): each
+# tool run costs ~30 s of start-up, so the bench's other APIs (generate, completions) are
+# left to its default run.
+GENAI_APIS_TESTED = ["kserve", "chat"]
 
 
 def _export(requests: list[tuple[int, list[int]]], concurrency: int = 1) -> dict:
@@ -56,7 +60,7 @@ def test_bench_serving_against_a_real_cluster(tiny_model, tmp_path):
     out = tmp_path / "bench"
     argv = ["--model", str(model), "--modes", "disaggregated", "--max-tokens", str(MAX_TOKENS),
             "--requests", str(REQUESTS), "--genai-concurrency", "2", "--out", str(out),
-            "--genai-apis", *GENAI_APIS, "--aiperf",
+            "--genai-apis", *GENAI_APIS_TESTED, "--aiperf",
             "--concurrency", *map(str, CONCURRENCY)]
     assert main(argv) == 0
 
@@ -85,11 +89,12 @@ def test_bench_serving_against_a_real_cluster(tiny_model, tmp_path):
             streamed = [np.ravel(r["output_ids"]).tolist() for r in request["response_outputs"]]
             assert streamed == [[t] for t in expected]
 
-    # genai-perf over every API, and aiperf over completions: unchanged tools, every request
-    # answered (each tool exits non-zero on a failed request).
+    # genai-perf over both kinds of API, and aiperf over completions: unchanged tools, every
+    # request answered (each tool exits non-zero on a failed request).
     with (out / "genai_perf.csv").open() as f:
         runs = {(r["tool"], r["api"]): r for r in csv.DictReader(f)}
-    assert set(runs) == {("genai-perf", api) for api in GENAI_APIS} | {("aiperf", "completions")}
+    assert set(runs) == ({("genai-perf", api) for api in GENAI_APIS_TESTED}
+                         | {("aiperf", "completions")})
     for (tool, api), run in runs.items():
         assert int(run["requests"]) == REQUESTS * 2, (tool, api)
         responses = int(run["responses"])
