@@ -13,7 +13,6 @@ import os
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -26,8 +25,10 @@ from cluster_helpers import (
     reference,
     stream_orchestrator,
 )
+from hostile_procs import huge_prompt_sender, stream
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from spawned import Child
 from tritonclient.utils import InferenceServerException
 
 from clients.generate import GenerateError, stream_grpc
@@ -36,10 +37,13 @@ from orchestrator.control.auth import load_secret
 from orchestrator.control.client import ControlClient
 from orchestrator.control.errors import ControlError
 from orchestrator.engine.tokenizer import load_tokenizer
+from orchestrator.serving.params import HONOURED, NEUTRAL
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 8
-RESERVE_TTL_S = 5.0  # an unused KV slot reservation on the T-node is freed after this
+RESERVE_TTL_S = 5.0
+HUGE_PROMPT_BYTES = 50_000_000
+HUGE_ROUNDS = 5  # an unused KV slot reservation on the T-node is freed after this
 
 
 @pytest.fixture(scope="module")
@@ -69,9 +73,22 @@ def post(cluster, body: bytes, endpoint: str = "generate") -> tuple[int, bytes]:
         return exc.code, exc.read()
 
 
-def normal_request_works(cluster, expected) -> None:
+@pytest.fixture(scope="module")
+def usual_s(cluster, expected) -> float:
+    """How long a normal request takes on this cluster: the median of five, after a warm-up."""
+    return float(np.median([_timed(lambda: _normal_request(cluster, expected))
+                            for _ in range(6)][1:]))
+
+
+def _normal_request(cluster, expected) -> None:
     chunks = list(stream_grpc(cluster.frontend.grpc_url, PROMPTS[0], max_tokens=MAX_TOKENS))
     assert ids_of(chunks) == expected
+
+
+def normal_request_works(cluster, expected, usual_s: float) -> None:
+    """Token-exact, and within 1 s of its usual time."""
+    took = _timed(lambda: _normal_request(cluster, expected))
+    assert took < usual_s + 1.0, f"{took:.2f} s, usually {usual_s:.2f} s"
 
 
 def held(cluster) -> dict[str, float]:
@@ -91,7 +108,7 @@ def until_nothing_held(cluster, timeout_s: float = 10.0) -> None:
         time.sleep(0.05)
 
 
-def test_nan_temperature_is_refused_and_the_service_stays_up(cluster, expected):
+def test_nan_temperature_is_refused_and_the_service_stays_up(cluster, expected, usual_s):
     """Before: the P-node's sampling failed, its staging block leaked, the frontend ran it
     again every second for 60 s, and then every request failed 'no free KV slot'."""
     for _ in range(20):  # more than the P-node's 16 staging blocks
@@ -102,10 +119,10 @@ def test_nan_temperature_is_refused_and_the_service_stays_up(cluster, expected):
     with pytest.raises(GenerateError, match="finite"):
         list(stream_grpc(cluster.frontend.grpc_url, "Hi", max_tokens=8, temperature=np.nan))
     until_nothing_held(cluster)
-    normal_request_works(cluster, expected)
+    normal_request_works(cluster, expected, usual_s)
 
 
-def test_a_request_without_max_tokens_is_refused_naming_it(cluster, expected):
+def test_a_request_without_max_tokens_is_refused_naming_it(cluster, expected, usual_s):
     """Before (max_tokens a required input): Triton answered generate with 200 and an error
     text, generate_stream with an empty 200, and a gRPC stream waited for ever."""
     for endpoint in ("generate", "generate_stream"):
@@ -116,10 +133,10 @@ def test_a_request_without_max_tokens_is_refused_naming_it(cluster, expected):
         with pytest.raises(GenerateError, match="max_tokens is required"):
             list(stream_grpc(cluster.frontend.grpc_url, "Hi", model=model_name))
     until_nothing_held(cluster)
-    normal_request_works(cluster, expected)
+    normal_request_works(cluster, expected, usual_s)
 
 
-def test_abandoned_kv_slot_reservations_expire(cluster, expected):
+def test_abandoned_kv_slot_reservations_expire(cluster, expected, usual_s):
     """Signed ``reserve`` control ops that are never used (a client that reserved and left)
     hold every KV slot of the T-node only until their time is up."""
     control = ControlClient(load_secret(cluster.secret_file), 10.0)
@@ -132,32 +149,54 @@ def test_abandoned_kv_slot_reservations_expire(cluster, expected):
             reserved += 1
     assert held(cluster)["slots"] == reserved > 0
     until_nothing_held(cluster, timeout_s=RESERVE_TTL_S + 5)
-    normal_request_works(cluster, expected)  # once the short grace for a late writer is over
+    deadline = time.monotonic() + 5  # a short grace for a late writer, then the slots are back
+    while True:
+        try:
+            control.call(decode.grpc_url, "reserve", request_id="probe", prompt_ids=[1, 2, 3])
+            break
+        except ControlError:
+            assert time.monotonic() < deadline, "the expired slots did not come back"
+            time.sleep(0.1)
+    control.call(decode.grpc_url, "release", request_id="probe")
+    normal_request_works(cluster, expected, usual_s)
 
 
-def test_a_huge_prompt_is_refused_before_it_is_tokenized(cluster, expected):
+def test_a_huge_prompt_is_refused_at_once_beside_a_normal_request(cluster, expected, usual_s):
+    """A 50 MB prompt over gRPC is refused before it is tokenized; a normal request sent at
+    the same time is timed against one sent alone (medians of several rounds). The huge
+    prompt comes from another process: built and sent in this one, it held the GIL and
+    slowed the measuring client, not the service. The targets (refused within 1 s, 10%)
+    are reported, not asserted: on 2 shared cores the bounds here are looser."""
     # Triton 2.51's HTTP server itself crashes on bodies of a few MB (its issue 5840): 1 MB.
     status, body = post(cluster, json.dumps({"text_input": "word " * 200_000,
                                              "max_tokens": 8}).encode())
     assert status == 400, body
     assert b"exceeds the limit" in body
-    client = grpcclient.InferenceServerClient(cluster.frontend.grpc_url)
-    text = grpcclient.InferInput("text_input", [1, 1], "BYTES")
-    text.set_data_from_numpy(np.array([[b"word " * 10_000_000]], dtype=np.object_))  # 50 MB
-    tokens = grpcclient.InferInput("max_tokens", [1, 1], "INT32")
-    tokens.set_data_from_numpy(np.array([[8]], dtype=np.int32))
-    alone = _timed(lambda: normal_request_works(cluster, expected))
-    with ThreadPoolExecutor(1) as pool:
-        def refuse() -> float:
-            with pytest.raises(InferenceServerException, match="exceeds the limit"):
-                list(_stream(client, "ensemble", [text, tokens]))
-        huge = pool.submit(_timed, refuse)
-        beside = _timed(lambda: normal_request_works(cluster, expected))
-        refused_s = huge.result(timeout=60)
-    print(f"50 MB prompt refused in {refused_s:.2f} s; a normal request {alone:.3f} s alone, "
-          f"{beside:.3f} s beside it")
+    sender = Child(huge_prompt_sender, cluster.frontend.grpc_url, HUGE_PROMPT_BYTES)
+    try:
+        sender.answer()
+        sender.call("send")  # warm: the channel, and the stubs' shm grown to the size once
+        alone, beside, refused = [], [], []
+        for _ in range(HUGE_ROUNDS):
+            alone.append(_timed(lambda: _normal_request(cluster, expected)))
+            sender.inbox.put(("send",))
+            beside.append(_timed(lambda: _normal_request(cluster, expected)))
+            seconds, error = sender.answer()
+            assert "exceeds the limit" in error, error
+            refused.append(seconds)
+    finally:
+        sender.close()
+    ratio = np.median(beside) / np.median(alone)
+    print(f"{HUGE_PROMPT_BYTES / 1e6:.0f} MB prompt refused in {np.median(refused):.2f} s "
+          f"(median of {HUGE_ROUNDS}, max {max(refused):.2f} s); a normal request "
+          f"{np.median(alone) * 1000:.0f} ms alone, {np.median(beside) * 1000:.0f} ms beside "
+          f"it: x{ratio:.2f}")
+    # Loose bounds (the machine is shared): before, such a prompt took 120 s to be refused
+    # and the request beside it waited as long.
+    assert np.median(refused) < 5.0, refused
+    assert np.median(beside) < 1.5 * np.median(alone) + 0.1, (alone, beside)
     until_nothing_held(cluster)
-    normal_request_works(cluster, expected)
+    normal_request_works(cluster, expected, usual_s)
 
 
 def _timed(call) -> float:
@@ -166,26 +205,7 @@ def _timed(call) -> float:
     return time.monotonic() - start
 
 
-def _stream(client, model_name: str, inputs):
-    """Every response of one decoupled request; raises its error."""
-    import queue
-
-    responses: queue.Queue = queue.Queue()
-    client.start_stream(callback=lambda result, error: responses.put((result, error)))
-    try:
-        client.async_stream_infer(model_name, inputs, enable_empty_final_response=True)
-        while True:
-            result, error = responses.get(timeout=30)
-            if error is not None:
-                raise error
-            yield result
-            if result.get_response().parameters["triton_final_response"].bool_param:
-                return
-    finally:
-        client.stop_stream(cancel_requests=True)
-
-
-def test_cancelled_streams_leave_the_t_node_at_once(cluster, model, expected):
+def test_cancelled_streams_leave_the_t_node_at_once(cluster, model, expected, usual_s):
     """A cancelled gRPC stream to the frontend's orchestrator model ends the request on the
     T-node (its slot and microbatch seat are free) within a few hundred ms."""
     prompt_ids = load_tokenizer(model).encode(PROMPTS[0]).ids
@@ -206,11 +226,30 @@ def test_cancelled_streams_leave_the_t_node_at_once(cluster, model, expected):
     assert len(seconds) >= 5, f"only {len(seconds)} of 20 streams were still generating"
     print(f"cancel -> T-node free ({len(seconds)} streams): median "
           f"{sorted(seconds)[len(seconds) // 2] * 1000:.0f} ms, max {max(seconds) * 1000:.0f} ms")
-    normal_request_works(cluster, expected)
+    normal_request_works(cluster, expected, usual_s)
 
 
-@settings(max_examples=int(os.environ.get("DEJAVU_FUZZ_EXAMPLES", "40")), deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+FUZZ = settings(max_examples=int(os.environ.get("DEJAVU_FUZZ_EXAMPLES", "40")), deadline=None,
+                suppress_health_check=[HealthCheck.function_scoped_fixture])
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**64, 2**64) | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
+                                                                 max_size=3),
+    max_leaves=6)
+# Mostly the right type (so that requests get past Triton's own checks), any JSON sometimes.
+FIELD = {"int": st.integers(-2**31, 2**31 - 1), "float": st.floats(width=32),
+         "bool": st.booleans()}
+FIELDS = {**HONOURED, **{name: kind for name, (kind, _) in NEUTRAL.items()},
+          "lora_task_id": "int"}
+BODIES = st.fixed_dictionaries(
+    {"text_input": st.text(max_size=64) | JSON},
+    optional={**{name: FIELD[kind] | JSON for name, kind in FIELDS.items()},
+              "stop_words": st.lists(st.text(max_size=8), max_size=3) | JSON,
+              "bad_words": st.lists(st.text(max_size=8), max_size=3) | JSON,
+              "no_such_input": JSON})
+
+
+@FUZZ
 @given(max_tokens=st.integers(-2**31, 2**31 - 1), temperature=st.floats(width=32),
        top_p=st.floats(width=32), top_k=st.integers(-2**31, 2**31 - 1),
        text=st.binary(max_size=64))
@@ -227,13 +266,43 @@ def test_fuzzed_grpc_requests_get_an_answer_or_a_client_error(cluster, max_token
         inputs[-1].set_data_from_numpy(array)
     client = grpcclient.InferenceServerClient(cluster.frontend.grpc_url)
     try:
-        list(_stream(client, "ensemble", inputs))
+        list(stream(client, "ensemble", inputs))
     except InferenceServerException as exc:
         assert "INVALID_ARG" in str(exc.status()) or exc.status() is None, exc
     finally:
         client.close()
 
 
-def test_after_the_fuzzing_nothing_is_held(cluster, expected):
+@FUZZ
+@given(body=BODIES, endpoint=st.sampled_from(["generate", "generate_stream"]))
+def test_fuzzed_http_requests_get_an_answer_or_a_client_error(cluster, body, endpoint):
+    for name in ("max_tokens", "num_return_sequences"):  # answers stay short
+        if isinstance(body.get(name), int) and not isinstance(body[name], bool):
+            body[name] = min(body[name], MAX_TOKENS if name == "max_tokens" else 2)
+    status, answer = post(cluster, json.dumps(body).encode(), endpoint)
+    # Triton 2.51 itself answers 500 where a value does not convert to its input's type
+    # ("Unable to parse JSON bytes array", ...): the request never reaches a model.
+    assert status in (200, 400) or (status == 500 and b"parse" in answer.lower()), (status,
+                                                                                   answer)
+    if status == 200:
+        events = [json.loads(line.removeprefix(b"data:")) for line in answer.splitlines()
+                  if line.strip()]
+        assert events and all("text_output" in event for event in events), answer
+
+
+@FUZZ
+@given(body=st.binary(max_size=256) | st.text(max_size=256).map(str.encode)
+       | JSON.map(lambda value: json.dumps(value).encode()[:-1]),  # cut short
+       endpoint=st.sampled_from(["generate", "generate_stream"]))
+def test_fuzzed_malformed_http_bodies_are_refused(cluster, body, endpoint):
+    """Not a JSON object of inputs: refused (by Triton itself, 500 for a body its JSON
+    parser rejects, see the README) and the server stays up."""
+    status, answer = post(cluster, body, endpoint)
+    assert status in (400, 500), (status, answer)
+    assert b"error" in answer, answer
+
+
+def test_after_the_fuzzing_nothing_is_held(cluster, expected, usual_s):
     until_nothing_held(cluster)
-    normal_request_works(cluster, expected)
+    normal_request_works(cluster, expected, usual_s)
+
