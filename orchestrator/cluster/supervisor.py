@@ -145,7 +145,8 @@ class Supervisor:
                 log.warning("%s: every stage alive but the head waits for a repair (%s); "
                             "connecting the stages again", name, fault)
                 try:
-                    repair_links(self.call, urls)
+                    kept = repair_links(self.call, urls)
+                    self.record(state, name, "links repaired", requests_kept=kept)
                 except Exception:
                     log.exception("%s: repairing its connections failed; trying again",
                                   name)
@@ -166,7 +167,9 @@ class Supervisor:
         if plan is None:
             return
         try:
-            recover_stage(self.call, [n["grpc"] for n in _stages(state, index)], plan)
+            kept = recover_stage(self.call, [n["grpc"] for n in _stages(state, index)], plan)
+            self.record(state, name, "recomputed" if plan["recompute"] else "resumed",
+                        stages=plan["failed"], requests_kept=len(kept))
         except Exception:
             log.exception("%s: recovery failed; its head gives up at its recover timeout",
                           name)
@@ -269,6 +272,7 @@ class Supervisor:
         finally:
             stub.close()
         log.warning("%s: started afresh (incarnation %d)", name, nodes[0]["incarnation"])
+        self.record(state, name, "started afresh")
 
     def launch(self, state: dict, node: dict) -> TritonServer:
         """A lost node's tritonserver again, as a new incarnation (same ports and repo)."""
@@ -294,6 +298,12 @@ class Supervisor:
         server.wait_ready(self.ready_timeout_s)
         log.warning("%s is back (pid %d, incarnation %d)", node["name"], server.process.pid,
                     server.incarnation)
+
+    def record(self, state: dict, pipeline: str, outcome: str, **details) -> None:
+        """A repair done, in the state file: what tests, benches and operators read."""
+        state.setdefault("repairs", []).append({"pipeline": pipeline, "outcome": outcome,
+                                                "at": time.time(), **details})
+        self.write_state(state)
 
     def write_state(self, state: dict) -> None:
         path = self.run_dir / STATE_FILE

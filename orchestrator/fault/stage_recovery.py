@@ -173,10 +173,11 @@ def recover_stage(call: Call, urls: list[str], plan: dict, quiet_timeout_s: floa
     return rewound["lengths"]
 
 
-def repair_links(call: Call, urls: list[str], quiet_timeout_s: float = 30.0) -> None:
+def repair_links(call: Call, urls: list[str], quiet_timeout_s: float = 30.0) -> int:
     """Every stage alive, but a connection between two dropped (the head paused on a
     stage's report): every stage connects to its successor again, and each microbatch
-    redoes its first step the head has no answer for (the step lost on the way)."""
+    redoes its first step the head has no answer for (the step lost on the way). Returns
+    how many running requests were kept."""
     survivors = list(range(len(urls)))
     ring, replicas = _settle(call, urls, survivors, quiet_timeout_s)
     for i, url in enumerate(urls):
@@ -185,6 +186,7 @@ def repair_links(call: Call, urls: list[str], quiet_timeout_s: float = 30.0) -> 
     _resume(call, urls, survivors, json.dumps(rewound["lengths"]).encode(), [])
     log.warning("pipeline %s: connections restored, %d requests kept", urls[0],
                 len(rewound["lengths"]))
+    return len(rewound["lengths"])
 
 
 def _settle(call: Call, urls: list[str], survivors: list[int], timeout_s: float

@@ -11,7 +11,7 @@ import threading
 import time
 
 import pytest
-from cluster_helpers import MAX_SEQ_LEN, PROMPTS, ids_of, reference
+from cluster_helpers import MAX_SEQ_LEN, PROMPTS, ids_of, metric, reference
 
 from clients.generate import GenerateError, stream_grpc
 from orchestrator.cluster import chaos
@@ -22,30 +22,33 @@ from orchestrator.control.client import ControlClient
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 120  # long enough to be mid-stream when a stage dies
 DEAD_AFTER_S = 3.0
-RERUN = "running the request again from its prompt"
+# A sampled request: the seeded sampler must resume after a recovery as if nothing failed.
+SEEDED = dict(temperature=1.0, top_k=50, seed=7, min_tokens=MAX_TOKENS)
 
 
 class Streaming(threading.Thread):
     """One streamed request; its chunks as they come."""
 
-    def __init__(self, url: str, prompt: str) -> None:
+    def __init__(self, url: str, prompt: str, **params) -> None:
         super().__init__(daemon=True)
-        self.url, self.prompt = url, prompt
+        self.url, self.prompt, self.params = url, prompt, params
         self.chunks, self.error = [], None
 
     def run(self) -> None:
         try:
-            for chunk in stream_grpc(self.url, self.prompt, max_tokens=MAX_TOKENS):
+            for chunk in stream_grpc(self.url, self.prompt, max_tokens=MAX_TOKENS,
+                                     **self.params):
                 self.chunks.append(chunk)
         except GenerateError as exc:
             self.error = exc
 
 
 def kill_mid_stream(cluster: Cluster, prompts: list[str], victims: list[str],
-                    after_tokens: int = 8) -> list[Streaming]:
-    """Stream every prompt; once each has ``after_tokens`` tokens, kill ``victims``; wait
-    until every stream ended."""
+                    after_tokens: int = 8, seeded: str | None = None) -> list[Streaming]:
+    """Stream every prompt (and ``seeded`` with :data:`SEEDED` sampling, last); once each
+    has ``after_tokens`` tokens, kill ``victims``; wait until every stream ended."""
     requests = [Streaming(cluster.frontend.grpc_url, p) for p in prompts]
+    requests += [Streaming(cluster.frontend.grpc_url, seeded, **SEEDED)] if seeded else []
     for r in requests:
         r.start()
     deadline = time.monotonic() + 60
@@ -76,14 +79,21 @@ def assert_all_freed(cluster: Cluster) -> None:
         control.close()
 
 
-def reruns(cluster: Cluster) -> int:
+def reruns(cluster: Cluster) -> float:
     """Requests the frontend ran again from their prompts so far."""
-    return cluster.frontend.log_path.read_text().count(RERUN)
+    return metric(cluster.frontend, "dejavu_reruns", what="request")
 
 
-def recoveries(cluster: Cluster) -> list[str]:
-    log = (cluster.run_dir / "logs" / "supervisor.log").read_text()
-    return [line for line in log.splitlines() if "recovered:" in line]
+def repairs(cluster: Cluster, *outcomes: str) -> list[dict]:
+    """The supervisor's repairs so far, as it records them in the cluster's state; only
+    those with one of ``outcomes`` if named."""
+    done = read_state(cluster.run_dir).get("repairs", [])
+    return [r for r in done if not outcomes or r["outcome"] in outcomes]
+
+
+def recoveries(cluster: Cluster) -> list[dict]:
+    """T-stage recoveries: resumed from replicas, or recomputed from the prompts."""
+    return repairs(cluster, "resumed", "recomputed")
 
 
 def fault_cluster(model, run_dir, **kwargs):
@@ -110,13 +120,16 @@ def depth2(model, tmp_path_factory):
 
 
 def test_a_killed_stage_resumes_from_its_replicas_twice_in_a_row(depth2, expected):
+    undisturbed = ids_of(stream_grpc(depth2.frontend.grpc_url, PROMPTS[4],
+                                     max_tokens=MAX_TOKENS, **SEEDED))
     for round_ in (1, 2):
-        requests = kill_mid_stream(depth2, PROMPTS[:4], ["decode0s1"])
-        assert [r.error for r in requests] == [None] * 4
-        assert [ids_of(r.chunks) for r in requests] == expected
+        requests = kill_mid_stream(depth2, PROMPTS[:4], ["decode0s1"], seeded=PROMPTS[4])
+        assert [r.error for r in requests] == [None] * 5
+        assert [ids_of(r.chunks) for r in requests] == [*expected, undisturbed]
         node = next(n for n in read_state(depth2.run_dir)["nodes"] if n["name"] == "decode0s1")
         assert node["incarnation"] == round_
-        assert len(recoveries(depth2)) == round_ and "resumed at" in recoveries(depth2)[-1]
+        assert [r["outcome"] for r in recoveries(depth2)] == ["resumed"] * round_
+        assert recoveries(depth2)[-1]["requests_kept"] == 5
         # Resumed, not rerun: no request started over from its prompt.
         assert reruns(depth2) == 0
         assert_all_freed(depth2)
@@ -133,7 +146,8 @@ def test_a_stage_lost_while_the_controller_is_away_recovers_when_it_is_back(dept
     assert read_state(depth2.run_dir)["controller"]["pid"] != controller
     assert [r.error for r in requests] == [None] * 4
     assert [ids_of(r.chunks) for r in requests] == expected
-    assert len(recoveries(depth2)) == before + 1 and "resumed at" in recoveries(depth2)[-1]
+    assert len(recoveries(depth2)) == before + 1
+    assert recoveries(depth2)[-1]["outcome"] == "resumed"
     assert reruns(depth2) == rerun
     assert_all_freed(depth2)
 
@@ -141,11 +155,11 @@ def test_a_stage_lost_while_the_controller_is_away_recovers_when_it_is_back(dept
 def test_a_lost_head_stage_restarts_its_pipeline_and_the_requests_rerun(depth2, expected):
     """Stage 0 holds the head and the clients' streams: its requests run again from their
     prompts once the supervisor has started the whole pipeline afresh."""
-    rerun = reruns(depth2)
+    rerun, afresh = reruns(depth2), len(repairs(depth2, "started afresh"))
     requests = kill_mid_stream(depth2, PROMPTS[:4], ["decode0s0"])
     assert [r.error for r in requests] == [None] * 4
     assert [ids_of(r.chunks) for r in requests] == expected
-    assert "decode0: started afresh" in (depth2.run_dir / "logs" / "supervisor.log").read_text()
+    assert [r["pipeline"] for r in repairs(depth2, "started afresh")[afresh:]] == ["decode0"]
     assert reruns(depth2) >= rerun + 4
     assert_all_freed(depth2)
 
@@ -158,7 +172,7 @@ def test_with_replicas_on_local_disk_a_killed_stage_reads_them_back(model, expec
         requests = kill_mid_stream(cluster, PROMPTS[:4], ["decode0s1"])
         assert [r.error for r in requests] == [None] * 4
         assert [ids_of(r.chunks) for r in requests] == expected
-        assert "resumed at" in recoveries(cluster)[-1]
+        assert [r["outcome"] for r in recoveries(cluster)] == ["resumed"]
         assert reruns(cluster) == 0
         assert_all_freed(cluster)
         assert not list((tmp_path / "replicas").rglob("*.kv"))
@@ -169,8 +183,8 @@ def test_a_stage_lost_with_its_replica_holder_reruns_its_requests(model, expecte
         requests = kill_mid_stream(cluster, PROMPTS[:4], ["decode0s1", "decode0s2"])
         assert [r.error for r in requests] == [None] * 4
         assert [ids_of(r.chunks) for r in requests] == expected
-        assert "recomputed from prompts" in recoveries(cluster)[-1]
-        assert "recomputing" in (tmp_path / "logs" / "supervisor.log").read_text()
+        assert [r["outcome"] for r in recoveries(cluster)] == ["recomputed"]
+        assert recoveries(cluster)[-1]["stages"] == [1, 2]
         assert reruns(cluster) >= 1
         assert_all_freed(cluster)
 
@@ -179,7 +193,7 @@ def test_a_dropped_connection_between_stages_is_made_again(depth2, expected):
     """Stage 0 loses its connection to stage 1 (both live on): it reports it cannot send,
     the head pauses, and with every stage alive the supervisor connects the stages again;
     the step lost on the way is redone."""
-    rerun = reruns(depth2)
+    rerun, repaired = reruns(depth2), len(repairs(depth2, "links repaired"))
     requests = [Streaming(depth2.frontend.grpc_url, p) for p in PROMPTS[:4]]
     for r in requests:
         r.start()
@@ -193,8 +207,7 @@ def test_a_dropped_connection_between_stages_is_made_again(depth2, expected):
         assert not r.is_alive()
     assert [r.error for r in requests] == [None] * 4
     assert [ids_of(r.chunks) for r in requests] == expected
-    log = (depth2.run_dir / "logs" / "supervisor.log").read_text()
-    assert "connections restored, 4 requests kept" in log
+    assert [r["requests_kept"] for r in repairs(depth2, "links repaired")[repaired:]] == [4]
     assert reruns(depth2) == rerun
     assert_all_freed(depth2)
 
@@ -210,10 +223,9 @@ def test_without_replicas_a_lost_pipelines_requests_rerun_on_another(model, expe
         assert [ids_of(r.chunks) for r in requests] == expected
         # JSQ split them two and two: the killed pipeline's ran again on the other one.
         assert reruns(cluster) >= 1
-        log = tmp_path / "logs" / "supervisor.log"
         deadline = time.monotonic() + 60
-        while "decode0: started afresh" not in log.read_text():
-            assert time.monotonic() < deadline, log.read_text()
+        while [r["pipeline"] for r in repairs(cluster, "started afresh")] != ["decode0"]:
+            assert time.monotonic() < deadline, repairs(cluster)
             time.sleep(0.5)
         assert {n["name"]: n.get("incarnation", 0) for n in read_state(tmp_path)["nodes"]
                 if n["role"] == "decode"} == {"decode0s0": 1, "decode0s1": 1,
