@@ -9,7 +9,6 @@ carries the request's final flag.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -18,11 +17,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from orchestrator.engine.log_probs import TokenLogProb
-from orchestrator.serving.frontend import Cancelled
+from orchestrator.serving.frontend import Cancelled, Refused, ServingError
 from orchestrator.serving.params import GenerationParams, RequestError
+from orchestrator.serving.router import UNAVAILABLE, NoNodeError
 
-# (tokens, context tokens, meta JSON, is this the request's last response)
-Send = Callable[[list[int], list[int], bytes, bool], None]
+# (tokens, context tokens, meta, is this the request's last response); meta: batch_index,
+# sequence_index, full_text (the text holds the prompt), perf and log_probs (if asked)
+Send = Callable[[list[int], list[int], dict, bool], None]
 SendError = Callable[[str, bool], None]  # (message, is this the request's last response)
 # (prompt, params, emit(tokens, log_probs, context, final), is_cancelled); raises Cancelled
 Generate = Callable[..., None]
@@ -43,7 +44,7 @@ CheckRow = Callable[[np.ndarray, str | None, GenerationParams], None]
 def split(tensors: Mapping[str, np.ndarray | None], check: CheckRow) -> list[SequenceJob]:
     """Every sequence of a batched request; raises RequestError (naming the row) if any
     row is refused by its parameters or by ``check``, before anything runs."""
-    ids, lengths, auth = tensors["input_ids"], tensors["input_lengths"], tensors["input_auth"]
+    ids, lengths, auth = tensors["input_ids"], tensors["input_lengths"], tensors.get("input_auth")
     if ids is None or lengths is None or ids.ndim != 2:
         raise RequestError("input_ids must be [batch, tokens] with input_lengths [batch, 1]")
     jobs = []
@@ -123,8 +124,7 @@ class BatchReply:
                                      "cum": cum_log_prob, "top": params.top_log_probs}
             if meta["full_text"]:
                 context = job.prompt_ids  # the text holds the prompt, then the generation
-            self._answer(lambda last: self.send(tokens, context, json.dumps(meta).encode(),
-                                                last), final)
+            self._answer(lambda last: self.send(tokens, context, meta, last), final)
 
         try:
             generate(job.prompt_ids, params, emit, is_cancelled)
@@ -133,7 +133,7 @@ class BatchReply:
                 self.running -= 1
                 self.cancelled = True
         except Exception as exc:
-            message = str(exc)
+            message = failure_message(exc)
             self._answer(lambda last: self.send_error(message, last), True)
 
     def _answer(self, answer: Callable[[bool], None], ends_sequence: bool) -> None:
@@ -141,3 +141,12 @@ class BatchReply:
             if ends_sequence:
                 self.running -= 1
             answer(self.running == 0)
+
+
+def failure_message(error: Exception) -> str:
+    """What a client reads of a failed sequence: led by ``UNAVAILABLE`` when no node could
+    serve it (not when a node refused it)."""
+    if isinstance(error, NoNodeError) or (isinstance(error, ServingError)
+                                          and not isinstance(error, Refused)):
+        return f"{UNAVAILABLE}: {error}"
+    return str(error)

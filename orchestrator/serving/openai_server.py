@@ -1,16 +1,19 @@
-"""An OpenAI-compatible HTTP API in front of the ensemble: ``/v1/models``,
+"""An OpenAI-compatible HTTP API in front of ``tensorrt_llm_bls``: ``/v1/models``,
 ``/v1/completions``, ``/v1/chat/completions`` (FastAPI on uvicorn).
 
-Each call becomes one batched request to the ensemble over Triton gRPC (asyncio
-``tritonclient``): a row per prompt, ``num_return_sequences`` = ``n``; responses come
-back by (``batch_index``, ``sequence_index``), which give the choice's index. There is no
-second inference path: parameters map to the ensemble's inputs and are checked by
-:mod:`orchestrator.serving.params`. ``stop`` ends a choice where its text first holds a
-stop string (the string is left out, as OpenAI does); a client that disconnects
-cancels its gRPC stream to the ensemble. ``logprobs`` / ``top_logprobs`` map to
-``return_log_probs`` / ``top_log_probs``: each token's log-prob under the raw model
-distribution, with up to 5 alternatives. Errors use OpenAI's JSON
-shape: 400 bad parameters, 404 unknown model, 503 nothing to serve it.
+Each call becomes one batched request to ``tensorrt_llm_bls`` (the ensemble's contract)
+over Triton gRPC (asyncio ``tritonclient``): a row per prompt, ``num_return_sequences`` =
+``n``; responses come back by (``batch_index``, ``sequence_index``), which give the
+choice's index. There is no second inference path: parameters map to the contract's
+inputs and are checked by :mod:`orchestrator.serving.params`. ``stop`` ends a choice where
+its text first holds a stop string (the string is left out, as OpenAI does).
+``logprobs`` / ``top_logprobs`` map to ``return_log_probs`` / ``top_log_probs``: each
+token's log-prob under the raw model distribution, with up to 5 alternatives.
+
+A client that disconnects, streaming or not, cancels its gRPC stream; unlike the
+ensemble's, ``tensorrt_llm_bls``'s cancellation reaches the T-node, which frees the
+request's slot. Errors use OpenAI's JSON shape: 400 bad parameters, 404 unknown model,
+503 when no node can serve (Triton unreachable, every node of a pool down).
 
     python -m orchestrator.serving.openai_server --grpc-url 127.0.0.1:8001 --model-dir M
 """
@@ -19,24 +22,28 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from orchestrator.engine.tokenizer import load_tokenizer
 from orchestrator.serving.params import MAX_TOP_LOG_PROBS, GenerationParams, RequestError
+from orchestrator.serving.router import UNAVAILABLE
 
 TIMEOUT_S = 120.0
+DISCONNECT_POLL_S = 0.05  # how often a waiting call asks whether its client left
 
 
 class ApiError(Exception):
@@ -107,19 +114,22 @@ class Choice:
     text: str = ""  # all text made
     sent: int = 0  # characters of ``text`` already sent
     tokens: int = 0
+    last_token: int | None = None
     finish_reason: str | None = None
     log_probs: list[TokenInfo] = field(default_factory=list)  # if asked for
     log_probs_sent: int = 0
     cut: bool = False  # a stop string ended it
     ended: bool = False
 
-    def add(self, text: str, tokens: int, log_probs: list[TokenInfo] = ()) -> str:
-        """New text safe to send now."""
+    def add(self, text: str, ids: list[int], log_probs: list[TokenInfo] = ()) -> str:
+        """New text (of the new token ``ids``) safe to send now."""
         for info in log_probs:
             info.offset = len(self.text)
         self.log_probs += log_probs
         self.text += text
-        self.tokens += tokens
+        self.tokens += len(ids)
+        if ids:
+            self.last_token = ids[-1]
         cut = min((i for i in (self.text.find(s) for s in self.stops) if i >= 0), default=-1)
         if cut >= 0:
             self.text, self.finish_reason, self.cut = self.text[:cut], "stop", True
@@ -130,10 +140,13 @@ class Choice:
         self.sent += len(new)
         return new
 
-    def finish(self, max_tokens: int) -> str:
-        """The text held back, once the sequence has ended."""
+    def finish(self, max_tokens: int, end_id: int | None) -> str:
+        """The text held back, once the sequence has ended: ``stop`` if it ended at a stop
+        string or ``end_id`` (even as its last allowed token), ``length`` if max_tokens ran
+        out."""
         if self.finish_reason is None:
-            self.finish_reason = "length" if self.tokens >= max_tokens else "stop"
+            ended = self.last_token is not None and self.last_token == end_id
+            self.finish_reason = "length" if self.tokens >= max_tokens and not ended else "stop"
         self.ended = True
         new, self.sent = self.text[self.sent:], len(self.text)
         return new
@@ -171,7 +184,7 @@ class Call:
 
 class OpenAIServer:
     def __init__(self, grpc_url: str, model_dir: Path, model_name: str = "",
-                 triton_model: str = "ensemble") -> None:
+                 triton_model: str = "tensorrt_llm_bls") -> None:
         self.grpc_url, self.triton_model = grpc_url, triton_model
         self.model_name = model_name or Path(model_dir).name
         self.tokenizer = load_tokenizer(model_dir)
@@ -306,20 +319,20 @@ class OpenAIServer:
                         int(result.as_numpy("sequence_index").reshape(-1)[0]))
                     if choice.finish_reason is None:
                         tokens = result.as_numpy("output_ids").reshape(-1).tolist()
-                        yield index, choice.add(text.reshape(-1)[0].decode(), len(tokens),
+                        yield index, choice.add(text.reshape(-1)[0].decode(), tokens,
                                                 _token_infos(result, tokens))
                 expected = len(call.prompts) * call.params.num_return_sequences
                 stopped = [c for c in call.choices.values() if c.finish_reason]
                 if final or len(stopped) == expected:
                     break
-        except InferenceServerException as exc:
+        except (InferenceServerException, grpc.RpcError) as exc:
             raise _api_error(exc) from None
         finally:
             done.set()
             stream.cancel()  # a client gone, or every choice stopped: Triton cancels it
             await client.close()
         for index, choice in sorted(call.choices.items()):
-            yield index, choice.finish(call.params.max_tokens)
+            yield index, choice.finish(call.params.max_tokens, call.params.end_id)
 
 
 def _token_infos(result, tokens: list[int]) -> list[TokenInfo]:
@@ -337,13 +350,32 @@ def _token_infos(result, tokens: list[int]) -> list[TokenInfo]:
             zip(tokens, log_probs.reshape(-1).tolist(), alternatives, strict=True)]
 
 
-def _api_error(error: InferenceServerException) -> ApiError:
-    """Triton unreachable, the ensemble missing or every node down: 503; else the request
-    was refused: 400."""
-    status, message = str(error.status() or ""), error.message() or str(error)
-    if "UNAVAILABLE" in status or "NOT_FOUND" in status or "all nodes down" in message:
+def _api_error(error: InferenceServerException | grpc.RpcError) -> ApiError:
+    """Triton unreachable, the model missing or no node able to serve: 503; else the
+    request was refused: 400. A model's error on a gRPC stream is text only: the frontend
+    leads it with ``UNAVAILABLE`` when no node could serve."""
+    if isinstance(error, InferenceServerException):
+        status, message = str(error.status() or ""), error.message() or str(error)
+    else:  # the stream itself failed (e.g. nothing listens at the address)
+        status, message = str(error.code()), error.details() or str(error)
+    if "UNAVAILABLE" in status or "NOT_FOUND" in status or UNAVAILABLE in message:
         return ApiError(503, message, "service_unavailable")
     return ApiError(400, message)
+
+
+async def _unless_disconnected(request: Request, work: Awaitable) -> object:
+    """``work``'s result, or, if the HTTP client leaves first, ``work`` cancelled (its gRPC
+    stream with it: the T-node frees the request) and a response nobody reads."""
+    task = asyncio.ensure_future(work)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return Response(status_code=499)  # nginx's "client closed request"
 
 
 def _log_probs_asked(body: _Sampling) -> tuple[bool, int]:
@@ -395,16 +427,18 @@ def create_app(server: OpenAIServer) -> FastAPI:
                                             "created": server.created, "owned_by": "dejavu"}]}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
+    async def completions(body: CompletionRequest, request: Request):
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
         call = server.call(body, prompts, body.max_tokens)
-        return await _answer(server, body, call, "text_completion", "cmpl")
+        return await _unless_disconnected(
+            request, _answer(server, body, call, "text_completion", "cmpl"))
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest):
+    async def chat(body: ChatRequest, request: Request):
         max_tokens = body.max_completion_tokens or body.max_tokens
         call = server.call(body, [server.chat_prompt(body)], max_tokens)
-        return await _answer(server, body, call, "chat.completion", "chatcmpl")
+        return await _unless_disconnected(
+            request, _answer(server, body, call, "chat.completion", "chatcmpl"))
 
     return app
 
@@ -429,7 +463,8 @@ async def _answer(server: OpenAIServer, body: _Sampling, call: Call, kind: str, 
     chunk_kind = "chat.completion.chunk" if chat else kind
     stream = server.run(call)
     # The first response (or error) comes before the HTTP status is sent, so a refused
-    # request gets its 400 and not an event.
+    # request gets its 400 and not an event. Once streaming, a client that leaves cancels
+    # the events (Starlette listens for the disconnect), and with them the gRPC stream.
     first = await anext(stream, None)
 
     def event(index: int, text: str, finish: str | None, role: bool = False,
@@ -479,7 +514,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--grpc-url", required=True, help="the frontend's Triton gRPC address")
     parser.add_argument("--model-dir", required=True, type=Path, help="tokenizer, config")
     parser.add_argument("--model-name", default="", help="the id clients use (default: dir name)")
-    parser.add_argument("--triton-model", default="ensemble",
+    parser.add_argument("--triton-model", default="tensorrt_llm_bls",
                         choices=["ensemble", "tensorrt_llm_bls"])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=9000)

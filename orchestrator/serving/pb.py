@@ -16,6 +16,7 @@ import triton_python_backend_utils as pb_utils
 from orchestrator.control.auth import check_request
 from orchestrator.control.errors import ErrorCode
 from orchestrator.serving.config import NodeConfig
+from orchestrator.serving.entry import Replies
 from orchestrator.serving.metrics import Metrics
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -42,6 +43,19 @@ def cancelled(request) -> Callable[[], bool]:
             return request.is_cancelled()
 
     return is_cancelled
+
+
+def replies(request, respond: Callable[[list[int], list[int], dict], dict[str, np.ndarray]]
+            ) -> Replies:
+    """How a frontend entry point answers ``request``; ``respond``: a sequence's response
+    tensors from (tokens, context tokens, meta)."""
+    sender = request.get_response_sender()
+    return Replies(
+        lambda tokens, context, meta, final: send(
+            sender, response(**respond(tokens, context, meta)), final),
+        lambda message, final: send(sender, error(message), final),
+        lambda message: send(sender, refused(message), final=True),
+    )
 
 
 def node_config(args: dict) -> NodeConfig:
@@ -106,11 +120,13 @@ def strings(*values: str | bytes) -> np.ndarray:
 
 
 class TritonMetrics(Metrics):
-    """The project's counters as Triton custom metrics, labelled by node."""
+    """The project's counters as Triton custom metrics, labelled by node (and by ``model``
+    where two models of one node count the same thing: the frontend's entry points)."""
 
-    def __init__(self, node: str) -> None:
+    def __init__(self, node: str, model: str = "") -> None:
         counter, gauge = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE
         self.node = node
+        self.labels = {"node": node, **({"model": model} if model else {})}
         self.requests = pb_utils.MetricFamily("dejavu_requests", "requests by outcome", counter)
         self.queue = pb_utils.MetricFamily("dejavu_queue_length", "requests held", gauge)
         self.kv_bytes = pb_utils.MetricFamily("dejavu_kv_bytes", "KV bytes streamed", counter)
@@ -119,9 +135,9 @@ class TritonMetrics(Metrics):
         )
         self.held_family = pb_utils.MetricFamily("dejavu_held", "request resources held", gauge)
         self.held_metrics: dict[str, object] = {}
-        self.queue_metric = self.queue.Metric(labels={"node": node})
-        self.kv_bytes_metric = self.kv_bytes.Metric(labels={"node": node})
-        self.kv_seconds_metric = self.kv_seconds.Metric(labels={"node": node})
+        self.queue_metric = self.queue.Metric(labels=self.labels)
+        self.kv_bytes_metric = self.kv_bytes.Metric(labels=self.labels)
+        self.kv_seconds_metric = self.kv_seconds.Metric(labels=self.labels)
         self.reruns = pb_utils.MetricFamily("dejavu_reruns", "prompts or requests run again",
                                             counter)
         self.by_outcome: dict[str, object] = {}
@@ -130,14 +146,14 @@ class TritonMetrics(Metrics):
     def request_done(self, outcome: str) -> None:
         with _ipc:
             if outcome not in self.by_outcome:
-                labels = {"node": self.node, "outcome": outcome}
+                labels = {**self.labels, "outcome": outcome}
                 self.by_outcome[outcome] = self.requests.Metric(labels=labels)
             self.by_outcome[outcome].increment(1)
 
     def rerun(self, what: str) -> None:
         with _ipc:
             if what not in self.by_rerun:
-                labels = {"node": self.node, "what": what}
+                labels = {**self.labels, "what": what}
                 self.by_rerun[what] = self.reruns.Metric(labels=labels)
             self.by_rerun[what].increment(1)
 
@@ -153,6 +169,6 @@ class TritonMetrics(Metrics):
     def held(self, what: str, count: int) -> None:
         with _ipc:
             if what not in self.held_metrics:
-                labels = {"node": self.node, "what": what}
+                labels = {**self.labels, "what": what}
                 self.held_metrics[what] = self.held_family.Metric(labels=labels)
             self.held_metrics[what].set(count)

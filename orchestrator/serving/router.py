@@ -13,6 +13,11 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+# Leads the message of a request that failed because no node could serve it (every one of a
+# pool down, or still failing after the reruns): a decoupled model's error reaches a gRPC
+# client as text only, so clients (the OpenAI API: HTTP 503) tell it apart by this.
+UNAVAILABLE = "no node can serve the request"
+
 
 class NoNodeError(RuntimeError):
     """Every node of a pool is down."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -10,11 +12,14 @@ import numpy as np
 from clients import breakdown, common
 from clients.common import PROMPTS as ALL_PROMPTS
 from clients.generate import stream_grpc, stream_http
+from orchestrator.control.auth import load_secret
+from orchestrator.control.client import ControlClient
 from orchestrator.engine.reference import generate, log_softmax_along
 from orchestrator.engine.tokenizer import load_tokenizer
 from orchestrator.engine.torch_engine import load_engine
 
 MAX_SEQ_LEN = 256  # the tiny models' positions: room for a long stream to cancel
+LONG = MAX_SEQ_LEN - 16  # max_tokens of a stream long enough to leave in the middle of
 PROMPTS = ALL_PROMPTS[:6]
 
 
@@ -75,3 +80,49 @@ def assert_log_probs_match_reference(url: str, model_dir: Path, prompt: str, max
     plain = list(stream_grpc(url, prompt, max_tokens=max_tokens))
     assert [c.ids for c in plain] == [[t] for t in want_ids]
     assert all(c.log_probs is None and c.top is None for c in plain)  # none unless asked
+
+
+def t_nodes_held(cluster) -> dict[str, int]:
+    """What requests hold on the T-nodes (each one's own ``held`` report, summed): all 0
+    when no request runs."""
+    control = ControlClient(load_secret(cluster.secret_file), 10.0)
+    total: dict[str, int] = {}
+    try:
+        for node in cluster.role("decode"):
+            for what, count in json.loads(control.call(node.server.grpc_url, "held")).items():
+                total[what] = total.get(what, 0) + count
+    finally:
+        control.close()
+    return total
+
+
+def cancel_rounds(cluster, start, leave, rounds: int, timeout_s: float = 2.0) -> list[float]:
+    """``rounds`` times: ``start()`` a long request (reading its first tokens), ``leave()``
+    it; the seconds from leaving to the T-nodes holding nothing, for the rounds whose
+    T-node was still generating when the client left (a fast T-node may have made every
+    token by then: nothing is left to cancel in that round). The T-nodes must have
+    counted a cancellation for at least one of those rounds."""
+    stage0 = [node.server for node in cluster.role("decode") if node.config.stage == 0]
+    cancelled_before = sum(metric(s, "dejavu_requests", outcome="cancelled") for s in stage0)
+    seconds = []
+    for _ in range(rounds):
+        request = start()
+        generating = t_nodes_held(cluster)["clients"] == 1
+        left = time.monotonic()
+        leave(request)
+        deadline = left + timeout_s
+        while any(t_nodes_held(cluster).values()):
+            assert time.monotonic() < deadline, f"the T-nodes still hold {t_nodes_held(cluster)}"
+            time.sleep(0.01)
+        if generating:
+            seconds.append(time.monotonic() - left)
+    cancelled = sum(metric(s, "dejavu_requests", outcome="cancelled") for s in stage0)
+    assert not seconds or cancelled > cancelled_before, "no T-node saw a cancellation"
+    return seconds
+
+
+def report_cancels(what: str, seconds: list[float], rounds: int) -> None:
+    assert seconds, f"{what}: no round was still generating when the client left"
+    print(f"\n{what}: leave -> T-node free, {len(seconds)} of {rounds} rounds still "
+          f"generating: median {sorted(seconds)[len(seconds) // 2] * 1000:.0f} ms, "
+          f"max {max(seconds) * 1000:.0f} ms")

@@ -9,18 +9,23 @@ and the cluster serves the next one.
 from __future__ import annotations
 
 import glob
+import json
+import socket
 import time
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from cluster_helpers import (
+    LONG,
     MAX_SEQ_LEN,
     PROMPTS,
     assert_log_probs_match_reference,
+    cancel_rounds,
     ids_of,
     metric,
     reference,
+    report_cancels,
     run_concurrently,
     stream_orchestrator,
     text_of,
@@ -258,7 +263,6 @@ def test_a_hundred_failed_or_cancelled_requests_leave_nothing_behind(cluster, mo
 
 
 def test_no_model_config_on_any_node_reveals_the_secret(cluster):
-    import json
     import os
     import stat
     import urllib.request
@@ -345,12 +349,16 @@ def test_internal_surfaces_refuse_requests_without_the_secret(cluster, model, ex
 # -- the TensorRT-LLM ensemble contract ----------------------------------------------------
 
 
+ENTRY_POINTS = ["ensemble", "tensorrt_llm_bls"]
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
 @pytest.mark.parametrize("stream", [True, False])
-def test_a_batch_of_four_prompts_in_one_call(cluster, model, expected, stream):
+def test_a_batch_of_four_prompts_in_one_call(cluster, model, expected, stream, entry):
     """[4, 1] tensors: each row its own sequence, told apart by batch_index; without
     streaming text_output holds the prompt and then the generation, as in the backend."""
     chunks = generate_batch(cluster.frontend.grpc_url, PROMPTS[:4], stream=stream,
-                            max_tokens=MAX_TOKENS)
+                            max_tokens=MAX_TOKENS, model=entry)
     assert sorted(chunks) == [(row, 0) for row in range(4)]
     assert [ids_of(chunks[(row, 0)]) for row in range(4)] == expected[:4]
     tokenizer = load_tokenizer(model)
@@ -364,7 +372,7 @@ def test_a_batch_of_four_prompts_in_one_call(cluster, model, expected, stream):
             assert text == tokenizer.decode(prompt_ids + expected[row])
             assert text.startswith(PROMPTS[row]) and len(chunks[(row, 0)]) == 1
     excluded = generate_batch(cluster.frontend.grpc_url, PROMPTS[:1], stream=False,
-                              max_tokens=MAX_TOKENS, exclude_input_in_output=True)
+                              max_tokens=MAX_TOKENS, exclude_input_in_output=True, model=entry)
     assert text_of(excluded[(0, 0)]) == tokenizer.decode(expected[0])
 
 
@@ -377,14 +385,18 @@ def _roundtrip_token(tokenizer, ids: list[int]) -> tuple[int, str]:
     raise AssertionError("no token of the reference round-trips alone")
 
 
-def test_stop_words_cut_after_the_word_and_bad_words_never_appear(cluster, model, expected):
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_stop_words_cut_after_the_word_and_bad_words_never_appear(cluster, model, expected,
+                                                                  entry):
     tokenizer = load_tokenizer(model)
     at, word = _roundtrip_token(tokenizer, expected[0])
     url = cluster.frontend.grpc_url
-    stopped = list(stream_grpc(url, PROMPTS[0], max_tokens=MAX_TOKENS, stop_words=[word]))
+    stopped = list(stream_grpc(url, PROMPTS[0], max_tokens=MAX_TOKENS, stop_words=[word],
+                               model=entry))
     assert ids_of(stopped) == expected[0][: expected[0].index(expected[0][at]) + 1]
     assert text_of(stopped).endswith(word)
-    banned = ids_of(stream_grpc(url, PROMPTS[0], max_tokens=MAX_TOKENS, bad_words=[word]))
+    banned = ids_of(stream_grpc(url, PROMPTS[0], max_tokens=MAX_TOKENS, bad_words=[word],
+                                model=entry))
     assert expected[0][at] not in banned and len(banned) == MAX_TOKENS
     engine = load_engine(model, max_seq_len=MAX_SEQ_LEN)
     prompt = tokenizer.encode(PROMPTS[0]).ids
@@ -466,22 +478,79 @@ def test_log_probs_equal_the_reference_log_softmax(cluster, model):
 
 
 def test_tensorrt_llm_bls_serves_the_same_contract(cluster, expected):
-    chunks = generate_batch(cluster.frontend.grpc_url, PROMPTS[:2], model="tensorrt_llm_bls",
-                            max_tokens=MAX_TOKENS)
-    assert [ids_of(chunks[(row, 0)]) for row in range(2)] == expected[:2]
+    """Batches of prompts are in test_a_batch_of_four_prompts_in_one_call; here HTTP, n,
+    log-probs and the refusals, as the ensemble gives them."""
+    url = cluster.frontend.grpc_url
     asked = dict(max_tokens=4, return_log_probs=True, top_log_probs=2)
-    bls = generate_batch(cluster.frontend.grpc_url, PROMPTS[:1], model="tensorrt_llm_bls",
-                         **asked)[(0, 0)]
-    ensemble = generate_batch(cluster.frontend.grpc_url, PROMPTS[:1], **asked)[(0, 0)]
+    bls = generate_batch(url, PROMPTS[:1], model="tensorrt_llm_bls", **asked)[(0, 0)]
+    ensemble = generate_batch(url, PROMPTS[:1], **asked)[(0, 0)]
     assert [(c.log_probs, c.cum_log_prob, c.top) for c in bls] == [
         (c.log_probs, c.cum_log_prob, c.top) for c in ensemble]
     assert len([p for c in bls for p in c.log_probs]) == 4
     http = list(stream_http(cluster.frontend.http_url, PROMPTS[2], model="tensorrt_llm_bls",
                             max_tokens=MAX_TOKENS))
     assert ids_of(http) == expected[2]
-    with pytest.raises(GenerateError, match="beam_width 3 is not supported"):
-        list(stream_grpc(cluster.frontend.grpc_url, PROMPTS[0], model="tensorrt_llm_bls",
-                         max_tokens=4, beam_width=3))
+    whole = list(stream_http(cluster.frontend.http_url, PROMPTS[2], model="tensorrt_llm_bls",
+                             max_tokens=MAX_TOKENS, stream=False))
+    assert len(whole) == 1 and ids_of(whole) == expected[2]
+    sampled = dict(max_tokens=MAX_TOKENS, temperature=1.0, seed=5, num_return_sequences=2)
+    assert ({k: ids_of(c) for k, c in generate_batch(url, PROMPTS[2:3], **sampled).items()}
+            == {k: ids_of(c) for k, c in generate_batch(url, PROMPTS[2:3], model=
+                                                         "tensorrt_llm_bls", **sampled).items()})
+    for prompt, params, message in [
+        (PROMPTS[0], {"max_tokens": 4, "beam_width": 3}, "beam_width 3 is not supported"),
+        ("", {"max_tokens": 4}, "empty prompt"),
+        ("token " * 300, {"max_tokens": 4}, "does not fit the context of 256"),
+        ("hello", {"max_tokens": 300}, "exceeds the context of 256"),
+        ("hello", {"max_tokens": 4, "end_id": 10**6}, "end_id 1000000 outside the vocab"),
+    ]:
+        with pytest.raises(GenerateError, match=message):
+            list(stream_grpc(url, prompt, model="tensorrt_llm_bls", **params))
+    good_request_works(cluster, expected)
+
+
+# -- cancellation through the entry points clients call ------------------------------------
+
+
+def test_a_cancelled_tensorrt_llm_bls_stream_leaves_the_t_node(cluster, expected):
+    """gRPC ``stop_stream(cancel_requests=True)`` on tensorrt_llm_bls: the T-node drops
+    the request and frees its slot (the ensemble's runs to max_tokens, below)."""
+    def start():
+        stream = stream_grpc(cluster.frontend.grpc_url, PROMPTS[0], model="tensorrt_llm_bls",
+                             max_tokens=LONG)
+        assert [next(stream).ids for _ in range(2)] == [[t] for t in expected[0][:2]]
+        return stream
+
+    seconds = cancel_rounds(cluster, start, lambda stream: stream.close(), rounds=10)
+    report_cancels("gRPC cancel on tensorrt_llm_bls", seconds, 10)
+    assert len(seconds) >= 3, f"only {len(seconds)} of 10 streams were still generating"
+    good_request_works(cluster, expected)
+
+
+def test_an_http_generate_stream_client_that_leaves_frees_the_t_node(cluster, expected):
+    """Triton 2.51's HTTP frontend cancels a streaming (generate_stream) request whose
+    client closed the connection; tensorrt_llm_bls then cancels it on the T-node."""
+    import http.client
+
+    def start():
+        host, port = cluster.frontend.http_url.split(":")
+        connection = http.client.HTTPConnection(host, int(port), timeout=30)
+        body = json.dumps({"text_input": PROMPTS[0], "max_tokens": LONG, "stream": True})
+        connection.request("POST", "/v2/models/tensorrt_llm_bls/generate_stream", body)
+        response = connection.getresponse()
+        assert response.status == 200
+        for _ in range(2):  # the first two tokens' events
+            while not response.readline().startswith(b"data:"):
+                pass
+        return connection
+
+    def leave(connection) -> None:
+        connection.sock.shutdown(socket.SHUT_RDWR)
+        connection.close()
+
+    seconds = cancel_rounds(cluster, start, leave, rounds=5)
+    report_cancels("HTTP generate_stream disconnect on tensorrt_llm_bls", seconds, 5)
+    good_request_works(cluster, expected)
 
 
 # -- the OpenAI-compatible API, through the openai SDK ------------------------------------
@@ -496,8 +565,6 @@ def openai_client(cluster):
 
 def _with_eos(model, prompts: list[str], max_tokens: int) -> list[list[int]]:
     """The reference's greedy tokens, ending at the model's eos as the API asks."""
-    import json
-
     eos = json.loads((model / "config.json").read_text())["eos_token_id"]
     tokenizer = load_tokenizer(model)
     engine = load_engine(model, max_seq_len=MAX_SEQ_LEN)
@@ -629,3 +696,49 @@ def test_openai_errors_have_openai_shape(cluster, model, openai_client, expected
             openai_client.completions.create(model=model.name, prompt="hi",
                                              **{"max_tokens": 4, **bad})
     good_request_works(cluster, expected)
+
+
+def test_openai_clients_that_leave_free_the_t_node(cluster, model, openai_client, expected):
+    """A streaming SDK client that closes its response mid-stream, and a non-streaming one
+    that gives up (its timeout): the API cancels its gRPC stream to tensorrt_llm_bls, which
+    cancels the request on the T-node."""
+    import openai
+
+    def start_stream():
+        stream = openai_client.completions.create(model=model.name, prompt=PROMPTS[0],
+                                                  max_tokens=LONG, temperature=0, stream=True)
+        chunks = iter(stream)
+        next(chunks), next(chunks)
+        return stream
+
+    seconds = cancel_rounds(cluster, start_stream, lambda stream: stream.close(), rounds=5)
+    report_cancels("OpenAI SDK stream closed", seconds, 5)
+
+    impatient = openai_client.with_options(timeout=0.3)
+
+    def start_and_give_up():
+        with pytest.raises(openai.APITimeoutError):
+            impatient.completions.create(model=model.name, prompt=PROMPTS[0], max_tokens=LONG,
+                                         temperature=0)
+
+    seconds = cancel_rounds(cluster, start_and_give_up, lambda _: None, rounds=5)
+    report_cancels("OpenAI SDK non-streaming client timed out", seconds, 5)
+    good_request_works(cluster, expected)
+
+
+def test_openai_finish_reason_stop_at_eos_even_as_the_last_token(cluster, model, openai_client):
+    """``stop`` when the model made end_id (the config's eos), also as its max_tokens-th
+    token; ``length`` when max_tokens cut the text one token before."""
+    tokenizer = load_tokenizer(model)
+    eos = json.loads((model / "config.json").read_text())["eos_token_id"]
+    want = _with_eos(model, PROMPTS[2:3], 64)[0]
+    assert want[-1] == eos, "the reference makes no eos for this prompt within 64 tokens"
+    for max_tokens, reason, ids in [(len(want), "stop", want),
+                                    (len(want) - 1, "length", want[:-1])]:
+        for stream in (False, True):
+            answer = openai_client.completions.create(
+                model=model.name, prompt=PROMPTS[2], max_tokens=max_tokens, temperature=0,
+                stream=stream)
+            choices = [c.choices[0] for c in answer] if stream else answer.choices
+            assert "".join(c.text for c in choices) == tokenizer.decode(ids)
+            assert choices[-1].finish_reason == reason, (max_tokens, stream)

@@ -19,28 +19,25 @@ def server(tiny_model):
 
 def test_a_stop_string_ends_the_text_before_it_even_across_chunks():
     choice = Choice(stops=["END"])
-    sent = choice.add("hello E", 2) + choice.add("NDtail", 2)
+    sent = choice.add("hello E", [5, 6]) + choice.add("NDtail", [7, 8])
     assert sent == "hello " and choice.text == "hello " and choice.finish_reason == "stop"
-    plain = Choice(stops=[])
-    assert plain.add("abc", 3) == "abc" and plain.finish(max_tokens=3) == ""
-    assert plain.finish_reason == "length"
     held = Choice(stops=["xyz"])
-    assert held.add("abcx", 2) == "ab" and held.finish(max_tokens=8) == "cx"
+    assert held.add("abcx", [5, 6]) == "ab" and held.finish(max_tokens=8, end_id=2) == "cx"
     assert held.finish_reason == "stop"
 
 
 def test_log_probs_of_tokens_a_stop_string_cut_off_never_go_out(server):
     choice = Choice(stops=["END"])
-    choice.add("ab", 1, [TokenInfo(5, -0.5, [], 0)])
-    choice.add("cE", 1, [TokenInfo(6, -1.0, [], 0)])
+    choice.add("ab", [5], [TokenInfo(5, -0.5, [], 0)])
+    choice.add("cE", [6], [TokenInfo(6, -1.0, [], 0)])
     assert [i.id for i in choice.new_log_probs()] == [5]  # "cE" may start the stop string
-    choice.add("NDx", 1, [TokenInfo(7, -2.0, [], 0)])
-    choice.finish(max_tokens=8)
+    choice.add("NDx", [7], [TokenInfo(7, -2.0, [], 0)])
+    choice.finish(max_tokens=8, end_id=2)
     assert [(i.id, i.offset) for i in choice.new_log_probs()] == [(6, 2)]
     ended = Choice(stops=[])
-    ended.add("ab", 1, [TokenInfo(5, -0.5, [], 0)])
-    ended.add("", 1, [TokenInfo(2, -0.1, [], 0)])  # eos: no text, still a token
-    ended.finish(max_tokens=2)
+    ended.add("ab", [5], [TokenInfo(5, -0.5, [], 0)])
+    ended.add("", [2], [TokenInfo(2, -0.1, [], 0)])  # eos: no text, still a token
+    ended.finish(max_tokens=2, end_id=2)
     assert [i.id for i in ended.new_log_probs()] == [5, 2]
 
 
@@ -52,6 +49,18 @@ def test_log_probs_map_to_the_ensemble_inputs(server):
     assert (chat.params.return_log_probs, chat.params.top_log_probs) == (True, 3)
     plain = server.call(ChatRequest(model="tiny", messages=[]), ["a"], 4)
     assert not plain.params.return_log_probs
+
+
+@pytest.mark.parametrize(("ids", "reason"), [
+    ([5, 6, 7], "length"),  # max_tokens ran out
+    ([5, 6, 2], "stop"),  # end_id as the last allowed token: it stopped, it was not cut
+    ([5, 2], "stop"),  # end_id before max_tokens
+    ([5, 6], "stop"),  # ended early without end_id (a stop word's tokens)
+])
+def test_finish_reason_is_length_only_when_max_tokens_cut_the_text(ids, reason):
+    choice = Choice(stops=[])
+    assert choice.add("abc", ids) == "abc" and choice.finish(max_tokens=3, end_id=2) == ""
+    assert choice.finish_reason == reason
 
 
 def test_requests_map_to_checked_parameters(server):
@@ -87,3 +96,33 @@ def test_chat_uses_the_tokenizer_template_and_refuses_without_one(server, tiny_m
     (bare / "tokenizer.json").write_bytes((tiny_model("llama") / "tokenizer.json").read_bytes())
     with pytest.raises(ApiError, match="has no chat template"):
         OpenAIServer("127.0.0.1:1", bare, "bare").chat_prompt(body)
+
+
+def test_503_in_openai_shape_when_triton_is_unreachable(tiny_model):
+    """The openai SDK against the real API over HTTP, with nothing at its Triton address."""
+    import threading
+
+    import openai
+    import uvicorn
+
+    from orchestrator.cluster.launcher import free_port
+    from orchestrator.serving.openai_server import create_app
+
+    dead = f"127.0.0.1:{free_port()}"
+    app = create_app(OpenAIServer(dead, tiny_model("llama"), model_name="tiny"))
+    api = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(),
+                                        log_level="warning"))
+    thread = threading.Thread(target=api.run, daemon=True)
+    thread.start()
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{api.config.port}/v1",
+                               api_key="unused", max_retries=0)
+        for stream in (False, True):
+            with pytest.raises(openai.APIStatusError) as info:
+                client.completions.create(model="tiny", prompt="hi", max_tokens=4,
+                                          stream=stream)
+            assert info.value.status_code == 503
+            assert info.value.body["type"] == "service_unavailable"
+    finally:
+        api.should_exit = True
+        thread.join(timeout=10)

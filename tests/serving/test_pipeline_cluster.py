@@ -17,7 +17,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from cluster_helpers import MAX_SEQ_LEN, PROMPTS, assert_log_probs_match_reference, ids_of
+from cluster_helpers import (
+    LONG,
+    MAX_SEQ_LEN,
+    PROMPTS,
+    assert_log_probs_match_reference,
+    cancel_rounds,
+    ids_of,
+    report_cancels,
+)
 
 from clients.generate import generate_batch, stream_grpc
 from orchestrator.cluster.devices import Devices
@@ -69,20 +77,35 @@ def test_decode_depth_2_with_swapping_matches_reference(model, expected, tmp_pat
         assert run_all(url) == expected
         assert run_all(url) == expected  # the pipeline's slots and KV all came back
         contract_holds(model, cluster)
+        cancel_reaches_every_stage(cluster)
+
+
+def cancel_reaches_every_stage(cluster) -> None:
+    """A cancelled tensorrt_llm_bls stream frees the request on both T-stages (slots, KV,
+    replicas), as their own ``held`` reports say."""
+    def start():
+        stream = stream_grpc(cluster.frontend.grpc_url, PROMPTS[0], model="tensorrt_llm_bls",
+                             max_tokens=LONG)
+        next(stream), next(stream)
+        return stream
+
+    seconds = cancel_rounds(cluster, start, lambda stream: stream.close(), rounds=5)
+    report_cancels("gRPC cancel on tensorrt_llm_bls, depth-2 token pipeline", seconds, 5)
 
 
 def contract_holds(model, cluster) -> None:
     """The TensorRT-LLM contract and the OpenAI API on a depth-2 pipeline: a batch of 4 in
-    one call, parameters the P-node and both T-stages must keep (a penalty, a seed), and
-    log-probs."""
+    one call (through the ensemble and tensorrt_llm_bls), parameters the P-node and both
+    T-stages must keep (a penalty, a seed), and log-probs."""
     import openai
 
     tokenizer = load_tokenizer(model)
     engine = load_engine(model, max_seq_len=MAX_SEQ_LEN)
     prompts = [tokenizer.encode(p).ids for p in PROMPTS[:4]]
     url = cluster.frontend.grpc_url
-    chunks = generate_batch(url, PROMPTS[:4], max_tokens=8)
-    assert [ids_of(chunks[(row, 0)]) for row in range(4)] == generate([engine], prompts, 8)
+    for entry in ("ensemble", "tensorrt_llm_bls"):
+        chunks = generate_batch(url, PROMPTS[:4], max_tokens=8, model=entry)
+        assert [ids_of(chunks[(row, 0)]) for row in range(4)] == generate([engine], prompts, 8)
     penalty = SamplingParams(repetition_penalty=1.5)
     got = ids_of(stream_grpc(url, PROMPTS[3], max_tokens=16, repetition_penalty=1.5))
     assert got == generate([engine], prompts[3:], 16, sampling=penalty)[0]

@@ -4,17 +4,9 @@ and log-probs."""
 
 import json
 
-import numpy as np
-
-from orchestrator.engine.log_probs import TokenLogProb, response_tensors
 from orchestrator.engine.tokenizer import load_tokenizer
 from orchestrator.serving import pb
-from orchestrator.serving.text import response_text
-
-PERF = {"arrival_time_ns": np.int64, "first_scheduled_time_ns": np.int64,
-        "first_token_time_ns": np.int64, "last_token_time_ns": np.int64,
-        "kv_cache_alloc_new_blocks": np.int32, "kv_cache_reused_blocks": np.int32,
-        "kv_cache_alloc_total_blocks": np.int32}
+from orchestrator.serving.text import decode_response
 
 
 class TritonPythonModel:
@@ -25,21 +17,8 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             tensors = pb.inputs(request, ["tokens", "context_tokens", "meta"])
-            tokens = tensors["tokens"].reshape(-1).tolist()
-            context = tensors["context_tokens"].reshape(-1).tolist()
-            meta = json.loads(pb.text(tensors["meta"]))
-            text = response_text(self.tokenizer, tokens, context, meta["full_text"])
-            outputs = {
-                "text_output": pb.strings(text).reshape(1, 1),
-                "output_ids": pb.ids([tokens]),
-                "batch_index": pb.ids([[meta["batch_index"]]]),
-                "sequence_index": pb.ids([[meta["sequence_index"]]]),
-            }
-            for name, value in meta.get("perf", {}).items():
-                outputs[name] = np.array([[value]], dtype=PERF[name])
-            if "log_probs" in meta:
-                lp = meta["log_probs"]
-                outputs |= response_tensors([TokenLogProb.from_list(p) for p in lp["tokens"]],
-                                            lp["cum"], lp["top"])
+            outputs = decode_response(self.tokenizer, tensors["tokens"].reshape(-1).tolist(),
+                                      tensors["context_tokens"].reshape(-1).tolist(),
+                                      json.loads(pb.text(tensors["meta"])))
             responses.append(pb.response(**outputs))
         return responses

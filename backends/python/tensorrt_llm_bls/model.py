@@ -1,41 +1,35 @@
-"""tensorrt_llm_bls, decoupled: the ensemble under the backend's BLS name. Each request goes
-through the ensemble unchanged (BLS) and every response comes back; the final flag
-follows the last."""
+"""tensorrt_llm_bls, decoupled: the ensemble's contract (text in, text out, batched) served
+in-process: preprocessing's tokenizing and checks, the Frontend, postprocessing's
+detokenizing, as library calls. Unlike the ensemble's, a client's cancellation reaches the
+Frontend, which cancels the request on the T-node."""
 
-import json
-from concurrent.futures import ThreadPoolExecutor
-
-import triton_python_backend_utils as pb_utils
-
+from orchestrator.engine.tokenizer import load_tokenizer
 from orchestrator.serving import pb
+from orchestrator.serving.entry import EntryPoint
+from orchestrator.serving.params import INPUTS
+from orchestrator.serving.text import TEXT_INPUTS, decode_response, encode_batch
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        config = json.loads(args["model_config"])
-        self.outputs = [output["name"] for output in config["output"]]
-        self.pool = ThreadPoolExecutor(max_workers=64)
+        config = pb.node_config(args)
+        self.tokenizer = load_tokenizer(config.model_dir)
+        metrics = pb.TritonMetrics(config.name or "frontend", model="tensorrt_llm_bls")
+        self.entry = EntryPoint.for_node(config, metrics, self.tokenizer)
 
     def execute(self, requests):
         for request in requests:
-            self.pool.submit(self.relay, request)
+            self.entry.submit(lambda request=request: self.jobs(request),
+                              pb.replies(request, self.respond), pb.cancelled(request))
         return None
 
-    def relay(self, request):
-        sender = request.get_response_sender()
-        inner = pb_utils.InferenceRequest(model_name="ensemble", inputs=request.inputs(),
-                                          requested_output_names=self.outputs)
-        try:
-            for response in inner.exec(decoupled=True):
-                if response.has_error():
-                    pb.send(sender, pb.error(response.error().message()), final=True)
-                    return
-                if response.output_tensors():
-                    pb.send(sender, pb_utils.InferenceResponse(response.output_tensors()))
-        except Exception as exc:  # e.g. the ensemble could not be reached
-            pb.send(sender, pb.error(f"tensorrt_llm_bls: {exc}"), final=True)
-            return
-        pb.send_final(sender)
+    def jobs(self, request):
+        tensors = pb.inputs(request, [*TEXT_INPUTS, *INPUTS])
+        return self.entry.split({**tensors, **encode_batch(self.tokenizer, self.entry.limits,
+                                                           tensors)})
+
+    def respond(self, tokens, context, meta):
+        return decode_response(self.tokenizer, tokens, context, meta)
 
     def finalize(self):
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.entry.close()
