@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from orchestrator.engine.log_probs import TokenLogProb
-from orchestrator.serving.frontend import Cancelled, Refused, ServingError
+from orchestrator.serving.frontend import Cancelled, NodeBusy, PipelineLost, PrefillLost
 from orchestrator.serving.params import GenerationParams, RequestError
 from orchestrator.serving.router import UNAVAILABLE, NoNodeError
 
@@ -143,10 +143,17 @@ class BatchReply:
             answer(self.running == 0)
 
 
+# Failures of the nodes, not of the request: every node of a pool down, a lost pipeline or
+# P-node, slots that never came free (each still so after the frontend's reruns and waits).
+_NO_NODE = (NoNodeError, PipelineLost, PrefillLost, NodeBusy)
+
+
 def failure_message(error: Exception) -> str:
     """What a client reads of a failed sequence: led by ``UNAVAILABLE`` when no node could
     serve it (not when a node refused it)."""
-    if isinstance(error, NoNodeError) or (isinstance(error, ServingError)
-                                          and not isinstance(error, Refused)):
-        return f"{UNAVAILABLE}: {error}"
+    cause: BaseException | None = error
+    while cause is not None:
+        if isinstance(cause, _NO_NODE):
+            return f"{UNAVAILABLE}: {error}"
+        cause = cause.__cause__
     return str(error)

@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
+from tokenizers import Tokenizer
 
 from orchestrator.serving.batch import BatchReply, Send, SendError, SequenceJob, split
 from orchestrator.serving.config import NodeConfig
@@ -59,7 +60,8 @@ class EntryPoint:
         self.held, self.lock = 0, threading.Lock()
 
     @classmethod
-    def for_node(cls, config: NodeConfig, metrics: Metrics, tokenizer=None) -> EntryPoint:
+    def for_node(cls, config: NodeConfig, metrics: Metrics,
+                 tokenizer: Tokenizer | None = None) -> EntryPoint:
         """From the frontend's configuration; with ``tokenizer`` the prompt byte limit is
         its (:meth:`RequestLimits.for_node`)."""
         frontend = Frontend(list(config.prefill_urls), [list(p) for p in config.decode_urls],

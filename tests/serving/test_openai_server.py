@@ -126,3 +126,23 @@ def test_503_in_openai_shape_when_triton_is_unreachable(tiny_model):
     finally:
         api.should_exit = True
         thread.join(timeout=10)
+
+
+def test_node_failures_are_503_and_refusals_400():
+    """The frontend leads a failure no node could get past with UNAVAILABLE (a decoupled
+    model's error reaches a gRPC client as text only); the API answers it 503."""
+    from tritonclient.utils import InferenceServerException
+
+    from orchestrator.serving.batch import failure_message
+    from orchestrator.serving.frontend import PipelineLost, ServingError
+    from orchestrator.serving.openai_server import _api_error
+    from orchestrator.serving.router import NoNodeError
+
+    try:
+        raise ServingError("still failing 60 s after the first failure") from PipelineLost("x")
+    except ServingError as exc:
+        lost = exc
+    for error, status in [(NoNodeError("all nodes down: a"), 503), (lost, 503),
+                          (ServingError("decode node a: prompt too long"), 400)]:
+        message = failure_message(error)
+        assert _api_error(InferenceServerException(message)).status == status, message
