@@ -82,17 +82,13 @@ def assert_log_probs_match_reference(url: str, model_dir: Path, prompt: str, max
     assert all(c.log_probs is None and c.top is None for c in plain)  # none unless asked
 
 
-def t_nodes_held(cluster) -> dict[str, int]:
+def t_nodes_held(cluster, control: ControlClient) -> dict[str, int]:
     """What requests hold on the T-nodes (each one's own ``held`` report, summed): all 0
     when no request runs."""
-    control = ControlClient(load_secret(cluster.secret_file), 10.0)
     total: dict[str, int] = {}
-    try:
-        for node in cluster.role("decode"):
-            for what, count in json.loads(control.call(node.server.grpc_url, "held")).items():
-                total[what] = total.get(what, 0) + count
-    finally:
-        control.close()
+    for node in cluster.role("decode"):
+        for what, count in json.loads(control.call(node.server.grpc_url, "held")).items():
+            total[what] = total.get(what, 0) + count
     return total
 
 
@@ -105,17 +101,21 @@ def cancel_rounds(cluster, start, leave, rounds: int, timeout_s: float = 2.0) ->
     stage0 = [node.server for node in cluster.role("decode") if node.config.stage == 0]
     cancelled_before = sum(metric(s, "dejavu_requests", outcome="cancelled") for s in stage0)
     seconds = []
-    for _ in range(rounds):
-        request = start()
-        generating = t_nodes_held(cluster)["clients"] == 1
-        left = time.monotonic()
-        leave(request)
-        deadline = left + timeout_s
-        while any(t_nodes_held(cluster).values()):
-            assert time.monotonic() < deadline, f"the T-nodes still hold {t_nodes_held(cluster)}"
-            time.sleep(0.01)
-        if generating:
-            seconds.append(time.monotonic() - left)
+    control = ControlClient(load_secret(cluster.secret_file), 30.0)  # one channel per node
+    try:
+        for _ in range(rounds):
+            request = start()
+            generating = t_nodes_held(cluster, control)["clients"] == 1
+            left = time.monotonic()
+            leave(request)
+            deadline = left + timeout_s
+            while any((held := t_nodes_held(cluster, control)).values()):
+                assert time.monotonic() < deadline, f"the T-nodes still hold {held}"
+                time.sleep(0.02)
+            if generating:
+                seconds.append(time.monotonic() - left)
+    finally:
+        control.close()
     cancelled = sum(metric(s, "dejavu_requests", outcome="cancelled") for s in stage0)
     assert not seconds or cancelled > cancelled_before, "no T-node saw a cancellation"
     return seconds
