@@ -139,7 +139,8 @@ class Sampler:
 
 def token_log_prob(logits: torch.Tensor, token: int, top: int = 0) -> TokenLogProb:
     """``token``'s log-prob under the raw ``[vocab]`` logits, with the ``top`` likeliest."""
-    log_probs = torch.log_softmax(logits.float(), dim=-1)
-    best = log_probs.topk(top) if top else None
-    return TokenLogProb(float(log_probs[token]), () if best is None else tuple(
-        zip(best.indices.tolist(), best.values.tolist(), strict=True)))
+    logits = logits.float()
+    total = torch.logsumexp(logits, dim=-1)  # log_softmax without a vocab-sized result
+    best = logits.topk(top) if top else None
+    return TokenLogProb(float(logits[token] - total), () if best is None else tuple(
+        zip(best.indices.tolist(), (best.values - total).tolist(), strict=True)))
