@@ -97,12 +97,36 @@ class ClientPool:
             raise
         self.give(url, client)
 
+    def forget(self, url: str) -> None:
+        """Close the idle clients of ``url`` (their connections may be to a node now gone)."""
+        with self._lock:
+            clients = self._idle.pop(url, [])
+        for client in clients:
+            client.close()
+
     def close(self) -> None:
         with self._lock:
             clients = [c for idle in self._idle.values() for c in idle]
             self._idle.clear()
         for client in clients:
             client.close()
+
+
+class _Unsent(Exception):
+    """The request never left: its stream had already ended (``error`` says why)."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _stream_error(responses: queue.Queue, fallback: Exception) -> Exception:
+    """The error an ended stream gave its callback (UNAVAILABLE: the node is unreachable)."""
+    try:
+        _, error = responses.get(timeout=1.0)
+    except queue.Empty:
+        return fallback
+    return error or fallback
 
 
 class ControlClient:
@@ -119,14 +143,32 @@ class ControlClient:
             arrays["input_ids"] = np.array(prompt_ids, dtype=np.int32)
         if args:
             arrays["peers"] = np.array(list(args), dtype=np.object_)
+        try:
+            return self._call(url, op, arrays, request_id)
+        except _Unsent:
+            # A pooled connection to a node that was started again may still be waiting out
+            # its reconnect backoff (its stream fails before the request is sent): once more,
+            # on a new connection.
+            self.pool.forget(url)
+            try:
+                return self._call(url, op, arrays, request_id)
+            except _Unsent as exc:
+                raise exc.error from None
+
+    def _call(self, url: str, op: str, arrays: dict[str, np.ndarray], request_id: str
+              ) -> bytes:
         responses: queue.Queue = queue.Queue()
         with self.pool.borrow(url) as client:
             client.start_stream(callback=lambda result, error: responses.put((result, error)))
             answered = False
             try:
-                client.async_stream_infer(
-                    "decode", [tensor(k, v) for k, v in arrays.items()], request_id=request_id,
-                    parameters=request_parameters(self.secret, "decode", op, request_id))
+                try:
+                    client.async_stream_infer(
+                        "decode", [tensor(k, v) for k, v in arrays.items()],
+                        request_id=request_id,
+                        parameters=request_parameters(self.secret, "decode", op, request_id))
+                except InferenceServerException as exc:  # the stream ended before the send
+                    raise _Unsent(_stream_error(responses, exc)) from None
                 try:
                     result, error = responses.get(timeout=self.timeout_s)
                 except queue.Empty:

@@ -92,3 +92,58 @@ def test_the_frontend_acts_on_codes_and_grpc_status_only():
     assert type(_decode_error(gone, "t", admitted=False)) is PipelineLost
     worded = InferenceServerException("UNAVAILABLE", status="StatusCode.INTERNAL")
     assert type(_decode_error(worded, "t", admitted=False)) is ServingError
+
+
+# -- a pooled connection to a node that was started again ------------------------------------
+
+
+class _FakeStream:
+    """A tritonclient client whose stream either has ended already (``stale``: a connection
+    to a node that is gone) or answers ``reply``."""
+
+    def __init__(self, stale: bool) -> None:
+        self.stale, self.closed, self.callback = stale, False, None
+
+    def start_stream(self, callback) -> None:
+        self.callback = callback
+
+    def async_stream_infer(self, *args, **kwargs) -> None:
+        from tritonclient.utils import InferenceServerException
+
+        if self.stale:
+            self.callback(None, InferenceServerException("Socket closed",
+                                                         status="StatusCode.UNAVAILABLE"))
+            raise InferenceServerException("The stream is no longer in valid state")
+        self.callback(_Reply(), None)
+
+    def stop_stream(self, cancel_requests: bool = False) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class _Reply:
+    def as_numpy(self, name: str):
+        import numpy as np
+
+        return np.array([b"pong"], dtype=np.object_) if name == "reply" else None
+
+
+def test_a_stale_pooled_connection_is_replaced_once(monkeypatch):
+    from orchestrator.control import client as control
+
+    fresh = []
+    monkeypatch.setattr(control, "connect", lambda url: fresh.append(_FakeStream(False))
+                        or fresh[-1])
+    caller = control.ControlClient(SECRET, 5.0)
+    stale = _FakeStream(True)
+    caller.pool.give("node:1", stale)
+    assert caller.call("node:1", "ping") == b"pong"
+    assert stale.closed and len(fresh) == 1
+
+    monkeypatch.setattr(control, "connect", lambda url: _FakeStream(True))
+    caller.pool.give("node:2", _FakeStream(True))
+    with pytest.raises(Exception) as raised:  # still gone on a new connection: unreachable
+        caller.call("node:2", "ping")
+    assert control.is_unreachable(raised.value)
