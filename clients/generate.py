@@ -148,6 +148,8 @@ def stream_results(url: str, model: str, inputs: list) -> Iterator:
     """The results of one request on a gRPC stream, until its final flag."""
     import tritonclient.grpc as grpcclient
 
+    from orchestrator.control.client import stop_stream
+
     responses: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
@@ -166,7 +168,7 @@ def stream_results(url: str, model: str, inputs: list) -> Iterator:
                 yield result
     finally:
         # Leaving early (an error, a consumer that stops) cancels the request on the server.
-        client.stop_stream(cancel_requests=not done)
+        stop_stream(client, cancel=not done)
         client.close()
 
 

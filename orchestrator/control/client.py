@@ -49,6 +49,17 @@ def connect(url: str) -> grpcclient.InferenceServerClient:
     return grpcclient.InferenceServerClient(url, channel_args=_CHANNEL_ARGS)
 
 
+def stop_stream(client: grpcclient.InferenceServerClient, cancel: bool) -> None:
+    """End ``client``'s stream; ``cancel``: cancel what is in flight. tritonclient (2.51)
+    cancels the gRPC call but never ends its request iterator, whose thread then waits for
+    a next request forever: one thread leaked per cancelled stream (the frontend's
+    orchestrator stub grew by one per client that left). Ending the iterator frees it."""
+    stream = client._stream  # noqa: SLF001  (tritonclient keeps no public handle on it)
+    client.stop_stream(cancel_requests=cancel)
+    if cancel and stream is not None:
+        stream._request_queue.put(None)  # noqa: SLF001  (the iterator's end marker)
+
+
 def is_unreachable(error: Exception) -> bool:
     """The node could not be reached (gRPC status UNAVAILABLE): down, or died mid-call."""
     return (isinstance(error, InferenceServerException)
@@ -176,7 +187,7 @@ class ControlClient:
                                        f"{self.timeout_s:.0f} s") from None
                 answered = True
             finally:  # waiting for a silent node's stream to end would never return
-                client.stop_stream(cancel_requests=not answered)
+                stop_stream(client, cancel=not answered)
         if error is not None:
             raise error
         raise_for_error(result, f"decode node {url} ({op})")

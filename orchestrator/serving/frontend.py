@@ -49,6 +49,7 @@ from orchestrator.control.client import (
     connect,
     is_unreachable,
     raise_for_error,
+    stop_stream,
     tensor,
 )
 from orchestrator.control.errors import ControlError, ErrorCode
@@ -179,7 +180,7 @@ class DecodeStream:
 
     def close(self, cancel: bool) -> None:
         try:
-            self.client.stop_stream(cancel_requests=cancel)
+            stop_stream(self.client, cancel)
         except Exception:
             self.client.close()
             raise

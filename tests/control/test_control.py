@@ -103,6 +103,7 @@ class _FakeStream:
 
     def __init__(self, stale: bool) -> None:
         self.stale, self.closed, self.callback = stale, False, None
+        self._stream = None  # tritonclient's; none here
 
     def start_stream(self, callback) -> None:
         self.callback = callback
