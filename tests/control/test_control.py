@@ -1,9 +1,11 @@
-"""The control plane without servers: the secret file, request signatures, error codes."""
+"""The control plane without Triton: the secret file, request signatures, error codes, and the
+gRPC client's streams (pooled, cancelled)."""
 
 from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 
 from orchestrator.control.auth import (
@@ -17,6 +19,7 @@ from orchestrator.control.auth import (
     verify,
     write_secret,
 )
+from orchestrator.control.client import tensor
 from orchestrator.control.errors import ControlError, ErrorCode, code_of
 from orchestrator.kv.errors import KVTransferError, NoFreeSlot
 
@@ -126,8 +129,6 @@ class _FakeStream:
 
 class _Reply:
     def as_numpy(self, name: str):
-        import numpy as np
-
         return np.array([b"pong"], dtype=np.object_) if name == "reply" else None
 
 
@@ -148,3 +149,50 @@ def test_a_stale_pooled_connection_is_replaced_once(monkeypatch):
     with pytest.raises(Exception) as raised:  # still gone on a new connection: unreachable
         caller.call("node:2", "ping")
     assert control.is_unreachable(raised.value)
+
+
+def test_a_cancelled_stream_leaves_no_thread_behind():
+    """tritonclient's stop_stream(cancel_requests=True) left its request iterator's thread
+    waiting forever: one thread per client that left. Against a real gRPC server that
+    streams until the client cancels."""
+    import threading
+    import time
+    from concurrent import futures
+
+    import grpc
+    import tritonclient.grpc as grpcclient
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    from orchestrator.control.client import stop_stream
+
+    class Endless(service_pb2_grpc.GRPCInferenceServiceServicer):
+        def ModelStreamInfer(self, requests, context):  # noqa: N802  (the service's name)
+            next(requests)
+            while context.is_active():
+                yield service_pb2.ModelStreamInferResponse(
+                    infer_response=service_pb2.ModelInferResponse(model_name="m"))
+                time.sleep(0.01)
+
+    def client_threads() -> int:  # the server's pool threads come and go on their own
+        return sum(not t.name.startswith("server") for t in threading.enumerate())
+
+    server = grpc.server(futures.ThreadPoolExecutor(4, thread_name_prefix="server"))
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(Endless(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        before = client_threads()
+        for _ in range(5):
+            client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+            answered = threading.Event()
+            client.start_stream(callback=lambda result, error, done=answered: done.set())
+            client.async_stream_infer("m", [tensor("x", np.zeros(1, np.int32))])
+            assert answered.wait(10)
+            stop_stream(client, cancel=True)
+            client.close()
+        deadline = time.monotonic() + 5
+        while client_threads() > before:
+            assert time.monotonic() < deadline, f"{client_threads() - before} threads left"
+            time.sleep(0.05)
+    finally:
+        server.stop(0)
