@@ -21,3 +21,18 @@ def test_a_stage_taken_over_by_a_spare_is_reached_at_the_spares_address() -> Non
         assert frontend.later_stages["h:1"] == ["spare:1", "s2:1"]
     finally:
         frontend.close()
+
+
+def test_a_frontend_started_after_a_takeover_serves_at_the_spares_address(monkeypatch) -> None:
+    """Asked before it serves (a frontend started again found the configured address, a
+    spare on standby by then, and its first requests failed)."""
+    from orchestrator.fault import client
+
+    view = {"nodes": [registration("s1:1", 1, alive=False), registration("spare:1", 1)]}
+    monkeypatch.setattr(client, "query_status", lambda *args, **kwargs: view)
+    frontend = Frontend(["p:1"], [["h:1", "s1:1"]], b"secret", controller="c:1",
+                        watch_s=3600.0)  # no poll of the watcher's own before the check
+    try:
+        assert frontend.later_stages["h:1"] == ["spare:1"]
+    finally:
+        frontend.close()
