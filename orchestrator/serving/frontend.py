@@ -210,35 +210,42 @@ class Frontend:
         self.stopped = threading.Event()
         self.watcher = None
         if controller:
+            # Before serving: a frontend started again after a spare took a stage over would
+            # otherwise send its first requests to the configured address, a spare's now.
+            self._look(controller, min(watch_s, 2.0))
             self.watcher = threading.Thread(target=self._watch, args=(controller, watch_s),
                                             name="controller-watch", daemon=True)
             self.watcher.start()
 
     def _watch(self, controller: str, watch_s: float) -> None:
+        while not self.stopped.wait(watch_s):
+            self._look(controller, watch_s)
+
+    def _look(self, controller: str, timeout_s: float) -> None:
+        """Ask the controller which nodes are alive and where each stage is now."""
         import grpc
 
         from orchestrator.fault.client import query_status
 
-        while not self.stopped.wait(watch_s):
-            try:
-                nodes = query_status(controller, self.secret, timeout_s=watch_s)["nodes"]
-            except grpc.RpcError:
-                continue  # the controller is away: go by the failures met
-            alive = {}  # the latest registration per address wins
-            for node in nodes:
-                alive[node["address"]] = node["alive"]
-            dead = {address for address, ok in alive.items() if not ok}
-            for url in self.prefill_clients:
-                if url in dead:
-                    self.prefill.mark_down(url)
-                elif alive.get(url):
-                    self.prefill.mark_up(url)  # started again: use it at once
-            self._follow_stages(nodes)
-            for head, later in self.later_stages.items():
-                if dead & {head, *later}:
-                    self.decode.mark_down(head)
-                elif all(alive.get(url) for url in (head, *later)):
-                    self.decode.mark_up(head)  # e.g. a lost stage was replaced
+        try:
+            nodes = query_status(controller, self.secret, timeout_s=timeout_s)["nodes"]
+        except grpc.RpcError:
+            return  # the controller is away: go by the failures met
+        alive = {}  # the latest registration per address wins
+        for node in nodes:
+            alive[node["address"]] = node["alive"]
+        dead = {address for address, ok in alive.items() if not ok}
+        for url in self.prefill_clients:
+            if url in dead:
+                self.prefill.mark_down(url)
+            elif alive.get(url):
+                self.prefill.mark_up(url)  # started again: use it at once
+        self._follow_stages(nodes)
+        for head, later in self.later_stages.items():
+            if dead & {head, *later}:
+                self.decode.mark_down(head)
+            elif all(alive.get(url) for url in (head, *later)):
+                self.decode.mark_up(head)  # e.g. a lost stage was replaced
 
     def _follow_stages(self, nodes: list[dict]) -> None:
         """Each later stage's address: the latest live registration in its slot."""
