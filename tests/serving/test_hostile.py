@@ -411,10 +411,7 @@ def test_a_thousand_mixed_requests_leave_nothing_behind(cluster, model, expected
         assert counts["processes"] == was["processes"], (name, was, counts)
         assert counts["shm"] <= was["shm"], (name, was, counts)
         assert counts["fds"] <= was["fds"] + 8, (name, was, counts)
-        if name != "frontend":
-            assert counts["threads"] <= was["threads"] + 8, (name, was, counts)
+        # Pools may add a few; the frontend leaked one per cancelled stream (~200 here)
+        # before control.client.stop_stream.
+        assert counts["threads"] <= was["threads"] + 16, (name, was, counts)
     normal_request_works(cluster, expected, usual_s)
-    grown = after["frontend"]["threads"] - before["frontend"]["threads"]
-    if grown > 8:  # found by this test, not fixed yet (issue 14): every other count holds
-        pytest.xfail(f"the frontend's threads grew by {grown} over 1,000 mixed requests "
-                     f"({before['frontend']['threads']} -> {after['frontend']['threads']})")
