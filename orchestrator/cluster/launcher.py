@@ -38,11 +38,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import shutil
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
@@ -138,10 +139,10 @@ class Cluster:
         self.watchdog: subprocess.Popen | None = None
         # Readable by this user only; the models get its path, never the secret.
         self.secret_file = write_secret(self.run_dir / SECRET_FILE, new_secret())
-        self.openai = (OpenAIApi(free_port(), self.run_dir / "logs" / "openai.log")
+        self.openai = (OpenAIApi(self.run_dir / "logs" / "openai.log", port=free_port())
                        if openai else None)
-        self.controller = Controller(free_port(), controller_timeout_s,
-                                     self.run_dir / "logs" / "controller.log", self.secret_file)
+        self.controller = Controller(self.run_dir / "logs" / "controller.log", port=free_port(),
+                                     timeout_s=controller_timeout_s, secret_file=self.secret_file)
         self.backend_dir = make_backend_dir(self.run_dir / "backends")
         shutil.rmtree(self.run_dir / "replicas", ignore_errors=True)  # a former cluster's
         self.devices = dict(devices or {})
@@ -302,96 +303,90 @@ def device_params(devices: Devices | None) -> dict:
 
 
 @dataclass
-class Controller:
+class HelperProcess:
+    """A cluster process that is not a tritonserver (the controller, the OpenAI API): started
+    in its own session (Ctrl-C in a shell must not stop it) with its output in ``log_path``."""
+
+    log_path: Path
+    process: subprocess.Popen | None = None
+
+    def spawn(self, args: list[str], what: str, ready, timeout_s: float) -> None:
+        """Start ``python -m args`` and wait until ``ready(lines logged since)`` is true."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            seen = log.tell()  # started again: only this run's lines count
+            self.process = subprocess.Popen([sys.executable, "-m", *args], stdout=log,
+                                            stderr=subprocess.STDOUT, cwd=ROOT,
+                                            start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ServerError(f"the {what} exited with {self.process.returncode}; "
+                                  f"log {self.log_path}")
+            if ready(self.log_path.read_bytes()[seen:].decode(errors="replace")):
+                return
+            time.sleep(0.1)
+        self.stop()
+        raise ServerError(f"the {what} was not ready within {timeout_s:.0f} s; "
+                          f"log {self.log_path}")
+
+    def stop(self) -> None:
+        if self.process is not None:
+            stop_processes([self.process.pid], timeout_s=5.0)
+            self.process.wait(timeout=5)
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+
+@dataclass
+class Controller(HelperProcess):
     """The fault controller's process (``python -m orchestrator.fault.controller``)."""
 
-    port: int
-    timeout_s: float
-    log_path: Path
-    secret_file: Path
-    process: subprocess.Popen | None = None
+    port: int = 0
+    timeout_s: float = 5.0
+    secret_file: Path | None = None
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 30.0) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
-            seen = log.tell()  # started again: only this run's lines count
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "orchestrator.fault.controller", "--port", str(self.port),
-                 "--timeout-s", str(self.timeout_s), "--secret-file", str(self.secret_file)],
-                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                start_new_session=True,  # like the nodes: Ctrl-C in a shell must not stop it
-            )
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise ServerError(f"the controller exited with {self.process.returncode}; "
-                                  f"log {self.log_path}")
-            if re.search(rf"controller listening on {re.escape(self.address)}",
-                         self.log_path.read_bytes()[seen:].decode(errors="replace")):
-                return
-            time.sleep(0.1)
-        self.stop()
-        raise ServerError(f"the controller did not listen on {self.address} within "
-                          f"{timeout_s:.0f} s; log {self.log_path}")
-
-    def stop(self) -> None:
-        if self.process is not None:
-            stop_processes([self.process.pid], timeout_s=5.0)
-            self.process.wait(timeout=5)
+        listening = f"controller listening on {self.address}"
+        self.spawn(["orchestrator.fault.controller", "--port", str(self.port), "--timeout-s",
+                    str(self.timeout_s), "--secret-file", str(self.secret_file)],
+                   "controller", lambda logged: listening in logged, timeout_s)
 
     def describe(self) -> dict:
-        return {"address": self.address, "pid": self.process.pid if self.process else None,
-                "timeout_s": self.timeout_s, "log": str(self.log_path)}
+        return {"address": self.address, "pid": self.pid, "timeout_s": self.timeout_s,
+                "log": str(self.log_path)}
 
 
 @dataclass
-class OpenAIApi:
+class OpenAIApi(HelperProcess):
     """The OpenAI-compatible API's process (``python -m orchestrator.serving.openai_server``)."""
 
-    port: int
-    log_path: Path
-    process: subprocess.Popen | None = None
+    port: int = 0
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
 
     def start(self, grpc_url: str, model_dir: Path, timeout_s: float = 60.0) -> None:
-        import urllib.error
-        import urllib.request
+        self.spawn(["orchestrator.serving.openai_server", "--grpc-url", grpc_url,
+                    "--model-dir", str(model_dir), "--port", str(self.port)],
+                   "OpenAI API", lambda _: self.answers(), timeout_s)
 
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "orchestrator.serving.openai_server", "--grpc-url",
-                 grpc_url, "--model-dir", str(model_dir), "--port", str(self.port)],
-                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise ServerError(f"the OpenAI API exited with {self.process.returncode}; "
-                                  f"log {self.log_path}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/models", timeout=1):
-                    return
-            except (urllib.error.URLError, OSError):
-                time.sleep(0.2)
-        self.stop()
-        raise ServerError(f"the OpenAI API did not answer at {self.url} within "
-                          f"{timeout_s:.0f} s; log {self.log_path}")
-
-    def stop(self) -> None:
-        if self.process is not None:
-            stop_processes([self.process.pid], timeout_s=5.0)
-            self.process.wait(timeout=5)
+    def answers(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/models", timeout=1):
+                return True
+        except (urllib.error.URLError, OSError):
+            return False
 
     def describe(self) -> dict:
-        return {"url": self.url, "pid": self.process.pid if self.process else None,
-                "log": str(self.log_path)}
+        return {"url": self.url, "pid": self.pid, "log": str(self.log_path)}
 
 
 def connect_pipeline(call: Call, urls: list[str], replicate: bool = False) -> None:

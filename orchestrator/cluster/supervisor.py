@@ -99,9 +99,10 @@ class Supervisor:
         controller = state["controller"]
         if not alive(controller["pid"]) and not stopping(self.run_dir):
             log.warning("the controller is gone (pid %s); starting it again", controller["pid"])
-            again = Controller(int(controller["address"].rsplit(":", 1)[1]),
-                               float(controller["timeout_s"]), Path(controller["log"]),
-                               Path(state["secret_file"]))
+            again = Controller(Path(controller["log"]),
+                               port=int(controller["address"].rsplit(":", 1)[1]),
+                               timeout_s=float(controller["timeout_s"]),
+                               secret_file=Path(state["secret_file"]))
             try:
                 again.start()
             except ServerError:
