@@ -101,7 +101,11 @@ def test_a_killed_prefill_node_costs_a_pause_not_an_error(cluster, expected, cap
             dead.name] != 1:
         assert time.monotonic() < deadline
         time.sleep(0.2)
-    assert status(cluster, capsys)[0] == 0
+    # Every node ready and alive to the controller (a busy machine may take a moment).
+    deadline = time.monotonic() + 30
+    while (now := status(cluster, capsys))[0] != 0:
+        assert time.monotonic() < deadline, now[1]
+        time.sleep(0.2)
     # Once the router's memory of the failure (5 s) is over, JSQ sends the restarted node
     # prompts again: it takes them at the first try, no prompt runs twice.
     deadline = time.monotonic() + 30

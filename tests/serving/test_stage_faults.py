@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 
 import pytest
-from cluster_helpers import MAX_SEQ_LEN, PROMPTS, ids_of, metric, reference
+from cluster_helpers import LONG, MAX_SEQ_LEN, PROMPTS, ids_of, metric, reference
 
 from clients.generate import GenerateError, stream_grpc
 from orchestrator.cluster import chaos
@@ -32,13 +32,12 @@ class Streaming(threading.Thread):
 
     def __init__(self, url: str, prompt: str, **params) -> None:
         super().__init__(daemon=True)
-        self.url, self.prompt, self.params = url, prompt, params
+        self.url, self.prompt, self.params = url, prompt, {"max_tokens": MAX_TOKENS, **params}
         self.chunks, self.error = [], None
 
     def run(self) -> None:
         try:
-            for chunk in stream_grpc(self.url, self.prompt, max_tokens=MAX_TOKENS,
-                                     **self.params):
+            for chunk in stream_grpc(self.url, self.prompt, **self.params):
                 self.chunks.append(chunk)
         except GenerateError as exc:
             self.error = exc
@@ -46,11 +45,12 @@ class Streaming(threading.Thread):
 
 def kill_mid_stream(cluster: Cluster, prompts: list[str],
                     victims: list[str] | Callable[[], list[str]], after_tokens: int = 8,
-                    seeded: str | None = None) -> list[Streaming]:
+                    seeded: str | None = None, max_tokens: int = MAX_TOKENS) -> list[Streaming]:
     """Stream every prompt (and ``seeded`` with :data:`SEEDED` sampling, last); once each
     has ``after_tokens`` tokens, kill ``victims`` (or those it names then); wait until
     every stream ended."""
-    requests = [Streaming(cluster.frontend.grpc_url, p) for p in prompts]
+    requests = [Streaming(cluster.frontend.grpc_url, p, max_tokens=max_tokens)
+                for p in prompts]
     requests += [Streaming(cluster.frontend.grpc_url, seeded, **SEEDED)] if seeded else []
     for r in requests:
         r.start()
@@ -66,9 +66,11 @@ def kill_mid_stream(cluster: Cluster, prompts: list[str],
     return requests
 
 
-def held(cluster: Cluster) -> dict[str, dict[str, int]]:
-    """What each T-stage holds now (its ``held`` report), by node name."""
-    stages = [n for n in read_state(cluster.run_dir)["nodes"] if n["role"] == "decode"]
+def held(cluster: Cluster, suffix: str = "") -> dict[str, dict[str, int]]:
+    """What each T-stage (whose name ends with ``suffix``) holds now (its ``held``
+    report), by node name."""
+    stages = [n for n in read_state(cluster.run_dir)["nodes"]
+              if n["role"] == "decode" and n["name"].endswith(suffix)]
     control = ControlClient(load_secret(cluster.secret_file), 10.0)
     try:
         return {n["name"]: json.loads(control.call(n["grpc"], "held")) for n in stages}
@@ -220,7 +222,7 @@ def test_a_dropped_connection_between_stages_is_made_again(depth2, expected):
     assert_all_freed(depth2)
 
 
-def test_without_replicas_a_lost_pipelines_requests_rerun_on_another(model, expected, tmp_path):
+def test_without_replicas_a_lost_pipelines_requests_rerun_on_another(model, tmp_path):
     """The restart-from-scratch baseline (``replicate="off"``): a killed stage breaks its
     pipeline; its requests run again from their prompts on the other pipeline, and the
     supervisor starts the broken pipeline afresh, which then serves again."""
@@ -230,15 +232,16 @@ def test_without_replicas_a_lost_pipelines_requests_rerun_on_another(model, expe
 
         def a_busy_pipeline() -> list[str]:
             # JSQ splits them two and two, unless one pipeline looked down to the frontend
-            # as they came: kill stage 1 of one that holds requests.
-            busy = sorted(name for name, h in held(cluster).items()
-                          if name.endswith("s1") and h["kv"])
+            # as they came: kill stage 1 of one that holds requests (long ones, so that
+            # they are still running once it is killed).
+            busy = sorted(name for name, h in held(cluster, "s1").items() if h["kv"])
             killed.append(busy[0].removesuffix("s1"))
             return busy[:1]
 
-        requests = kill_mid_stream(cluster, PROMPTS[:4], a_busy_pipeline)
+        requests = kill_mid_stream(cluster, PROMPTS[:4], a_busy_pipeline, after_tokens=1,
+                                   max_tokens=LONG)
         assert [r.error for r in requests] == [None] * 4
-        assert [ids_of(r.chunks) for r in requests] == expected
+        assert [ids_of(r.chunks) for r in requests] == reference(model, PROMPTS[:4], LONG)
         # the killed pipeline's requests ran again on the other one
         assert reruns(cluster) >= 1
         deadline = time.monotonic() + 60
