@@ -10,6 +10,7 @@ from benchmarks.kv import MODES
 from orchestrator.cli import main as dejavu
 
 
+@pytest.mark.slow  # the receiver in a spawned process, over NIXL
 @pytest.mark.timeout(180)
 def test_quick_bench_writes_verified_results(tmp_path) -> None:
     assert dejavu(["bench", "kv", "--quick", "--out", str(tmp_path)]) == 0

@@ -26,6 +26,7 @@ from orchestrator.pipeline.node import PipelineConfig, StageNode
 from orchestrator.pipeline.prefill import stream_prefill
 from orchestrator.pipeline.sequence import Sequence
 
+pytestmark = pytest.mark.slow  # stage 1 in a spawned process
 MAX_SEQ = 64
 LIMITS = [14, 10, 16, 12, 6]
 CONFIG = PipelineConfig(depth=2, batch_size=2, max_seq_len=MAX_SEQ, kv_timeout_s=20,

@@ -17,7 +17,7 @@ from orchestrator.kv.errors import KVTransferError
 from orchestrator.kv.transport.nixl import NixlTransport
 from orchestrator.layout import KVCache, KVLayout
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]  # spawned processes
 MODEL = KVLayout(num_layers=4, num_kv_heads=4, head_dim=16, max_seq_len=64)
 CTX = mp.get_context("spawn")
 

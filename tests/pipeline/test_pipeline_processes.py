@@ -21,6 +21,7 @@ from orchestrator.engine.reference import generate, load_stages
 from orchestrator.pipeline.node import PipelineConfig, StageNode
 from orchestrator.pipeline.sequence import FinishReason, Sequence
 
+pytestmark = pytest.mark.slow  # stages and a P-node in spawned processes
 MAX_SEQ = 64
 # More requests than slots, different limits: early stops (length and eos) and refills.
 LIMITS = [3, 9, 1, 12, 5, 7, 2, 8]

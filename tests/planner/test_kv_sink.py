@@ -21,7 +21,7 @@ def test_measure_timings_over_the_local_transport(tiny_model):
     assert timings.m == max(1.0, timings.m_raw) and timings.m_raw > 0
 
 
-@pytest.mark.parametrize("kind", ["local", "nixl"])
+@pytest.mark.parametrize("kind", ["local", pytest.param("nixl", marks=pytest.mark.slow)])
 @pytest.mark.timeout(120)
 def test_a_prompt_that_never_arrives_fails_and_frees_its_slot(tiny_model, kind):
     layout = load_engine(tiny_model("gpt2"), max_seq_len=24).kv_layout
@@ -41,6 +41,7 @@ def test_unknown_transport(tiny_model):
         KVSink(layout, 1, "tcp")
 
 
+@pytest.mark.slow  # the receiver in a spawned process
 @pytest.mark.timeout(60)
 def test_a_dead_receiver_process_fails_fast(tiny_model):
     layout = load_engine(tiny_model("gpt2"), max_seq_len=24).kv_layout

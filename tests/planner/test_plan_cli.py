@@ -27,6 +27,7 @@ def test_layer_param_count_matches_the_checkpoint(tiny_model, arch):
     assert layer_param_count(cfg) == layer0
 
 
+@pytest.mark.slow  # m is measured over NIXL to a spawned receiver (the default)
 def test_plan_profiles_a_live_model_and_writes_a_spec(tiny_model, tmp_path, capsys):
     model_dir = tiny_model("gpt2")
     out = tmp_path / "spec.json"
