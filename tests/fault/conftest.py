@@ -6,9 +6,9 @@ import subprocess
 from collections.abc import Callable, Iterator
 
 import pytest
+from replicated_pipeline import SECRET  # the in-process pipelines' secret
 
 from orchestrator.fault.controller import spawn
-from orchestrator.fault.local import SECRET  # the in-process pipelines' secret
 
 
 def stop(proc: subprocess.Popen) -> None:

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import grpc
 import pytest
+from replicated_pipeline import SECRET
 
 from orchestrator.control.auth import ENV
 from orchestrator.fault.client import ControllerClient, NodeSpec, query_status
 from orchestrator.fault.controller import ControllerState
-from orchestrator.fault.local import SECRET
 from orchestrator.fault.rpc import RequestError, Stub
 
 NODE_PROC = Path(__file__).with_name("node_proc.py")

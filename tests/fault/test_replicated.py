@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from replicated_pipeline import Kill, ReplicatedPipeline
 
 from orchestrator.engine.reference import generate, load_stages, log_softmax_along
 from orchestrator.engine.sampling import SamplingParams
-from orchestrator.fault.local import Kill, ReplicatedPipeline
 from orchestrator.pipeline.local import LocalPipeline
 from orchestrator.pipeline.node import PipelineConfig
 from orchestrator.pipeline.sequence import FinishReason, Sequence

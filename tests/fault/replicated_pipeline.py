@@ -1,4 +1,5 @@
-"""KV replicas and stage recovery on an in-process pipeline, by the T-nodes' own code.
+"""Test helper: KV replicas and stage recovery on an in-process pipeline, by the T-nodes'
+own code (the served path is the supervisor driving ``recover_stage`` across T-nodes).
 
 :class:`ReplicatedPipeline` gives every stage node of a
 :class:`~orchestrator.pipeline.local.LocalPipeline` what a T-node with
@@ -41,7 +42,7 @@ from orchestrator.pipeline.local import LocalPipeline
 from orchestrator.pipeline.node import StageNode
 from orchestrator.pipeline.stage import StageLost
 
-log = logging.getLogger("dejavu.fault.local")
+log = logging.getLogger("dejavu.tests.replicated")
 
 SECRET = b"dejavu-replicas-in-one-process"  # KV, replica and controller calls
 
