@@ -26,7 +26,6 @@ A pipeline of depth d splits the model's layers with ``StageSpec.split(L, d)``.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,9 +116,6 @@ class Plan:
             "batch": w.batch, "prompt_len": w.prompt_len, "new_tokens": w.new_tokens,
             "planner": self.numbers(),
         }
-
-    def write_spec(self, path: str | Path, model_dir: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_spec(model_dir), indent=2) + "\n")
 
 
 def score(profile: Profile, machines: int, layout: Layout) -> float:

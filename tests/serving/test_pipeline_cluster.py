@@ -155,7 +155,7 @@ def _allowed_cores(pid: int) -> set[frozenset[int]]:
 
 
 def test_up_from_a_spec_prefill_depth_2_decode_depth_3(model, expected, tmp_path):
-    """A planner spec (the format of ``Plan.write_spec``): D_p=2 -> D_t=3, swap off, each
+    """A planner spec (the format of ``Plan.to_spec``): D_p=2 -> D_t=3, swap off, each
     node pinned to its machines' cores (5 machines on this host's cores, round robin)."""
     spec = {
         "version": 1, "model_dir": str(model), "mode": "disaggregated",
