@@ -15,14 +15,20 @@ gather into one transfer (DejaVu §4.1).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
+# The dtypes a model and its KV may take, by name; torch is imported only where tensors are
+# made, so a frontend that tokenizes and routes never loads it.
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    return getattr(torch, name)
 
 
 @dataclass(frozen=True)
@@ -38,7 +44,7 @@ class KVLayout:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return torch_dtype(self.dtype)
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
@@ -51,7 +57,7 @@ class KVLayout:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.torch_dtype).element_size()
+        return DTYPE_BYTES[self.dtype]
 
     def token_bytes_per_layer(self) -> int:
         """Bytes one position adds to one layer (K and V, all heads)."""
@@ -76,6 +82,8 @@ class KVLayout:
         )
 
     def allocate(self, device: str | torch.device = "cpu") -> torch.Tensor:
+        import torch
+
         return torch.zeros(self.shape, dtype=self.torch_dtype, device=device)
 
     def to_dict(self) -> dict:

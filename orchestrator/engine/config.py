@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator.layout import DTYPES, KVLayout, StageSpec
+from orchestrator.layout import DTYPE_BYTES, KVLayout, StageSpec
 
 FAMILIES = ("gpt2", "opt", "llama")
 
@@ -76,8 +76,8 @@ class ModelConfig:
 
 def _dtype(hf: dict) -> str:
     name = hf.get("dtype") or hf.get("torch_dtype") or "float32"
-    if name not in DTYPES:
-        raise ValueError(f"unsupported dtype {name!r}; supported: {', '.join(DTYPES)}")
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"unsupported dtype {name!r}; supported: {', '.join(DTYPE_BYTES)}")
     return name
 
 

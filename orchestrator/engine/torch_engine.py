@@ -20,7 +20,7 @@ from orchestrator.engine.base import LayerHook
 from orchestrator.engine.config import ModelConfig
 from orchestrator.engine.layers import ACTIVATIONS, apply_rope, norm, rope_table
 from orchestrator.engine.weights import Params, StageWeights, load_stage_weights
-from orchestrator.layout import DTYPES, KVCache, StageSpec
+from orchestrator.layout import DTYPE_BYTES, KVCache, StageSpec, torch_dtype
 
 # (q, k, v) of one layer, each [N, heads, head_dim] -> attention output [N, heads * head_dim]
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -39,7 +39,7 @@ class TorchEngine:
         if config.activation not in ACTIVATIONS:
             raise ValueError(f"unsupported activation {config.activation!r}")
         self.config, self.stage, self.weights = config, stage, weights
-        self.device, self.dtype = device, DTYPES[dtype]
+        self.device, self.dtype = device, torch_dtype(dtype)
         self.kv_layout = config.kv_layout(stage, max_seq_len, dtype)
         self.hidden_size, self.vocab_size = config.hidden_size, config.vocab_size
         self.act = ACTIVATIONS[config.activation]
@@ -217,12 +217,12 @@ def load_engine(
         raise ValueError(f"stage {stage} does not fit a {config.num_layers}-layer model")
     device = torch.device(device)
     dtype = dtype or ("float32" if device.type == "cpu" else config.dtype)
-    if dtype not in DTYPES:
-        raise ValueError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)}")
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPE_BYTES)}")
     max_seq_len = max_seq_len or config.max_positions
     if config.rope_theta is None and max_seq_len > config.max_positions:
         raise ValueError(
             f"max_seq_len {max_seq_len} exceeds the model's {config.max_positions} positions"
         )
-    weights = load_stage_weights(model_dir, config, stage, device, DTYPES[dtype])
+    weights = load_stage_weights(model_dir, config, stage, device, torch_dtype(dtype))
     return TorchEngine(config, stage, weights, device, dtype, max_seq_len)

@@ -30,12 +30,12 @@ import torch
 
 from orchestrator.control.auth import mac
 from orchestrator.kv.errors import KVTransferError
-from orchestrator.layout import DTYPES, KVLayout
+from orchestrator.layout import DTYPE_BYTES, KVLayout
 
 MAGIC = b"DJKV"
 VERSION = 1
 MAC_BYTES = hashlib.sha256().digest_size
-_DTYPE_CODES = {name: code for code, name in enumerate(DTYPES)}
+_DTYPE_CODES = {name: code for code, name in enumerate(DTYPE_BYTES)}
 _DTYPE_NAMES = {code: name for name, code in _DTYPE_CODES.items()}
 _HAS_CRC = 1
 # magic, version, kind, flags, first_layer, num_layers, num_heads, head_dim, dtype,

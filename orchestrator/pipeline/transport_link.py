@@ -28,7 +28,7 @@ import torch
 from orchestrator.engine.log_probs import TokenLogProb
 from orchestrator.engine.sampling import SamplingParams
 from orchestrator.kv.transport.base import KVPoll, Region, Transport
-from orchestrator.layout import DTYPES
+from orchestrator.layout import DTYPE_BYTES, torch_dtype
 from orchestrator.pipeline.link import (
     KVProbe,
     LinkError,
@@ -41,8 +41,8 @@ from orchestrator.pipeline.link import (
 
 _LENGTH = struct.Struct("!I")  # header bytes, at the front of a slot
 _ALIGN = 16
-_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()} | {torch.int64: "int64"}
-_DTYPES = DTYPES | {"int64": torch.int64}
+_DTYPES = {name: torch_dtype(name) for name in [*DTYPE_BYTES, "int64"]}
+_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 SPIN_S = 0.0002  # poll without sleeping this long first: a sleep costs more than a hop
 _PROBE_FIELDS = ("requests", "release", "ready", "failed", "waiting_at")  # dicts keyed by seq id
 

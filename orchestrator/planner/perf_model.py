@@ -24,7 +24,7 @@ import torch
 
 from orchestrator.engine.config import ModelConfig
 from orchestrator.kv.connector import KVSender
-from orchestrator.layout import DTYPES, KVCache
+from orchestrator.layout import DTYPE_BYTES, KVCache
 from orchestrator.planner.kv_sink import SECRET, KVSink
 
 
@@ -98,9 +98,9 @@ def layer_param_count(cfg: ModelConfig) -> int:
 
 def layer_bytes(cfg: ModelConfig, dtype: str, workload: Workload) -> tuple[float, float, float]:
     """(W0, C0, K0) for one layer in ``dtype``."""
-    if dtype not in DTYPES:
-        raise ValueError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)}")
-    itemsize = torch.empty((), dtype=DTYPES[dtype]).element_size()
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPE_BYTES)}")
+    itemsize = DTYPE_BYTES[dtype]
     kv_per_position = 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
     W0 = layer_param_count(cfg) * itemsize
     C0 = workload.batch * workload.prompt_len * kv_per_position

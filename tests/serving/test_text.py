@@ -1,6 +1,8 @@
 """Streamed detokenization: the pieces add up to the whole text."""
 
 import random
+import subprocess
+import sys
 
 from orchestrator.engine.tokenizer import train_tokenizer
 from orchestrator.serving.text import CONTEXT_TOKENS, encode_prompt, new_text
@@ -19,3 +21,15 @@ def test_streamed_pieces_concatenate_to_the_full_text():
             sent += ids[i : i + n]
             i += n
         assert "".join(pieces) == tokenizer.decode(ids) == text
+
+
+def test_the_frontend_nodes_library_code_does_not_load_torch():
+    # Tokenizing, routing and relaying need no tensors: four frontend stubs each loading
+    # torch would cost seconds of CPU at every start (and hundreds of MB).
+    modules = ["orchestrator.serving.entry", "orchestrator.serving.text",
+               "orchestrator.serving.limits", "orchestrator.control.auth",
+               "orchestrator.engine.tokenizer", "orchestrator.serving.params"]
+    code = f"import sys; [__import__(m) for m in {modules}]; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "False"
