@@ -15,8 +15,9 @@ import triton_python_backend_utils as pb_utils
 
 from orchestrator.control.auth import check_request
 from orchestrator.control.errors import ErrorCode
+from orchestrator.serving.batch import SequenceJob
 from orchestrator.serving.config import NodeConfig
-from orchestrator.serving.entry import Replies
+from orchestrator.serving.entry import EntryPoint, Replies
 from orchestrator.serving.metrics import Metrics
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -29,12 +30,6 @@ _ipc = threading.Lock()
 def send(sender, response: pb_utils.InferenceResponse, final: bool = False) -> None:
     with _ipc:
         sender.send(response, flags=FINAL if final else 0)
-
-
-def send_final(sender) -> None:
-    """The final flag alone, after the last response."""
-    with _ipc:
-        sender.send(flags=FINAL)
 
 
 def cancelled(request) -> Callable[[], bool]:
@@ -56,6 +51,16 @@ def replies(request, respond: Callable[[list[int], list[int], dict], dict[str, n
         lambda message, final: send(sender, error(message), final),
         lambda message: send(sender, refused(message), final=True),
     )
+
+
+def serve(entry: EntryPoint, requests: list,
+          jobs: Callable[[object], list[SequenceJob]],
+          respond: Callable[[list[int], list[int], dict], dict[str, np.ndarray]]) -> None:
+    """A frontend entry model's ``execute``: hand each request to ``entry``'s pool, which
+    reads it with ``jobs`` and answers through its response sender (decoupled)."""
+    for request in requests:
+        entry.submit(lambda request=request: jobs(request), replies(request, respond),
+                     cancelled(request))
 
 
 def node_config(args: dict) -> NodeConfig:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -11,7 +13,9 @@ import numpy as np
 
 from clients import breakdown, common
 from clients.common import PROMPTS as ALL_PROMPTS
-from clients.generate import stream_grpc, stream_http
+from clients.generate import GenerateError, stream_grpc, stream_http
+from orchestrator.cluster import chaos
+from orchestrator.cluster.launcher import Cluster, read_state
 from orchestrator.control.auth import load_secret
 from orchestrator.control.client import ControlClient
 from orchestrator.engine.reference import generate, log_softmax_along
@@ -21,6 +25,11 @@ from orchestrator.engine.torch_engine import load_engine
 MAX_SEQ_LEN = 256  # the tiny models' positions: room for a long stream to cancel
 LONG = MAX_SEQ_LEN - 16  # max_tokens of a stream long enough to leave in the middle of
 PROMPTS = ALL_PROMPTS[:6]
+
+
+def cluster_up(model: Path, run_dir: Path, **kwargs) -> Cluster:
+    """A cluster of real tritonservers on ``model`` at the tests' context length."""
+    return Cluster.up(model, run_dir=run_dir, max_seq_len=MAX_SEQ_LEN, **kwargs)
 
 
 def reference(model_dir: Path, prompts: list[str], max_tokens: int) -> list[list[int]]:
@@ -126,3 +135,79 @@ def report_cancels(what: str, seconds: list[float], rounds: int) -> None:
     print(f"\n{what}: leave -> T-node free, {len(seconds)} of {rounds} rounds still "
           f"generating: median {sorted(seconds)[len(seconds) // 2] * 1000:.0f} ms, "
           f"max {max(seconds) * 1000:.0f} ms")
+
+
+# -- stages killed mid-stream ------------------------------------------------------------
+
+FAULT_TOKENS = 120  # long enough to be mid-stream when a stage dies
+DEAD_AFTER_S = 3.0
+# A sampled request: the seeded sampler must resume after a recovery as if nothing failed.
+SEEDED = dict(temperature=1.0, top_k=50, seed=7, min_tokens=FAULT_TOKENS)
+
+
+class Streaming(threading.Thread):
+    """One streamed request; its chunks as they come."""
+
+    def __init__(self, url: str, prompt: str, **params) -> None:
+        super().__init__(daemon=True)
+        self.url, self.prompt, self.params = url, prompt, {"max_tokens": FAULT_TOKENS, **params}
+        self.chunks, self.error = [], None
+
+    def run(self) -> None:
+        try:
+            for chunk in stream_grpc(self.url, self.prompt, **self.params):
+                self.chunks.append(chunk)
+        except GenerateError as exc:
+            self.error = exc
+
+
+def kill_mid_stream(cluster: Cluster, prompts: list[str],
+                    victims: list[str] | Callable[[], list[str]], after_tokens: int = 8,
+                    seeded: str | None = None, max_tokens: int = FAULT_TOKENS) -> list[Streaming]:
+    """Stream every prompt (and ``seeded`` with :data:`SEEDED` sampling, last); once each
+    has ``after_tokens`` tokens, kill ``victims`` (or those it names then); wait until
+    every stream ended."""
+    requests = [Streaming(cluster.frontend.grpc_url, p, max_tokens=max_tokens)
+                for p in prompts]
+    requests += [Streaming(cluster.frontend.grpc_url, seeded, **SEEDED)] if seeded else []
+    for r in requests:
+        r.start()
+    deadline = time.monotonic() + 60
+    while not all(len(ids_of(r.chunks)) >= after_tokens for r in requests):
+        assert time.monotonic() < deadline, "no tokens before the kill"
+        time.sleep(0.05)
+    for name in victims() if callable(victims) else victims:
+        assert chaos.main(["kill", name, "--dir", str(cluster.run_dir)]) == 0
+    for r in requests:
+        r.join(150)
+        assert not r.is_alive()
+    return requests
+
+
+def fault_cluster(model, run_dir, **kwargs):
+    """A cluster of one P-node and token pipelines that notice a lost node in 3 s."""
+    return cluster_up(model, run_dir, prefill=1,
+                      dead_after_s=DEAD_AFTER_S, controller_timeout_s=DEAD_AFTER_S, **kwargs)
+
+
+def held(cluster: Cluster, suffix: str = "") -> dict[str, dict[str, int]]:
+    """What each T-stage (whose name ends with ``suffix``) holds now (its ``held``
+    report), by node name."""
+    stages = [n for n in read_state(cluster.run_dir)["nodes"]
+              if n["role"] == "decode" and n["name"].endswith(suffix)]
+    control = ControlClient(load_secret(cluster.secret_file), 10.0)
+    try:
+        return {n["name"]: json.loads(control.call(n["grpc"], "held")) for n in stages}
+    finally:
+        control.close()
+
+
+def assert_all_freed(cluster: Cluster) -> None:
+    """No stage holds KV, replicas or restored KV once every request ended."""
+    deadline = time.monotonic() + 15
+    while True:
+        now = held(cluster)
+        if all(v == 0 for h in now.values() for v in h.values()):
+            return
+        assert time.monotonic() < deadline, now
+        time.sleep(0.2)

@@ -22,6 +22,7 @@ from cluster_helpers import (
     PROMPTS,
     assert_log_probs_match_reference,
     cancel_rounds,
+    cluster_up,
     ids_of,
     metric,
     reference,
@@ -33,7 +34,6 @@ from cluster_helpers import (
 from tritonclient.utils import InferenceServerException
 
 from clients.generate import GenerateError, generate_batch, stream_grpc, stream_http
-from orchestrator.cluster.launcher import Cluster
 from orchestrator.control.auth import load_secret, request_parameters
 from orchestrator.control.client import tensor
 from orchestrator.control.errors import ErrorCode
@@ -49,14 +49,8 @@ MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def model(tiny_model):
-    return tiny_model("llama")
-
-
-@pytest.fixture(scope="module")
 def cluster(model, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("disaggregated")
-    with Cluster.up(model, prefill=1, decode=1, run_dir=run_dir, max_seq_len=MAX_SEQ_LEN) as c:
+    with cluster_up(model, tmp_path_factory.mktemp("disaggregated"), prefill=1, decode=1) as c:
         yield c
 
 

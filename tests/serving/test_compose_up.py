@@ -111,11 +111,6 @@ def leaked_shm() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def model(tiny_model):
-    return tiny_model("llama")
-
-
-@pytest.fixture(scope="module")
 def expected(model):
     return reference(model, PROMPTS[:4], MAX_TOKENS)
 

@@ -11,8 +11,8 @@ import time
 
 import pytest
 from cluster_helpers import (
-    MAX_SEQ_LEN,
     PROMPTS,
+    cluster_up,
     ids_of,
     metric,
     reference,
@@ -21,7 +21,7 @@ from cluster_helpers import (
 
 from clients.generate import stream_grpc
 from orchestrator.cluster import chaos
-from orchestrator.cluster.launcher import Cluster, read_state, status_main
+from orchestrator.cluster.launcher import read_state, status_main
 from orchestrator.cluster.tritonserver import alive, is_ready
 from orchestrator.cluster.watchdog import read_pid
 
@@ -31,14 +31,8 @@ CONTROLLER_TIMEOUT_S = 3.0
 
 
 @pytest.fixture(scope="module")
-def model(tiny_model):
-    return tiny_model("llama")
-
-
-@pytest.fixture(scope="module")
 def cluster(model, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("faults")
-    with Cluster.up(model, prefill=2, decode=1, run_dir=run_dir, max_seq_len=MAX_SEQ_LEN,
+    with cluster_up(model, tmp_path_factory.mktemp("faults"), prefill=2, decode=1,
                     controller_timeout_s=CONTROLLER_TIMEOUT_S) as c:
         yield c
 

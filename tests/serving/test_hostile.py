@@ -21,6 +21,7 @@ import tritonclient.grpc as grpcclient
 from cluster_helpers import (
     MAX_SEQ_LEN,
     PROMPTS,
+    cluster_up,
     ids_of,
     metric,
     reference,
@@ -33,7 +34,6 @@ from spawned import Child
 from tritonclient.utils import InferenceServerException
 
 from clients.generate import GenerateError, stream_grpc
-from orchestrator.cluster.launcher import Cluster
 from orchestrator.control.auth import load_secret, request_parameters
 from orchestrator.control.client import ControlClient, raise_for_error, tensor
 from orchestrator.control.errors import ControlError
@@ -49,14 +49,8 @@ HUGE_ROUNDS = 5  # an unused KV slot reservation on the T-node is freed after th
 
 
 @pytest.fixture(scope="module")
-def model(tiny_model):
-    return tiny_model("llama")
-
-
-@pytest.fixture(scope="module")
 def cluster(model, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("hostile")
-    with Cluster.up(model, prefill=1, decode=1, run_dir=run_dir, max_seq_len=MAX_SEQ_LEN,
+    with cluster_up(model, tmp_path_factory.mktemp("hostile"), prefill=1, decode=1,
                     reserve_ttl_s=RESERVE_TTL_S) as c:
         yield c
 

@@ -11,11 +11,6 @@ from orchestrator.serving.limits import RequestLimits, longest_token_bytes
 from orchestrator.serving.params import RequestError
 
 
-@pytest.fixture(scope="module")
-def model(tiny_model):
-    return tiny_model("llama")
-
-
 def test_the_byte_limit_defaults_from_the_context_and_the_longest_token(model):
     tokenizer = load_tokenizer(model)
     limits = RequestLimits.for_node(NodeConfig(role="frontend", model_dir=str(model),

@@ -23,6 +23,7 @@ from cluster_helpers import (
     PROMPTS,
     assert_log_probs_match_reference,
     cancel_rounds,
+    cluster_up,
     ids_of,
     report_cancels,
 )
@@ -30,7 +31,6 @@ from cluster_helpers import (
 from clients.generate import generate_batch, stream_grpc
 from orchestrator.cluster.devices import Devices
 from orchestrator.cluster.launcher import (
-    Cluster,
     down_main,
     spread_devices,
     status_main,
@@ -44,11 +44,6 @@ from orchestrator.engine.torch_engine import load_engine
 pytestmark = pytest.mark.slow
 # 6 requests, 2 per microbatch: a depth-2 pipeline holds 4 at a time, so 2 wait for a slot
 LIMITS = [3, 9, 1, 12, 5, 7]
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model):
-    return tiny_model("llama")  # 4 layers: depth 2 and 3 split them unevenly too
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +63,8 @@ def run_all(url: str) -> list[list[int]]:
 
 
 def test_decode_depth_2_with_swapping_matches_reference(model, expected, tmp_path):
-    with Cluster.up(model, prefill=1, decode=1, decode_depth=2, swap="on", max_batch=2,
-                    run_dir=tmp_path, max_seq_len=MAX_SEQ_LEN) as cluster:
+    with cluster_up(model, tmp_path, prefill=1, decode=1, decode_depth=2, swap="on",
+                    max_batch=2) as cluster:
         stages = [(n.config.pipeline, n.config.stage, n.config.depth)
                   for n in cluster.role("decode")]
         assert stages == [(0, 0, 2), (0, 1, 2)]

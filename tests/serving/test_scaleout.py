@@ -4,10 +4,9 @@
 from __future__ import annotations
 
 import pytest
-from cluster_helpers import MAX_SEQ_LEN, PROMPTS, ids_of, metric, reference, run_concurrently
+from cluster_helpers import PROMPTS, cluster_up, ids_of, metric, reference, run_concurrently
 
 from clients.generate import stream_grpc
-from orchestrator.cluster.launcher import Cluster
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 10
@@ -17,9 +16,7 @@ def test_two_by_two_then_a_decode_node_dies(tiny_model, tmp_path):
     model = tiny_model("gpt2")
     prompts = PROMPTS * 2
     expected = reference(model, prompts, MAX_TOKENS)
-    with Cluster.up(
-        model, prefill=2, decode=2, run_dir=tmp_path, max_seq_len=MAX_SEQ_LEN
-    ) as cluster:
+    with cluster_up(model, tmp_path, prefill=2, decode=2) as cluster:
         url = cluster.frontend.grpc_url
         results = run_concurrently("grpc", url, prompts, max_tokens=MAX_TOKENS)
         assert [ids_of(chunks) for chunks in results] == expected

@@ -11,20 +11,22 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from cluster_helpers import PROMPTS, ids_of, metric, reference
-from test_stage_faults import assert_all_freed, fault_cluster, kill_mid_stream
+from cluster_helpers import (
+    FAULT_TOKENS,
+    PROMPTS,
+    assert_all_freed,
+    fault_cluster,
+    ids_of,
+    kill_mid_stream,
+    metric,
+    reference,
+)
 
 from benchmarks import recovery as bench
 from orchestrator.cluster.launcher import read_state, status_main
 from orchestrator.cluster.tritonserver import alive, is_ready
 
 pytestmark = pytest.mark.slow
-MAX_TOKENS = 120
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model):
-    return tiny_model("llama")
 
 
 def node(state: dict, name: str) -> dict:
@@ -38,7 +40,7 @@ def failed_requests(entry: dict) -> float:
 
 
 def test_a_killed_stage_moves_to_the_spare_and_a_new_spare_starts(model, tmp_path, capsys):
-    expected = reference(model, PROMPTS[:4], MAX_TOKENS)
+    expected = reference(model, PROMPTS[:4], FAULT_TOKENS)
     with fault_cluster(model, tmp_path, decode=1, decode_depth=2, spares=1) as cluster:
         assert status_main(["--dir", str(tmp_path)]) == 0
         assert "standby" in capsys.readouterr().out

@@ -6,89 +6,29 @@ stage, costs its requests a rerun from their prompts (still no error, the same t
 
 from __future__ import annotations
 
-import json
-import threading
 import time
-from collections.abc import Callable
 
 import pytest
-from cluster_helpers import LONG, MAX_SEQ_LEN, PROMPTS, ids_of, metric, reference
+from cluster_helpers import (
+    FAULT_TOKENS,
+    LONG,
+    PROMPTS,
+    SEEDED,
+    Streaming,
+    assert_all_freed,
+    fault_cluster,
+    held,
+    ids_of,
+    kill_mid_stream,
+    metric,
+    reference,
+)
 
-from clients.generate import GenerateError, stream_grpc
+from clients.generate import stream_grpc
 from orchestrator.cluster import chaos
 from orchestrator.cluster.launcher import Cluster, read_state
-from orchestrator.control.auth import load_secret
-from orchestrator.control.client import ControlClient
 
 pytestmark = pytest.mark.slow
-MAX_TOKENS = 120  # long enough to be mid-stream when a stage dies
-DEAD_AFTER_S = 3.0
-# A sampled request: the seeded sampler must resume after a recovery as if nothing failed.
-SEEDED = dict(temperature=1.0, top_k=50, seed=7, min_tokens=MAX_TOKENS)
-
-
-class Streaming(threading.Thread):
-    """One streamed request; its chunks as they come."""
-
-    def __init__(self, url: str, prompt: str, **params) -> None:
-        super().__init__(daemon=True)
-        self.url, self.prompt, self.params = url, prompt, {"max_tokens": MAX_TOKENS, **params}
-        self.chunks, self.error = [], None
-
-    def run(self) -> None:
-        try:
-            for chunk in stream_grpc(self.url, self.prompt, **self.params):
-                self.chunks.append(chunk)
-        except GenerateError as exc:
-            self.error = exc
-
-
-def kill_mid_stream(cluster: Cluster, prompts: list[str],
-                    victims: list[str] | Callable[[], list[str]], after_tokens: int = 8,
-                    seeded: str | None = None, max_tokens: int = MAX_TOKENS) -> list[Streaming]:
-    """Stream every prompt (and ``seeded`` with :data:`SEEDED` sampling, last); once each
-    has ``after_tokens`` tokens, kill ``victims`` (or those it names then); wait until
-    every stream ended."""
-    requests = [Streaming(cluster.frontend.grpc_url, p, max_tokens=max_tokens)
-                for p in prompts]
-    requests += [Streaming(cluster.frontend.grpc_url, seeded, **SEEDED)] if seeded else []
-    for r in requests:
-        r.start()
-    deadline = time.monotonic() + 60
-    while not all(len(ids_of(r.chunks)) >= after_tokens for r in requests):
-        assert time.monotonic() < deadline, "no tokens before the kill"
-        time.sleep(0.05)
-    for name in victims() if callable(victims) else victims:
-        assert chaos.main(["kill", name, "--dir", str(cluster.run_dir)]) == 0
-    for r in requests:
-        r.join(150)
-        assert not r.is_alive()
-    return requests
-
-
-def held(cluster: Cluster, suffix: str = "") -> dict[str, dict[str, int]]:
-    """What each T-stage (whose name ends with ``suffix``) holds now (its ``held``
-    report), by node name."""
-    stages = [n for n in read_state(cluster.run_dir)["nodes"]
-              if n["role"] == "decode" and n["name"].endswith(suffix)]
-    control = ControlClient(load_secret(cluster.secret_file), 10.0)
-    try:
-        return {n["name"]: json.loads(control.call(n["grpc"], "held")) for n in stages}
-    finally:
-        control.close()
-
-
-def assert_all_freed(cluster: Cluster) -> None:
-    """No stage holds KV, replicas or restored KV once every request ended."""
-    deadline = time.monotonic() + 15
-    while True:
-        now = held(cluster)
-        if all(v == 0 for h in now.values() for v in h.values()):
-            return
-        assert time.monotonic() < deadline, now
-        time.sleep(0.2)
-
-
 def reruns(cluster: Cluster) -> float:
     """Requests the frontend ran again from their prompts so far."""
     return metric(cluster.frontend, "dejavu_reruns", what="request")
@@ -106,20 +46,9 @@ def recoveries(cluster: Cluster) -> list[dict]:
     return repairs(cluster, "resumed", "recomputed")
 
 
-def fault_cluster(model, run_dir, **kwargs):
-    """A cluster of one P-node and token pipelines that notice a lost node in 3 s."""
-    return Cluster.up(model, prefill=1, run_dir=run_dir, max_seq_len=MAX_SEQ_LEN,
-                      dead_after_s=DEAD_AFTER_S, controller_timeout_s=DEAD_AFTER_S, **kwargs)
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model):
-    return tiny_model("llama")
-
-
 @pytest.fixture(scope="module")
 def expected(model):
-    return reference(model, PROMPTS[:4], MAX_TOKENS)
+    return reference(model, PROMPTS[:4], FAULT_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +60,7 @@ def depth2(model, tmp_path_factory):
 
 def test_a_killed_stage_resumes_from_its_replicas_twice_in_a_row(depth2, expected):
     undisturbed = ids_of(stream_grpc(depth2.frontend.grpc_url, PROMPTS[4],
-                                     max_tokens=MAX_TOKENS, **SEEDED))
+                                     max_tokens=FAULT_TOKENS, **SEEDED))
     for round_ in (1, 2):
         requests = kill_mid_stream(depth2, PROMPTS[:4], ["decode0s1"], seeded=PROMPTS[4])
         assert [r.error for r in requests] == [None] * 5

@@ -61,11 +61,6 @@ class Client:
 
 
 @pytest.fixture(scope="module")
-def model(tiny_model):
-    return tiny_model("llama")
-
-
-@pytest.fixture(scope="module")
 def engine(model):
     return load_engine(model, max_seq_len=MAX_SEQ)
 

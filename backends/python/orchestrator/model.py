@@ -17,10 +17,7 @@ class TritonPythonModel:
         self.entry = EntryPoint.for_node(config, pb.TritonMetrics(config.name or "frontend"))
 
     def execute(self, requests):
-        for request in requests:
-            self.entry.submit(lambda request=request: self.jobs(request),
-                              pb.replies(request, self.respond), pb.cancelled(request))
-        return None
+        pb.serve(self.entry, requests, self.jobs, self.respond)
 
     def jobs(self, request):
         tensors = pb.inputs(request, ["input_ids", "input_lengths", "input_auth", *INPUTS])

@@ -18,10 +18,7 @@ class TritonPythonModel:
         self.entry = EntryPoint.for_node(config, metrics, self.tokenizer)
 
     def execute(self, requests):
-        for request in requests:
-            self.entry.submit(lambda request=request: self.jobs(request),
-                              pb.replies(request, self.respond), pb.cancelled(request))
-        return None
+        pb.serve(self.entry, requests, self.jobs, self.respond)
 
     def jobs(self, request):
         tensors = pb.inputs(request, [*TEXT_INPUTS, *INPUTS])
