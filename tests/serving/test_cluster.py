@@ -129,7 +129,8 @@ def test_bad_requests_are_named_and_the_cluster_goes_on(
     good_request_works(cluster, expected)
 
 
-def _infer(url: str, model: str, inputs: dict[str, tuple[np.ndarray, str]]):
+def _stream(url: str, model: str, inputs: dict[str, tuple[np.ndarray, str]]) -> list[tuple]:
+    """One request on a gRPC stream: every (result, error) it got."""
     client = grpcclient.InferenceServerClient(url)
     tensors = []
     for name, (array, dtype) in inputs.items():
@@ -141,7 +142,11 @@ def _infer(url: str, model: str, inputs: dict[str, tuple[np.ndarray, str]]):
         client.async_stream_infer(model, tensors)
     finally:
         client.stop_stream()  # waits for the server to close the stream
-    return [error for _, error in results if error is not None]
+    return results
+
+
+def _infer(url: str, model: str, inputs: dict[str, tuple[np.ndarray, str]]):
+    return [error for _, error in _stream(url, model, inputs) if error is not None]
 
 
 @pytest.mark.parametrize(
@@ -433,22 +438,11 @@ def test_n_samples_differ_and_repeat_with_a_seed(cluster):
 
 
 def test_perf_metrics_and_refused_inputs(cluster, expected):
-    import tritonclient.grpc as grpcclient
-
     prompt = (np.array([[b"hello"]], dtype=np.object_), "BYTES")
     one = (np.array([[4]], np.int32), "INT32")
-    client = grpcclient.InferenceServerClient(cluster.frontend.grpc_url)
     inputs = {"text_input": prompt, "max_tokens": one,
               "return_perf_metrics": (np.array([[True]]), "BOOL")}
-    tensors = []
-    for name, (array, dtype) in inputs.items():
-        tensors.append(grpcclient.InferInput(name, list(array.shape), dtype))
-        tensors[-1].set_data_from_numpy(array)
-    results = []
-    client.start_stream(callback=lambda result, error: results.append((result, error)))
-    client.async_stream_infer("ensemble", tensors)
-    client.stop_stream()
-    (result, error), = results
+    (result, error), = _stream(cluster.frontend.grpc_url, "ensemble", inputs)
     assert error is None, error
     times = [int(result.as_numpy(f"{name}_time_ns").reshape(-1)[0]) for name in
              ("arrival", "first_scheduled", "first_token", "last_token")]
