@@ -54,7 +54,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from clients.common import PROMPTS, dummy_model, markdown, reference, write_csv
+from clients.common import (
+    PROMPTS,
+    dummy_model,
+    markdown,
+    process_groups,
+    reference,
+    write_csv,
+)
 
 KILLS = ("prefill0", "decode0s1", "decode0s0", "frontend", "controller", "supervisor")
 LOAD = {  # kind -> weight
@@ -386,30 +393,6 @@ def roles(run_dir: Path) -> dict[str, tuple[int, str | None]]:
     return found
 
 
-def _proc_groups() -> dict[int, dict[str, int]]:
-    """Per process group: RSS (kB), threads, open fds, processes; read from /proc."""
-    groups: dict[int, dict[str, int]] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as f:
-                state, _, pgrp = f.read().rsplit(")", 1)[1].split()[:3]
-            if state == "Z":
-                continue  # killed, not reaped yet: it holds nothing
-            status = Path(f"/proc/{entry.name}/status").read_text()
-            fds = len(os.listdir(f"/proc/{entry.name}/fd"))
-        except (OSError, IndexError, ValueError):
-            continue  # gone meanwhile, or not ours
-        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-        total = groups.setdefault(int(pgrp), {"rss_kb": 0, "threads": 0, "fds": 0, "procs": 0})
-        total["rss_kb"] += int(fields.get("VmRSS", "0 kB").split()[0])
-        total["threads"] += int(fields["Threads"])
-        total["fds"] += fds
-        total["procs"] += 1
-    return groups
-
-
 def _shm_bytes(prefix: str | None) -> int:
     if not prefix:
         return 0
@@ -433,13 +416,13 @@ class Sampler(threading.Thread):
             leaders = roles(self.run_dir)
         except (OSError, ValueError):
             return  # the state file is being rewritten
-        groups = _proc_groups()
+        groups = process_groups()
         at = round(time.monotonic() - self.start_t, 1)
         for role, (pid, prefix) in sorted(leaders.items()):
             g = groups.get(pid)
             if g is None:
                 continue  # killed, not started again yet
-            self.rows.append({"t_s": at, "role": role, "pid": pid, "procs": g["procs"],
+            self.rows.append({"t_s": at, "role": role, "pid": pid, "procs": g["processes"],
                               "rss_mb": round(g["rss_kb"] / 1024, 1), "threads": g["threads"],
                               "fds": g["fds"], "shm_mb": round(_shm_bytes(prefix) / 2**20, 1)})
 

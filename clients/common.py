@@ -1,12 +1,13 @@
 """What the benches and the cluster tests share: their prompts, the single-process reference
-they check tokens against, a dummy model folder, and CSV and markdown output of result rows
-(dicts or dataclasses)."""
+they check tokens against, a dummy model folder, CSV and markdown output of result rows
+(dicts or dataclasses), and what each process group holds (from /proc)."""
 
 from __future__ import annotations
 
 import csv
 import dataclasses
 import math
+import os
 from pathlib import Path
 
 PROMPTS = [
@@ -84,3 +85,30 @@ def metric(address: str, name: str, **labels: str) -> float:
         if all(found.get(k) == v for k, v in labels.items()):
             total += float(match.group(2))
     return total
+
+
+def process_groups() -> dict[int, dict[str, int]]:
+    """Per process group (a node's tritonserver and its stubs), from /proc: resident memory
+    (``rss_kb``), ``threads``, open ``fds`` and ``processes``. A zombie (killed, not reaped
+    yet) holds nothing and is left out."""
+    groups: dict[int, dict[str, int]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                state, _, pgrp = f.read().rsplit(")", 1)[1].split()[:3]
+            if state == "Z":
+                continue
+            status = Path(f"/proc/{entry.name}/status").read_text()
+            fds = len(os.listdir(f"/proc/{entry.name}/fd"))
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile, or not ours to read
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        group = groups.setdefault(int(pgrp),
+                                  {"rss_kb": 0, "threads": 0, "fds": 0, "processes": 0})
+        group["rss_kb"] += int(fields.get("VmRSS", "0 kB").split()[0])
+        group["threads"] += int(fields["Threads"])
+        group["fds"] += fds
+        group["processes"] += 1
+    return groups

@@ -33,6 +33,7 @@ from hypothesis import strategies as st
 from spawned import Child
 from tritonclient.utils import InferenceServerException
 
+from clients.common import process_groups
 from clients.generate import GenerateError, stream_grpc
 from orchestrator.control.auth import load_secret, request_parameters
 from orchestrator.control.client import ControlClient, raise_for_error, tensor
@@ -322,22 +323,7 @@ BAD_BODIES = [  # each kind of refusal at the edge (HTTP 400)
 def usage(cluster) -> dict[str, dict[str, int]]:
     """Per node (its tritonserver's process group, stubs included), from /proc: threads,
     open fds, processes, and its /dev/shm regions."""
-    groups: dict[int, dict[str, int]] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as f:
-                state, _, pgrp = f.read().rsplit(")", 1)[1].split()[:3]
-            threads = len(os.listdir(f"/proc/{entry.name}/task"))
-            fds = len(os.listdir(f"/proc/{entry.name}/fd"))
-        except (OSError, ValueError):
-            continue  # gone meanwhile
-        if state != "Z":
-            group = groups.setdefault(int(pgrp), {"threads": 0, "fds": 0, "processes": 0})
-            group["threads"] += threads
-            group["fds"] += fds
-            group["processes"] += 1
+    groups = process_groups()
     shm = os.listdir("/dev/shm")
     found = {}
     for node in cluster.nodes:
