@@ -72,10 +72,12 @@ class BatchReply:
     still running so exactly one response carries the final flag."""
 
     def __init__(self, jobs: list[SequenceJob], send: Send, send_error: SendError,
-                 kv_slots: int = 1, arrival_ns: int | None = None) -> None:
-        """``kv_slots``: prompt-KV slots a sequence holds (one per token stage), for the
-        perf metrics' KV fields."""
-        self.jobs, self.send, self.send_error = jobs, send, send_error
+                 close: Callable[[], None], kv_slots: int = 1,
+                 arrival_ns: int | None = None) -> None:
+        """``close``: the final flag alone, for a request whose last sequence was cancelled;
+        ``kv_slots``: prompt-KV slots a sequence holds (one per token stage), for the perf
+        metrics' KV fields."""
+        self.jobs, self.send, self.send_error, self.close = jobs, send, send_error, close
         self.kv_slots = kv_slots
         self.arrival_ns = arrival_ns or time.time_ns()
         self.running = len(jobs)
@@ -84,7 +86,8 @@ class BatchReply:
 
     def run(self, generate: Generate, is_cancelled: Callable[[], bool]) -> None:
         """Every sequence, each on its own thread (the first on this one); returns when
-        all have ended. Raises Cancelled if the client went away (nothing more is sent)."""
+        all have ended. Raises Cancelled if the client went away (nothing more is sent but
+        the final flag)."""
         threads = [threading.Thread(target=self._serve, args=(job, generate, is_cancelled),
                                     name=f"sequence-{job.batch_index}-{job.sequence_index}",
                                     daemon=True) for job in self.jobs[1:]]
@@ -128,10 +131,14 @@ class BatchReply:
 
         try:
             generate(job.prompt_ids, params, emit, is_cancelled)
-        except Cancelled:  # Triton closed the stream: nothing more goes out
+        except Cancelled:
+            # No more tokens, but the final flag still: Triton 2.51 releases a request only
+            # then, and a gRPC stream that held one kept its connection (and its fd) open.
             with self.lock:
                 self.running -= 1
                 self.cancelled = True
+                if self.running == 0:
+                    self.close()
         except Exception as exc:
             message = failure_message(exc)
             self._answer(lambda last: self.send_error(message, last), True)

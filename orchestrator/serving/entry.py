@@ -41,11 +41,12 @@ Verify = Callable[[list[int], str | None], None]
 class Replies:
     """How one request answers: ``send`` a sequence's response, ``error`` a failure
     (message, is it the request's last response), ``refuse`` the request itself (a client
-    error, its only response)."""
+    error, its only response), ``close`` it with the final flag alone (cancelled)."""
 
     send: Send
     error: SendError
     refuse: Callable[[str], None]
+    close: Callable[[], None]
 
 
 class EntryPoint:
@@ -81,11 +82,11 @@ class EntryPoint:
         outcome = "failed"
         try:
             # Everything a client can get wrong is refused here, before any node works.
-            reply = BatchReply(jobs(), replies.send, replies.error, self.frontend.depth,
-                               arrival_ns)
+            reply = BatchReply(jobs(), replies.send, replies.error, replies.close,
+                               self.frontend.depth, arrival_ns)
             reply.run(self.frontend.generate, is_cancelled)
             outcome = "finished"
-        except Cancelled:  # Triton already closed the stream when is_cancelled() said so
+        except Cancelled:  # the client left; the final flag went out (BatchReply)
             outcome = "cancelled"
         except RequestError as exc:
             outcome = "refused"

@@ -50,6 +50,7 @@ def replies(request, respond: Callable[[list[int], list[int], dict], dict[str, n
             sender, response(**respond(tokens, context, meta)), final),
         lambda message, final: send(sender, error(message), final),
         lambda message: send(sender, refused(message), final=True),
+        lambda: send_final(sender),
     )
 
 

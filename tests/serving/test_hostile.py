@@ -202,10 +202,19 @@ def _timed(call) -> float:
     return time.monotonic() - start
 
 
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
 def test_cancelled_streams_leave_the_t_node_at_once(cluster, model, expected, usual_s):
     """A cancelled gRPC stream to the frontend's orchestrator model ends the request on the
-    T-node (its slot and microbatch seat are free) within a few hundred ms."""
+    T-node (its slot and microbatch seat are free) within a few hundred ms, and the frontend's
+    tritonserver lets its connection go. Before, a request cancelled while it still
+    generated never got its final flag: Triton kept the stream, and its socket, for ever
+    (one fd per such client; the soak's frontend grew ~6 a minute)."""
     prompt_ids = load_tokenizer(model).encode(PROMPTS[0]).ids
+    frontend = cluster.frontend.process.pid
+    fds_before = open_fds(frontend)
     seconds = []
     for _ in range(20):
         stream = stream_orchestrator(cluster.frontend.grpc_url, prompt_ids, MAX_SEQ_LEN - 32,
@@ -223,6 +232,10 @@ def test_cancelled_streams_leave_the_t_node_at_once(cluster, model, expected, us
     assert len(seconds) >= 5, f"only {len(seconds)} of 20 streams were still generating"
     print(f"cancel -> T-node free ({len(seconds)} streams): median "
           f"{sorted(seconds)[len(seconds) // 2] * 1000:.0f} ms, max {max(seconds) * 1000:.0f} ms")
+    deadline = time.monotonic() + 10  # the server closes a connection its client closed
+    while open_fds(frontend) > fds_before + 2:  # room for a connection of another client
+        assert time.monotonic() < deadline, (fds_before, open_fds(frontend))
+        time.sleep(0.1)
     normal_request_works(cluster, expected, usual_s)
 
 
