@@ -32,6 +32,12 @@ def send(sender, response: pb_utils.InferenceResponse, final: bool = False) -> N
         sender.send(response, flags=FINAL if final else 0)
 
 
+def send_final(sender) -> None:
+    """The final flag alone (a cancelled request's: Triton releases it only then)."""
+    with _ipc:
+        sender.send(flags=FINAL)
+
+
 def cancelled(request) -> Callable[[], bool]:
     def is_cancelled() -> bool:
         with _ipc:
