@@ -70,9 +70,8 @@ class ReplicaServer:
         self._server.add_generic_rpc_handlers((service_handler({
             "ReplicaOpen": self._open, "ReplicaFree": self._free, "ReplicaLanded": self._landed,
         }, secret),))
-        # A node given a non-loopback host (a container's) is reached by its peers there.
-        loopback = host in ("127.0.0.1", "localhost")
-        port = self._server.add_insecure_port(f"{host if loopback else '0.0.0.0'}:0")
+        # Only on the node's own host (a container's service name resolves to its address).
+        port = self._server.add_insecure_port(f"{host}:0")
         self.address = f"{host}:{port}"
         self._server.start()
 
