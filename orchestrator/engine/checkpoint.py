@@ -100,8 +100,9 @@ INIT_STD = {"tiny": 0.2, "small": 0.02, "medium": 0.02}
 TOKENIZER_VOCAB = 512
 
 
-def hf_config(arch: str, preset: str):
-    """The HF config object of a preset, with our special-token ids and init std."""
+def hf_config(arch: str, preset: str, **overrides):
+    """The HF config object of a preset (``overrides``: HF config kwargs that replace the
+    preset's, e.g. more layers), with our special-token ids and init std."""
     from transformers import GPT2Config, LlamaConfig, OPTConfig
 
     if arch not in PRESETS:
@@ -117,12 +118,15 @@ def hf_config(arch: str, preset: str):
         eos_token_id=SPECIAL_TOKENS.index(EOS),
     )
     init_key = "init_std" if arch == "opt" else "initializer_range"
-    return config_class(**PRESETS[arch][preset], **ids, **{init_key: INIT_STD[preset]})
+    shape = {**PRESETS[arch][preset], **overrides}
+    return config_class(**shape, **ids, **{init_key: INIT_STD[preset]})
 
 
-def make_checkpoint(arch: str, preset: str, out_dir: str | Path, seed: int = 0) -> Path:
-    """Write ``config.json``, ``model.safetensors`` and a tokenizer into ``out_dir``."""
-    config = hf_config(arch, preset)  # validates before anything is written
+def make_checkpoint(arch: str, preset: str, out_dir: str | Path, seed: int = 0,
+                    **overrides) -> Path:
+    """Write ``config.json``, ``model.safetensors`` and a tokenizer into ``out_dir``
+    (``overrides``: see :func:`hf_config`)."""
+    config = hf_config(arch, preset, **overrides)  # validates before anything is written
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging

@@ -4,9 +4,10 @@
 of the same model), samples each first token, and streams each layer as it is
 made through the KV library's ``KVSender`` into every token stage's
 ``KVReceiver`` (the library routes layers to the stage holding them: DejaVu's
-stream_out/stream_in), with the first token as the transfer's ``extra``. A
-P-node runs it (:class:`~orchestrator.serving.prefill_worker.PrefillWorker`),
-and so does an in-process pipeline
+stream_out/stream_in), with the first token as the transfer's ``extra``. Asked
+to stop (its client left), it stops after the layer in progress and gives every
+staging block back, as on any other exit. A P-node runs it
+(:class:`~orchestrator.serving.prefill_worker.PrefillWorker`), and so does an in-process pipeline
 (:class:`~orchestrator.pipeline.local.LocalPipeline`).
 """
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -26,6 +27,10 @@ from orchestrator.layout import KVCache
 
 log = logging.getLogger(__name__)
 _FIRST_TOKEN = struct.Struct("<I")  # what the serving P-node sends too
+
+
+class PrefillCancelled(Exception):
+    """The prefill stopped before its end: every request in it was cancelled."""
 
 
 def encode_first_token(token: int) -> bytes:
@@ -47,12 +52,14 @@ def stream_prefill(
     sampling: Mapping[str, SamplingParams] | None = None,
     save_timeout_s: float = 30.0,
     log_probs: dict[str, TokenLogProb] | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> dict[str, int]:
     """Prefill ``prompts`` (request id -> ids) on the prompt stages ``engines`` (one
     ``KVSender`` each), streaming every layer's KV while the next computes to the token
     stages that reserved ``tickets[request_id]`` (one ticket per token stage). Returns each
     first token (and puts into ``log_probs`` the log-prob of those whose sampling asks);
-    raises ``KVTransferError`` naming the token stage a transfer failed to."""
+    raises ``KVTransferError`` naming the token stage a transfer failed to, or
+    ``PrefillCancelled`` when ``stop()`` says so (asked after every layer)."""
     sampling = sampling or {}
     rids = list(prompts)
     x: list[torch.Tensor] = [torch.tensor(prompts[r], dtype=torch.long) for r in rids]
@@ -68,6 +75,8 @@ def stream_prefill(
                      hs=stage_handles) -> None:
                 for handle, cache in zip(hs, caches, strict=True):
                     sender.save_layer(handle, layer, cache)
+                if stop is not None and stop():
+                    raise PrefillCancelled(f"cancelled after layer {layer}")
 
             x = engine.prefill(x, [engine.new_cache() for _ in rids], on_layer=save)
         first = {}

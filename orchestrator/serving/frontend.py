@@ -392,7 +392,7 @@ class Frontend:
             admitted = True
             if not self.colocated:
                 try:
-                    first = self._prefill(request_id, prompt_ids, params, tickets)
+                    first = self._prefill(request_id, prompt_ids, params, tickets, is_cancelled)
                 except PrefillLost as lost:
                     log.warning("%s; running the prompt again on another P-node", lost)
                     self.metrics.rerun("prompt")
@@ -401,7 +401,7 @@ class Frontend:
                     request_id = uuid.uuid4().hex
                     stream, tickets = admit(request_id)
                     admitted = True
-                    first = self._prefill(request_id, prompt_ids, params, tickets)
+                    first = self._prefill(request_id, prompt_ids, params, tickets, is_cancelled)
                 counted(*first, False)
             while True:
                 result, final = stream.next(is_cancelled)
@@ -467,17 +467,31 @@ class Frontend:
             self.control.call(url, "release", request_id=request_id)
 
     def _prefill(
-        self, request_id: str, prompt_ids: list[int], params: GenerationParams, tickets: np.ndarray
+        self, request_id: str, prompt_ids: list[int], params: GenerationParams,
+        tickets: np.ndarray, is_cancelled: Callable[[], bool],
     ) -> tuple[list[int], list[TokenLogProb] | None]:
-        """The first token, and its log-prob if the request asked."""
+        """The first token, and its log-prob if the request asked. A client that leaves
+        meanwhile cancels the call: the P-node stops after the layer in progress."""
         assert self.prefill is not None
         with self.prefill.assign(len(prompt_ids)) as url:
             inputs = [*request_tensors(prompt_ids, params), tensor("kv_ticket", tickets)]
+            answers: queue.Queue = queue.Queue()
             try:
-                result = self.prefill_clients[url].infer(
-                    "prefill", inputs, request_id=request_id, client_timeout=self.timeout_s,
+                call = self.prefill_clients[url].async_infer(
+                    "prefill", inputs, lambda result, error: answers.put((result, error)),
+                    request_id=request_id, client_timeout=self.timeout_s,
                     parameters=request_parameters(self.secret, "prefill", "prefill", request_id),
                 )
+                while True:
+                    try:
+                        result, error = answers.get(timeout=CANCEL_POLL_S)
+                        break
+                    except queue.Empty:
+                        if is_cancelled():
+                            call.cancel()
+                            raise Cancelled() from None
+                if error is not None:
+                    raise error
                 raise_for_error(result, f"prefill node {url}")
             except InferenceServerException as exc:
                 if is_unreachable(exc):  # died before or during the call: worth a rerun

@@ -7,22 +7,32 @@ next layer computes (DejaVu §4.1, Splitwise's layer-wise transfer), so
 D_p != D_t regroups the KV on the way. The first token travels twice: back to
 the caller, which streams it to the client at once, and as the transfer's
 extra bytes, so the T-pipeline knows what to feed next.
+
+A job whose client left (its ``is_cancelled``, asked at most every
+``CANCEL_POLL_S``: each question is a round trip to tritonserver) is not
+started, and a batch whose every job left stops after the layer in progress.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from orchestrator.engine.base import Engine
 from orchestrator.engine.log_probs import TokenLogProb
-from orchestrator.pipeline.prefill import stream_prefill
+from orchestrator.pipeline.prefill import PrefillCancelled, stream_prefill
 from orchestrator.serving.metrics import Metrics
 from orchestrator.serving.params import GenerationParams
 
 First = tuple[int, TokenLogProb | None]  # a first token, its log-prob if asked for
+CANCEL_POLL_S = 0.01  # how often a running prefill asks whether its clients left
+_DRAIN_S = 1.0  # longest wait, after a prefill stopped early, for its transfers in flight
+
+
+def _never() -> bool:
+    return False
 
 
 @dataclass
@@ -31,6 +41,7 @@ class PrefillJob:
     prompt_ids: list[int]
     params: GenerationParams
     tickets: list[bytes]  # one per token stage, from each stage's KV receiver
+    is_cancelled: Callable[[], bool] = _never  # has its client left?
 
 
 class PrefillWorker:
@@ -52,21 +63,35 @@ class PrefillWorker:
         """First token (and its log-prob if the job asked) per job, or the exception that
         job failed with."""
         with self.lock:
+            self.metrics.held("prompts", len(jobs))
             try:
                 results = self._run(jobs)
             finally:
-                self.metrics.held("staging_blocks", self.staging_in_flight())
+                self.metrics.held("prompts", 0)
+                self.metrics.held("staging_blocks", self._drained())
         for result in results:
-            self.metrics.request_done("failed" if isinstance(result, Exception) else "finished")
+            self.metrics.request_done(
+                "cancelled" if isinstance(result, PrefillCancelled)
+                else "failed" if isinstance(result, Exception) else "finished")
         return results
 
     def staging_in_flight(self) -> int:
         """Staging blocks still taken (0 between batches once their transfers drained)."""
         return sum(sender.in_flight() for sender in self.senders)
 
+    def _drained(self) -> int:
+        """Staging blocks still taken once the transfers a stopped prefill left in flight
+        ended (none after a finished one: it waited for its saves)."""
+        deadline = time.monotonic() + _DRAIN_S
+        while (taken := self.staging_in_flight()) and time.monotonic() < deadline:
+            time.sleep(0.002)
+        return taken
+
     def _run(self, jobs: Sequence[PrefillJob]) -> list[First | Exception]:
-        results: list[First | Exception] = [ValueError("empty prompt")] * len(jobs)
-        todo = {job.request_id: job for job in jobs if job.prompt_ids}
+        results: list[First | Exception] = [
+            ValueError("empty prompt") if not job.prompt_ids
+            else PrefillCancelled("cancelled before it started") for job in jobs]
+        todo = {job.request_id: job for job in jobs if job.prompt_ids and not job.is_cancelled()}
         if not todo:
             return results
         opened = time.perf_counter()
@@ -79,14 +104,31 @@ class PrefillWorker:
                 {rid: job.params.sampling(job.prompt_ids) for rid, job in todo.items()},
                 self.save_timeout_s,
                 log_probs,
+                _every(CANCEL_POLL_S, lambda: all(job.is_cancelled() for job in todo.values())),
             )
-        except Exception as exc:  # one transfer failed: stream_prefill cannot tell which
-            return [exc if job.prompt_ids else r for job, r in zip(jobs, results, strict=True)]
+        except Exception as exc:  # one transfer failed (stream_prefill cannot tell which),
+            # or every job's client left
+            return [exc if job.request_id in todo else r
+                    for job, r in zip(jobs, results, strict=True)]
         seconds = time.perf_counter() - opened
         bytes_per_token = sum(e.kv_layout.token_bytes_per_layer() * e.kv_layout.num_layers
                               for e in self.engines)
         for i, job in enumerate(jobs):
-            if job.prompt_ids:
+            if job.request_id in todo:
                 results[i] = (first[job.request_id], log_probs.get(job.request_id))
                 self.metrics.kv_streamed(len(job.prompt_ids) * bytes_per_token, seconds)
         return results
+
+
+def _every(seconds: float, check: Callable[[], bool]) -> Callable[[], bool]:
+    """``check``, asked at most every ``seconds`` (False in between)."""
+    due = time.monotonic() + seconds
+
+    def throttled() -> bool:
+        nonlocal due
+        if time.monotonic() < due:
+            return False
+        due = time.monotonic() + seconds
+        return check()
+
+    return throttled

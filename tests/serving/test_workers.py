@@ -16,6 +16,9 @@ from orchestrator.engine.torch_engine import load_engine
 from orchestrator.kv.connector import KVSender
 from orchestrator.kv.transport.local import LocalFabric, LocalTransport
 from orchestrator.pipeline.node import PipelineConfig, StageNode
+from orchestrator.pipeline.prefill import PrefillCancelled
+from orchestrator.serving import prefill_worker
+from orchestrator.serving.metrics import Metrics
 from orchestrator.serving.params import GenerationParams, RequestError
 from orchestrator.serving.prefill_worker import PrefillJob, PrefillWorker
 from orchestrator.serving.token_service import ControlRequest, TokenService
@@ -214,5 +217,50 @@ def test_a_failing_prefill_gives_its_staging_block_back(model, engine, monkeypat
         ((first, _),) = prefill.run([PrefillJob("good", PROMPTS[1],
                                                 GenerationParams(max_tokens=3), [good.ticket])])
         assert [first, *good.wait().tokens] == generate([engine], PROMPTS[1:2], 3)[0]
+    finally:
+        service.stop()
+
+
+class Outcomes(Metrics):
+    def __init__(self) -> None:
+        self.outcomes: list[str] = []
+
+    def request_done(self, outcome: str) -> None:
+        self.outcomes.append(outcome)
+
+
+def test_a_prefill_whose_client_left_stops_and_gives_everything_back(model, engine,
+                                                                     monkeypatch):
+    """A job whose client leaves mid-prefill stops after the layer in progress (here the
+    second of four), takes no staging block with it, and is counted cancelled; one that
+    left before it started never runs. The next prompt's tokens are the reference's."""
+    monkeypatch.setattr(prefill_worker, "CANCEL_POLL_S", 0.0)  # ask after every layer
+    fabric = LocalFabric()
+    config = PipelineConfig(depth=1, batch_size=2, max_seq_len=MAX_SEQ, kv_timeout_s=5)
+    node = StageNode(model, 0, config, secret=SECRET,
+                     make_transport=lambda name: LocalTransport(fabric, name)).start()
+    service = TokenService(node.engine, node=node)
+    sender = KVSender(LocalTransport(fabric, "p0"), engine.kv_layout, SECRET, max_inflight=2)
+    metrics = Outcomes()
+    prefill = PrefillWorker([engine], [sender], metrics=metrics)
+    answers = [False, False, True]  # before it starts, after layer 0, after layer 1
+    try:
+        gone = Client()
+        admit(service, "gone", PROMPTS[0], GenerationParams(max_tokens=4), gone)
+        (result,) = prefill.run([PrefillJob("gone", PROMPTS[0], GenerationParams(max_tokens=4),
+                                            [gone.ticket], lambda: answers.pop(0))])
+        assert isinstance(result, PrefillCancelled) and not answers  # asked 3 times of 5
+        assert prefill.staging_in_flight() == 0
+        (result,) = prefill.run([PrefillJob("early", PROMPTS[0], GenerationParams(max_tokens=4),
+                                            [b"never used"], lambda: True)])
+        assert isinstance(result, PrefillCancelled)
+        assert metrics.outcomes == ["cancelled", "cancelled"]
+        service.head.cancel("gone")  # what the frontend's cancelled stream does
+        good = Client()
+        admit(service, "good", PROMPTS[1], GenerationParams(max_tokens=3), good)
+        ((first, _),) = prefill.run([PrefillJob("good", PROMPTS[1],
+                                                GenerationParams(max_tokens=3), [good.ticket])])
+        assert [first, *good.wait().tokens] == generate([engine], PROMPTS[1:2], 3)[0]
+        assert metrics.outcomes[-1] == "finished"
     finally:
         service.stop()

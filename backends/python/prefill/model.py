@@ -1,7 +1,8 @@
 """P-node: prefill on the prompt stages, stream each layer's KV to the T-stage of its ticket
 (``kv_ticket``: one per stage of the chosen token pipeline), return the first token. Every
 request must be signed with the cluster secret; failures come back as ``error_code`` and
-``error``."""
+``error``. A prefill whose client left (the frontend cancelled its call) stops after the layer
+in progress."""
 
 from orchestrator.control.errors import code_of
 from orchestrator.engine.log_probs import encode as encode_log_probs
@@ -31,7 +32,8 @@ class TritonPythonModel:
                 params = GenerationParams.from_json(tensors["params"])
                 tickets = list(tensors["kv_ticket"].reshape(-1))
                 prompt = tensors["input_ids"].reshape(-1).tolist()
-                jobs.append((i, PrefillJob(request.request_id(), prompt, params, tickets)))
+                jobs.append((i, PrefillJob(request.request_id(), prompt, params, tickets,
+                                           pb.cancelled(request))))
             except (ValueError, PermissionError) as exc:
                 responses[i] = _failure(exc)
         results = self.worker.run([job for _, job in jobs])

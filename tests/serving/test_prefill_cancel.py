@@ -1,0 +1,103 @@
+"""A client that leaves while its prompt is prefilling stops the prefill on the P-node.
+
+Real tritonservers (a frontend, one P-node, one T-node) serve a tiny Llama made deep
+(many thin layers) so that a near-context prompt takes long enough to prefill for the
+client to leave in the middle of it. The frontend cancels its call to the P-node, which
+stops after the layer in progress; the P-node's own reports (its metrics) say it stopped
+early and holds nothing, and the next request's tokens are the reference's.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import tritonclient.grpc as grpcclient
+from cluster_helpers import MAX_SEQ_LEN, PROMPTS, ids_of, metric, reference, t_nodes_held
+
+from clients.breakdown import signed_request
+from clients.generate import stream_grpc
+from orchestrator.cluster.launcher import Cluster
+from orchestrator.control.auth import load_secret
+from orchestrator.control.client import ControlClient, stop_stream
+from orchestrator.engine.checkpoint import make_checkpoint
+from orchestrator.serving.params import GenerationParams
+
+pytestmark = pytest.mark.slow
+LAYERS = 24  # thin layers: a long prefill, stoppable after each
+MAX_TOKENS = 8
+ROUNDS = 3
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_checkpoint("llama", "tiny", tmp_path_factory.mktemp("deep-llama"),
+                           num_hidden_layers=LAYERS)
+
+
+@pytest.fixture(scope="module")
+def cluster(model, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("prefill-cancel")
+    with Cluster.up(model, prefill=1, decode=1, run_dir=run_dir, max_seq_len=MAX_SEQ_LEN) as c:
+        yield c
+
+
+def _until(done, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.005)
+
+
+def _count(server, outcome: str) -> float:
+    return metric(server, "dejavu_requests", outcome=outcome)
+
+
+def _held(server) -> float:
+    return (metric(server, "dejavu_held", what="prompts")
+            + metric(server, "dejavu_held", what="staging_blocks"))
+
+
+def _leave_mid_prefill(cluster, request: dict) -> float:
+    """Send ``request`` to the frontend's orchestrator model, cancel the gRPC stream once
+    the P-node is prefilling it; the seconds until the P-node stopped and holds nothing."""
+    prefill = cluster.role("prefill")[0].server
+    cancelled_before = _count(prefill, "cancelled")
+    client = grpcclient.InferenceServerClient(cluster.frontend.grpc_url)
+    client.start_stream(callback=lambda result, error: None)
+    try:
+        client.async_stream_infer("orchestrator", request["inputs"])
+        _until(lambda: metric(prefill, "dejavu_held", what="prompts") == 1, 30,
+               "the P-node never started the prompt")
+        left = time.monotonic()
+        stop_stream(client, cancel=True)  # the client leaves: a gRPC cancel
+    finally:
+        client.close()
+    _until(lambda: _count(prefill, "cancelled") > cancelled_before and not _held(prefill), 10,
+           "the P-node did not stop the prefill, or still holds its resources")
+    return time.monotonic() - left
+
+
+def test_a_client_that_leaves_mid_prefill_stops_the_p_node(cluster, model):
+    prefill = cluster.role("prefill")[0].server
+    secret = load_secret(cluster.secret_file)
+    prompt = random.Random(0).choices(range(5, 500), k=MAX_SEQ_LEN - MAX_TOKENS)
+    request = signed_request(secret, "orchestrator", prompt,
+                             GenerationParams(max_tokens=MAX_TOKENS, stream=True))
+    finished_before = _count(prefill, "finished")
+    control = ControlClient(secret, 30.0)
+    seconds = []
+    try:
+        for _ in range(ROUNDS):
+            seconds.append(_leave_mid_prefill(cluster, request))
+            _until(lambda: not any(t_nodes_held(cluster, control).values()), 10,
+                   "the T-node still holds the cancelled request")
+    finally:
+        control.close()
+    assert _count(prefill, "finished") == finished_before  # each stopped before its end
+    print(f"\ngRPC cancel mid-prefill -> P-node free ({ROUNDS} rounds, {LAYERS} layers): "
+          f"median {sorted(seconds)[ROUNDS // 2] * 1000:.0f} ms, max {max(seconds) * 1000:.0f} ms")
+    expected = reference(model, PROMPTS[:1], MAX_TOKENS)[0]
+    chunks = list(stream_grpc(cluster.frontend.grpc_url, PROMPTS[0], max_tokens=MAX_TOKENS))
+    assert ids_of(chunks) == expected
