@@ -9,7 +9,10 @@ early and holds nothing, and the next request's tokens are the reference's.
 
 from __future__ import annotations
 
+import http.client
+import json
 import random
+import socket
 import time
 
 import pytest
@@ -22,6 +25,7 @@ from orchestrator.cluster.launcher import Cluster
 from orchestrator.control.auth import load_secret
 from orchestrator.control.client import ControlClient, stop_stream
 from orchestrator.engine.checkpoint import make_checkpoint
+from orchestrator.engine.tokenizer import load_tokenizer
 from orchestrator.serving.params import GenerationParams
 
 pytestmark = pytest.mark.slow
@@ -59,45 +63,81 @@ def _held(server) -> float:
             + metric(server, "dejavu_held", what="staging_blocks"))
 
 
-def _leave_mid_prefill(cluster, request: dict) -> float:
-    """Send ``request`` to the frontend's orchestrator model, cancel the gRPC stream once
-    the P-node is prefilling it; the seconds until the P-node stopped and holds nothing."""
+def _leave_mid_prefill(cluster, start, leave) -> float:
+    """``start()`` a request, ``leave(it)`` once the P-node is prefilling it; the seconds
+    until the P-node stopped the prefill and holds nothing."""
     prefill = cluster.role("prefill")[0].server
     cancelled_before = _count(prefill, "cancelled")
-    client = grpcclient.InferenceServerClient(cluster.frontend.grpc_url)
-    client.start_stream(callback=lambda result, error: None)
+    request = start()
     try:
-        client.async_stream_infer("orchestrator", request["inputs"])
         _until(lambda: metric(prefill, "dejavu_held", what="prompts") == 1, 30,
                "the P-node never started the prompt")
-        left = time.monotonic()
-        stop_stream(client, cancel=True)  # the client leaves: a gRPC cancel
     finally:
-        client.close()
+        left = time.monotonic()
+        leave(request)
     _until(lambda: _count(prefill, "cancelled") > cancelled_before and not _held(prefill), 10,
            "the P-node did not stop the prefill, or still holds its resources")
     return time.monotonic() - left
 
 
 def test_a_client_that_leaves_mid_prefill_stops_the_p_node(cluster, model):
+    """A gRPC cancel on the frontend's orchestrator model, and an OpenAI client that
+    disconnects (the API cancels its gRPC stream to tensorrt_llm_bls). Triton 2.51's HTTP
+    frontend sees a generate_stream client gone only when it writes the first token: that
+    prefill runs to its end (the README says so)."""
     prefill = cluster.role("prefill")[0].server
     secret = load_secret(cluster.secret_file)
-    prompt = random.Random(0).choices(range(5, 500), k=MAX_SEQ_LEN - MAX_TOKENS)
-    request = signed_request(secret, "orchestrator", prompt,
-                             GenerationParams(max_tokens=MAX_TOKENS, stream=True))
+    tokenizer = load_tokenizer(model)
+    ids = random.Random(0).choices(range(5, 500), k=MAX_SEQ_LEN - MAX_TOKENS)
+    text = tokenizer.decode(tokenizer.encode(" ".join(PROMPTS * 40)).ids[:len(ids) - 8])
+    assert len(ids) - 16 < len(tokenizer.encode(text).ids) <= len(ids)
+
+    def start_grpc():
+        client = grpcclient.InferenceServerClient(cluster.frontend.grpc_url)
+        client.start_stream(callback=lambda result, error: None)
+        params = GenerationParams(max_tokens=MAX_TOKENS, stream=True)
+        client.async_stream_infer(
+            "orchestrator", signed_request(secret, "orchestrator", ids, params)["inputs"])
+        return client
+
+    def cancel_grpc(client) -> None:
+        try:
+            stop_stream(client, cancel=True)
+        finally:
+            client.close()
+
+    def start_openai():
+        """An OpenAI client, raw: its socket is what leaves."""
+        connection = http.client.HTTPConnection("127.0.0.1", cluster.openai.port, timeout=30)
+        body = json.dumps({"model": model.name, "prompt": text, "max_tokens": MAX_TOKENS,
+                           "temperature": 0, "stream": True})
+        connection.request("POST", "/v1/completions", body,
+                           {"Content-Type": "application/json"})
+        return connection
+
+    def disconnect(connection) -> None:
+        connection.sock.shutdown(socket.SHUT_RDWR)
+        connection.close()
+
     finished_before = _count(prefill, "finished")
     control = ControlClient(secret, 30.0)
-    seconds = []
+    seconds: dict[str, list[float]] = {"gRPC cancel (orchestrator)": [],
+                                       "OpenAI client gone (/v1/completions)": []}
     try:
         for _ in range(ROUNDS):
-            seconds.append(_leave_mid_prefill(cluster, request))
-            _until(lambda: not any(t_nodes_held(cluster, control).values()), 10,
-                   "the T-node still holds the cancelled request")
+            for (start, leave), times in zip([(start_grpc, cancel_grpc),
+                                              (start_openai, disconnect)], seconds.values(),
+                                             strict=True):
+                times.append(_leave_mid_prefill(cluster, start, leave))
+                _until(lambda: not any(t_nodes_held(cluster, control).values()), 10,
+                       "the T-node still holds the cancelled request")
     finally:
         control.close()
     assert _count(prefill, "finished") == finished_before  # each stopped before its end
-    print(f"\ngRPC cancel mid-prefill -> P-node free ({ROUNDS} rounds, {LAYERS} layers): "
-          f"median {sorted(seconds)[ROUNDS // 2] * 1000:.0f} ms, max {max(seconds) * 1000:.0f} ms")
+    for what, times in seconds.items():
+        print(f"\n{what} mid-prefill -> P-node free ({ROUNDS} rounds, {LAYERS} layers): "
+              f"median {sorted(times)[ROUNDS // 2] * 1000:.0f} ms, "
+              f"max {max(times) * 1000:.0f} ms")
     expected = reference(model, PROMPTS[:1], MAX_TOKENS)[0]
     chunks = list(stream_grpc(cluster.frontend.grpc_url, PROMPTS[0], max_tokens=MAX_TOKENS))
     assert ids_of(chunks) == expected
