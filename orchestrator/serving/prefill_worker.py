@@ -66,9 +66,11 @@ class PrefillWorker:
             self.metrics.held("prompts", len(jobs))
             try:
                 results = self._run(jobs)
+                if any(isinstance(result, PrefillCancelled) for result in results):
+                    self._drain()  # so the gauge below reads what it keeps, not a moment
             finally:
                 self.metrics.held("prompts", 0)
-                self.metrics.held("staging_blocks", self._drained())
+                self.metrics.held("staging_blocks", self.staging_in_flight())
         for result in results:
             self.metrics.request_done(
                 "cancelled" if isinstance(result, PrefillCancelled)
@@ -79,13 +81,12 @@ class PrefillWorker:
         """Staging blocks still taken (0 between batches once their transfers drained)."""
         return sum(sender.in_flight() for sender in self.senders)
 
-    def _drained(self) -> int:
-        """Staging blocks still taken once the transfers a stopped prefill left in flight
-        ended (none after a finished one: it waited for its saves)."""
+    def _drain(self) -> None:
+        """Wait (at most ``_DRAIN_S``) for the layers a stopped prefill left in flight: a
+        finished one waited for its saves already."""
         deadline = time.monotonic() + _DRAIN_S
-        while (taken := self.staging_in_flight()) and time.monotonic() < deadline:
+        while self.staging_in_flight() and time.monotonic() < deadline:
             time.sleep(0.002)
-        return taken
 
     def _run(self, jobs: Sequence[PrefillJob]) -> list[First | Exception]:
         results: list[First | Exception] = [
