@@ -17,11 +17,18 @@ import time
 
 import pytest
 import tritonclient.grpc as grpcclient
-from cluster_helpers import MAX_SEQ_LEN, PROMPTS, ids_of, metric, reference, t_nodes_held
+from cluster_helpers import (
+    MAX_SEQ_LEN,
+    PROMPTS,
+    cluster_up,
+    ids_of,
+    metric,
+    reference,
+    t_nodes_held,
+)
 
 from clients.breakdown import signed_request
 from clients.generate import stream_grpc
-from orchestrator.cluster.launcher import Cluster
 from orchestrator.control.auth import load_secret
 from orchestrator.control.client import ControlClient, stop_stream
 from orchestrator.engine.checkpoint import make_checkpoint
@@ -43,7 +50,7 @@ def model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cluster(model, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("prefill-cancel")
-    with Cluster.up(model, prefill=1, decode=1, run_dir=run_dir, max_seq_len=MAX_SEQ_LEN) as c:
+    with cluster_up(model, run_dir, prefill=1, decode=1) as c:
         yield c
 
 
