@@ -13,7 +13,8 @@ token's log-prob under the raw model distribution, with up to 5 alternatives.
 A client that disconnects, streaming or not, cancels its gRPC stream; unlike the
 ensemble's, ``tensorrt_llm_bls``'s cancellation reaches the T-node, which frees the
 request's slot. Errors use OpenAI's JSON shape: 400 bad parameters, 404 unknown model,
-503 when no node can serve (Triton unreachable, every node of a pool down).
+503 when no node can serve (Triton unreachable, every node of a pool down), 504 when the
+answer took longer than ``TIMEOUT_S``.
 
     python -m orchestrator.serving.openai_server --grpc-url 127.0.0.1:8001 --model-dir M
 """
@@ -351,13 +352,17 @@ def _token_infos(result, tokens: list[int]) -> list[TokenInfo]:
 
 
 def _api_error(error: InferenceServerException | grpc.RpcError) -> ApiError:
-    """Triton unreachable, the model missing or no node able to serve: 503; else the
-    request was refused: 400. A model's error on a gRPC stream is text only: the frontend
-    leads it with ``UNAVAILABLE`` when no node could serve."""
+    """Triton unreachable, the model missing or no node able to serve: 503; no answer
+    within ``TIMEOUT_S`` (a slow cluster, reruns after a fault): 504; else the request was
+    refused: 400. A model's error on a gRPC stream is text only: the frontend leads it with
+    ``UNAVAILABLE`` when no node could serve."""
     if isinstance(error, InferenceServerException):
         status, message = str(error.status() or ""), error.message() or str(error)
     else:  # the stream itself failed (e.g. nothing listens at the address)
         status, message = str(error.code()), error.details() or str(error)
+    if "DEADLINE_EXCEEDED" in status:  # the server's own deadline, not a bad request
+        return ApiError(504, f"no answer from Triton within {TIMEOUT_S:.0f} s: {message}",
+                        "timeout")
     if "UNAVAILABLE" in status or "NOT_FOUND" in status or UNAVAILABLE in message:
         return ApiError(503, message, "service_unavailable")
     return ApiError(400, message)

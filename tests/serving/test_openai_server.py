@@ -146,3 +146,42 @@ def test_node_failures_are_503_and_refusals_400():
                           (ServingError("decode node a: prompt too long"), 400)]:
         message = failure_message(error)
         assert _api_error(InferenceServerException(message)).status == status, message
+
+
+def test_504_not_400_when_triton_does_not_answer_in_time(tiny_model, monkeypatch):
+    """A gRPC server that takes the stream and never answers: the API's own deadline is a
+    server-side timeout (504), not a bad request (400)."""
+    import asyncio
+
+    import grpc
+
+    import orchestrator.serving.openai_server as api
+
+    monkeypatch.setattr(api, "TIMEOUT_S", 1.0)
+
+    class Silent(grpc.GenericRpcHandler):
+        def service(self, _details):
+            async def never(_requests, _context):
+                await asyncio.sleep(30)
+                yield b""
+
+            return grpc.stream_stream_rpc_method_handler(never)
+
+    async def ask() -> ApiError:
+        silent = grpc.aio.server()
+        silent.add_generic_rpc_handlers((Silent(),))
+        port = silent.add_insecure_port("127.0.0.1:0")
+        await silent.start()
+        late = OpenAIServer(f"127.0.0.1:{port}", tiny_model("llama"), model_name="tiny")
+        try:
+            async for _ in late.run(late.call(CompletionRequest(model="tiny", prompt="a"),
+                                              ["a"], 4)):
+                pass
+        except ApiError as exc:
+            return exc
+        finally:
+            await silent.stop(0)
+        raise AssertionError("the call ended without an error")
+
+    error = asyncio.run(ask())
+    assert (error.status, error.kind) == (504, "timeout")
