@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -53,10 +54,14 @@ class ControllerClient:
         rpc_timeout_s: float = 1.0,
         node_id: str | None = None,
         ack_interval_s: float = 0.01,
+        alive: Callable[[], bool] = lambda: True,
     ) -> None:
+        """``alive``: whether the process this node serves in still runs; the beats stop
+        once it does not (a Python-backend stub can outlive its tritonserver, and must not
+        keep a dead node alive to the controller)."""
         if min(heartbeat_s, rpc_timeout_s, ack_interval_s) <= 0:
             raise ValueError("heartbeat_s, rpc_timeout_s and ack_interval_s must be > 0")
-        self.spec = spec
+        self.spec, self.alive = spec, alive
         self.node_id = node_id or f"{spec.pipeline}/{spec.stage}/{uuid.uuid4().hex[:8]}"
         self.heartbeat_s, self.rpc_timeout_s = heartbeat_s, rpc_timeout_s
         # Acks go out sooner than beats: the unsent ones die with the node.
@@ -155,6 +160,10 @@ class ControllerClient:
     def _run(self) -> None:
         next_beat = 0.0
         while not self._stop.is_set():
+            if not self.alive():
+                log.error("%s: the process it serves in is gone; no more heartbeats",
+                          self.node_id)
+                return
             now = time.monotonic()
             beat = now >= next_beat
             if beat:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -97,5 +98,7 @@ def connect_controller(config: NodeConfig) -> ControllerClient | None:
         role="token" if token else "prompt",
         address=config.address,
     )
+    server = os.getppid()  # the stub's tritonserver: a stub left behind must not beat
     return ControllerClient(config.controller, spec, config.secret(),
-                            heartbeat_s=config.heartbeat_s, node_id=config.name or None).start()
+                            heartbeat_s=config.heartbeat_s, node_id=config.name or None,
+                            alive=lambda: os.getppid() == server).start()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -135,6 +136,30 @@ def test_kill_9_node_is_detected_within_the_timeout(controller_factory) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_node_whose_server_died_is_declared_dead_though_it_runs_on(controller_factory
+                                                                     ) -> None:
+    """A Python-backend stub can outlive its tritonserver (seen after a SIGABRT): its
+    heartbeats stop with its parent, so the controller declares the node dead and the
+    supervisor starts it again, rather than the stub keeping a dead node alive."""
+    _, address = controller_factory(1.0)
+    server = subprocess.Popen(  # stands for tritonserver: the node runs as its child
+        [sys.executable, "-c", "import subprocess, sys; subprocess.run(sys.argv[1:])",
+         sys.executable, str(NODE_PROC), address, "orphan", "0", "1", "0.05"],
+        stdout=subprocess.PIPE, text=True, env=os.environ | {ENV: SECRET.hex()},
+        start_new_session=True,
+    )
+    try:
+        node_id = server.stdout.readline().strip()
+        assert node(query_status(address, SECRET), node_id)["alive"]
+        os.kill(server.pid, signal.SIGKILL)  # the server only: the node process runs on
+        server.wait(timeout=10)
+        wait_until("detection", lambda: not node(query_status(address, SECRET), node_id)["alive"])
+        os.killpg(server.pid, 0)  # the node's process is still there
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGKILL)
 
 
 def test_acks_pick_the_step_to_redo_and_a_replacement_gets_the_plan(controller: str) -> None:

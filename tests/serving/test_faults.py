@@ -7,6 +7,8 @@ the supervisor (its watchdog does), each followed by requests answered once, tok
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 
 import pytest
@@ -172,3 +174,15 @@ def test_a_killed_supervisor_is_started_again_and_still_recovers_nodes(cluster, 
     chaos_kill(cluster, "watchdog", capsys)
     wait_for("a new watchdog", lambda: read_pid(cluster.run_dir, "watchdog") != watchdog
              and alive(read_pid(cluster.run_dir, "watchdog")), 30)
+
+
+def test_a_p_node_whose_tritonserver_alone_aborts_is_started_again(cluster, expected, capsys):
+    # Triton's python backend can abort the server and leave its stub running (seen under
+    # load: boost::interprocess::lock_exception); the stub's beats stop with its server.
+    node = next(n for n in read_state(cluster.run_dir)["nodes"] if n["name"] == "prefill0")
+    os.kill(node["pid"], signal.SIGABRT)  # the server process only, not its group
+    wait_for_view(cluster, capsys, {"prefill0": "dead"}, CONTROLLER_TIMEOUT_S + 10)
+    assert {n["name"]: n["controller"] for n in status(cluster, capsys)[1]["nodes"]}[
+        "prefill0"] == "dead"
+    wait_for("every node back", lambda: status(cluster, capsys)[0] == 0, 120)
+    serves_every_request_once(cluster, expected)
