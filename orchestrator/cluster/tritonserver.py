@@ -220,10 +220,9 @@ def is_ready(http_url: str) -> bool:
 
 
 def stop_processes(pids: list[int], timeout_s: float = 15.0) -> None:
-    """SIGTERM all at once, then SIGKILL what is left after ``timeout_s``.
-
-    The Python-backend stubs exit with their server.
-    """
+    """SIGTERM all at once, then SIGKILL what is left after ``timeout_s``, and what is left
+    of each one's process group (pgid == pid where started with ``start_new_session``): a
+    Python-backend stub whose finalize hangs outlives its server, and ignores SIGTERM."""
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
@@ -234,6 +233,8 @@ def stop_processes(pids: list[int], timeout_s: float = 15.0) -> None:
         if alive(pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
 
 
 def alive(pid: int) -> bool:
