@@ -20,6 +20,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -250,6 +251,10 @@ def alive(pid: int) -> bool:
 
 
 def clean_shm(prefix: str) -> None:
-    """Remove the Python backend's shared-memory regions a killed node leaves behind."""
+    """Remove the Python backend's shared-memory regions a killed node leaves behind: its
+    prefix and a uuid. Not a later incarnation's, whose prefix extends this one's (the
+    supervisor may have started it already: its stubs would never come up)."""
     for path in SHM_DIR.glob(f"{prefix}*"):
-        path.unlink(missing_ok=True)
+        with contextlib.suppress(ValueError):
+            uuid.UUID(path.name.removeprefix(prefix))
+            path.unlink(missing_ok=True)
