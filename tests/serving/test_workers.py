@@ -109,14 +109,22 @@ def test_colocated_log_probs_are_the_reference_log_softmax(engine):
     assert [[i for i, _ in p.top] for p in asked.log_probs] == rows.topk(2).indices.tolist()
 
 
-def test_disaggregated_batch_matches_reference(model, engine):
+def disaggregated(model, engine, max_inflight: int = 4,
+                  metrics: Metrics | None = None) -> tuple[TokenService, PrefillWorker]:
+    """A one-stage T-node (two slots) and a P-node's prefill worker that streams it the KV
+    over the in-process transport."""
     fabric = LocalFabric()
     config = PipelineConfig(depth=1, batch_size=2, max_seq_len=MAX_SEQ, kv_timeout_s=5)
     node = StageNode(model, 0, config, secret=SECRET,
                      make_transport=lambda name: LocalTransport(fabric, name)).start()
-    service = TokenService(node.engine, node=node)
-    prefill = PrefillWorker([engine], [KVSender(LocalTransport(fabric, "p0"), engine.kv_layout,
-                                                SECRET)])
+    sender = KVSender(LocalTransport(fabric, "p0"), engine.kv_layout, SECRET,
+                      max_inflight=max_inflight)
+    return TokenService(node.engine, node=node), PrefillWorker([engine], [sender],
+                                                               metrics=metrics)
+
+
+def test_disaggregated_batch_matches_reference(model, engine):
+    service, prefill = disaggregated(model, engine)
     limits = [6, 2, 1, 5]  # more requests than slots, early stops: slots refill mid-run
     try:
         clients = [Client() for _ in PROMPTS]
@@ -190,13 +198,7 @@ def test_a_failing_prefill_gives_its_staging_block_back(model, engine, monkeypat
     made to fail) leaves no staging block taken: before, 16 such requests took them all."""
     from orchestrator.pipeline import prefill as prefill_module
 
-    fabric = LocalFabric()
-    config = PipelineConfig(depth=1, batch_size=2, max_seq_len=MAX_SEQ, kv_timeout_s=5)
-    node = StageNode(model, 0, config, secret=SECRET,
-                     make_transport=lambda name: LocalTransport(fabric, name)).start()
-    service = TokenService(node.engine, node=node)
-    sender = KVSender(LocalTransport(fabric, "p0"), engine.kv_layout, SECRET, max_inflight=2)
-    prefill = PrefillWorker([engine], [sender])
+    service, prefill = disaggregated(model, engine, max_inflight=2)
     try:
         for i in range(3):  # more failures than staging blocks
             client = Client()
@@ -235,14 +237,8 @@ def test_a_prefill_whose_client_left_stops_and_gives_everything_back(model, engi
     second of four), takes no staging block with it, and is counted cancelled; one that
     left before it started never runs. The next prompt's tokens are the reference's."""
     monkeypatch.setattr(prefill_worker, "CANCEL_POLL_S", 0.0)  # ask after every layer
-    fabric = LocalFabric()
-    config = PipelineConfig(depth=1, batch_size=2, max_seq_len=MAX_SEQ, kv_timeout_s=5)
-    node = StageNode(model, 0, config, secret=SECRET,
-                     make_transport=lambda name: LocalTransport(fabric, name)).start()
-    service = TokenService(node.engine, node=node)
-    sender = KVSender(LocalTransport(fabric, "p0"), engine.kv_layout, SECRET, max_inflight=2)
     metrics = Outcomes()
-    prefill = PrefillWorker([engine], [sender], metrics=metrics)
+    service, prefill = disaggregated(model, engine, max_inflight=2, metrics=metrics)
     answers = [False, False, True]  # before it starts, after layer 0, after layer 1
     try:
         gone = Client()
