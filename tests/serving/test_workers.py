@@ -142,8 +142,15 @@ def test_disaggregated_batch_matches_reference(model, engine):
     assert got == [generate([engine], [p], n)[0] for p, n in zip(PROMPTS, limits, strict=True)]
 
 
-def test_end_id_cancel_and_refusal(engine):
+def test_end_id_cancel_and_refusal(engine, monkeypatch):
     reference = generate([engine], PROMPTS[:1], max_tokens=8)[0]
+    decode = engine.decode
+
+    def slow_decode(*args):  # 28 steps outlast the service's 50 ms cancel poll on any machine
+        time.sleep(0.02)
+        return decode(*args)
+
+    monkeypatch.setattr(engine, "decode", slow_decode)
     service = colocated(engine, 4)
     try:
         stop_at = Client()
