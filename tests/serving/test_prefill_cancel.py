@@ -1,10 +1,10 @@
 """A client that leaves while its prompt is prefilling stops the prefill on the P-node.
 
 Real tritonservers (a frontend, one P-node, one T-node) serve a tiny Llama made deep
-(many thin layers) so that a near-context prompt takes long enough to prefill for the
-client to leave in the middle of it. The frontend cancels its call to the P-node, which
-stops after the layer in progress; the P-node's own reports (its metrics) say it stopped
-early and holds nothing, and the next request's tokens are the reference's.
+and wide (many layers, a wide MLP) so that a near-context prompt takes long enough to
+prefill for the client to leave in the middle of it. The frontend cancels its call to the
+P-node, which stops after the layer in progress; the P-node's own reports (its metrics) say
+it stopped early and holds nothing, and the next request's tokens are the reference's.
 """
 
 from __future__ import annotations
@@ -36,7 +36,10 @@ from orchestrator.engine.tokenizer import load_tokenizer
 from orchestrator.serving.params import GenerationParams
 
 pytestmark = pytest.mark.slow
-LAYERS = 64  # thin layers: a long prefill (~1 s here), stoppable after each
+LAYERS = 64  # many layers: the prefill is stoppable after each
+# A wide MLP makes each layer's compute, not the machine's load, what makes the prefill long:
+# ~1 s on one core here, against a cancel chain of ~50-150 ms.
+INTERMEDIATE = 8192
 MAX_TOKENS = 8
 ROUNDS = 3
 
@@ -44,7 +47,7 @@ ROUNDS = 3
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     return make_checkpoint("llama", "tiny", tmp_path_factory.mktemp("deep-llama"),
-                           num_hidden_layers=LAYERS)
+                           num_hidden_layers=LAYERS, intermediate_size=INTERMEDIATE)
 
 
 @pytest.fixture(scope="module")
