@@ -69,9 +69,9 @@ class Compose:
         assert result.returncode == 0, result.stdout + result.stderr
         return result.stdout
 
-    def podman(self, *args: str) -> str:
+    def podman(self, *args: str, check: bool = True) -> str:
         return subprocess.run(["podman", *args], env=self.env, capture_output=True,
-                              text=True, check=True, timeout=60).stdout
+                              text=True, check=check, timeout=60).stdout
 
     def run_healthchecks(self) -> None:
         while not self.stopping.wait(2.0):
@@ -168,8 +168,10 @@ def test_a_crashed_t_stage_container_recovers_from_replicas(compose, expected):
     started = compose.container("decode0s1")["State"]["StartedAt"]
 
     def crash() -> None:
+        # The exec's own session may die with the container it empties (podman then exits
+        # 255, a fresh-clone run saw it): the restart asserted below says the kill happened.
         compose.podman("exec", f"{PROJECT}_decode0s1_1", "sh", "-c",
-                       "kill -9 $(pidof tritonserver)")
+                       "kill -9 $(pidof tritonserver)", check=False)
 
     tokens = stream_all(compose.http, PROMPTS[:4], kill=crash)
     assert tokens == expected  # paused, resumed from replicas: the same tokens
