@@ -44,6 +44,7 @@ sender BOOTSTRAPPING -> TRANSFERRING -> SUCCESS | FAILED.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -107,6 +108,11 @@ class _Incoming:
     early_deltas: list[tuple[str, int, int | None]] = field(
         default_factory=list
     )  # (peer, pos, crc)
+    abandoned: set[int] = field(default_factory=set)  # layers whose prefill stage gave up
+
+    def writers_done(self) -> bool:
+        """No sender will write into the slot again: each layer landed or was given up."""
+        return self.missing <= self.abandoned
 
 
 class KVReceiver:
@@ -140,8 +146,9 @@ class KVReceiver:
         self._consumed_base = transport.register(self.consumed).addr
         self._metadata = transport.metadata()
         self._free: deque[int] = deque(range(num_slots))
-        # Slots of failed requests wait out a late writer before reuse.
-        self._quarantine: deque[tuple[float, int]] = deque()
+        # Slots of requests that ended before their KV was whole wait out a late writer
+        # before reuse, unless every prefill stage says it gave up (an ABORT): slot -> until.
+        self._quarantine: dict[int, tuple[float, str, _Incoming]] = {}
         self._requests: dict[str, _Incoming] = {}
         self._lock = threading.RLock()
 
@@ -151,9 +158,19 @@ class KVReceiver:
     def _take_slot(self) -> int | None:
         self._expire()
         now = time.monotonic()
-        while self._quarantine and self._quarantine[0][0] <= now:
-            self._free.append(self._quarantine.popleft()[1])
+        for slot, (until, _, _) in list(self._quarantine.items()):
+            if until <= now:
+                del self._quarantine[slot]
+                self._free.append(slot)
         return self._free.popleft() if self._free else None
+
+    def _retire(self, request_id: str, incoming: _Incoming, late_write_s: float) -> None:
+        """Free a slot whose request ended; one a sender may still write into waits."""
+        if incoming.state == KVPoll.SUCCESS or incoming.writers_done():
+            self._free.append(incoming.slot)
+        else:
+            until = time.monotonic() + late_write_s
+            self._quarantine[incoming.slot] = (until, request_id, incoming)
 
     def reserve(self, request_id: str, prompt_len: int) -> bytes:
         """Take a slot for ``request_id``; returns the ticket the prefill node writes with."""
@@ -195,11 +212,7 @@ class KVReceiver:
         for request_id, incoming in list(self._requests.items()):
             if incoming.expires_at is not None and incoming.expires_at < now:
                 log.warning("KV slot reservation of %r expired unused", request_id)
-                self._requests.pop(request_id)
-                if incoming.state == KVPoll.SUCCESS:  # every write landed
-                    self._free.append(incoming.slot)
-                else:
-                    self._quarantine.append((now + _LATE_WRITE_GRACE_S, incoming.slot))
+                self._retire(request_id, self._requests.pop(request_id), _LATE_WRITE_GRACE_S)
 
     def progress(self) -> None:
         """Handle what arrived: validate blocks, scatter token-step deltas into slots.
@@ -251,12 +264,8 @@ class KVReceiver:
         """Free the request's slot (after use, an error or a cancel)."""
         with self._lock:
             incoming = self._requests.pop(request_id, None)
-            if incoming is None:
-                return
-            if incoming.state == KVPoll.SUCCESS:
-                self._free.append(incoming.slot)
-            else:  # a sender may still be writing into it
-                self._quarantine.append((time.monotonic() + self.timeout_s, incoming.slot))
+            if incoming is not None:
+                self._retire(request_id, incoming, self.timeout_s)
 
     def held(self) -> int:
         """Slots held by requests (a failed one's slot, waiting out a late writer, is not:
@@ -316,6 +325,9 @@ class KVReceiver:
             if header.kind == BlockKind.DELTA:
                 self._accept_delta(peer, header)
                 continue
+            if header.kind == BlockKind.ABORT:
+                self._accept_abort(header)
+                continue
             incoming = self._requests.get(header.request_id)
             if incoming is None or incoming.state in (KVPoll.SUCCESS, KVPoll.FAILED):
                 log.debug(
@@ -358,6 +370,21 @@ class KVReceiver:
             early, incoming.early_deltas = incoming.early_deltas, []
             for early_peer, position, crc in early:
                 self._scatter_delta(early_peer, rid, incoming, position, crc)
+
+    def _accept_abort(self, header: BlockHeader) -> None:
+        """A prefill stage gave up on a request: a slot all its writers are done with is
+        free at once. (A pending request still fails by its own timeout or cancel.)"""
+        rid = header.request_id
+        incoming = self._requests.get(rid)
+        if incoming is not None:
+            incoming.abandoned.update(header.layer_range)
+            return
+        for slot, (_, quarantined, incoming) in list(self._quarantine.items()):
+            if quarantined == rid:
+                incoming.abandoned.update(header.layer_range)
+                if incoming.writers_done():
+                    del self._quarantine[slot]
+                    self._free.append(slot)
 
     def _accept_delta(self, peer: str, header: BlockHeader) -> None:
         """One token step of a batch: entries ``[request id, position, crc32 | None]``."""
@@ -660,6 +687,11 @@ class KVSender:
             self._draining.append(handle)
             self._reclaim_staging()
 
+    def give_up(self, request_id: str, tickets: list[bytes]) -> None:
+        """Tell the token stages a prompt will never be sent (its client left before it
+        started): their slots need not wait for a late write."""
+        self.release(self.start(request_id, tickets))
+
     def in_flight(self) -> int:
         """Staging blocks taken (0 once every request ended and its transfers drained)."""
         with self._lock:
@@ -671,11 +703,22 @@ class KVSender:
         self.transport.deregister(self.staging)
 
     def _reclaim_staging(self) -> None:
-        """Free staging blocks whose transfers are no longer in flight."""
+        """Free staging blocks whose transfers are no longer in flight; a handle given up
+        tells its token stages it writes nothing more (their slots need not wait it out)."""
         still = []
         for handle in self._draining:
             if any(self.transport.poll(t) == KVPoll.TRANSFERRING for t in handle.transfers):
                 still.append(handle)
-            else:
-                self._free_staging.append(handle.staging)
+                continue
+            self._free_staging.append(handle.staging)
+            if handle.state != KVPoll.SUCCESS:
+                self._abort(handle)
         self._draining = still
+
+    def _abort(self, handle: SendHandle) -> None:
+        header = BlockHeader.for_layout(BlockKind.ABORT, handle.request_id, self.layout,
+                                        seq_len=handle.prompt_len, payload_bytes=0)
+        message = encode_header(header, self.secret)
+        for ticket in handle.tickets:
+            with contextlib.suppress(ConnectionError):  # gone: its slot went with it
+                self.transport.notify(ticket.node, message)

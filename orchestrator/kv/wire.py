@@ -47,6 +47,8 @@ class BlockKind(enum.IntEnum):
     LAYERS = 1  # a prompt's KV for a layer range
     FINISH = 2  # a prefill stage is done; ``extra`` carries e.g. the first token
     DELTA = 3  # one token step of a batch (position ``seq_len``)
+    ABORT = 4  # a prefill stage gave up: it writes nothing more of its layers (sent once
+    # every transfer it posted is done, so a slot they all missed can be reused at once)
 
 
 @dataclass(frozen=True)

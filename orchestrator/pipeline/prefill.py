@@ -65,11 +65,15 @@ def stream_prefill(
     x: list[torch.Tensor] = [torch.tensor(prompts[r], dtype=torch.long) for r in rids]
     taken: list[tuple[KVSender, SendHandle]] = []  # every staging block, given back on any exit
     try:
-        for engine, sender in zip(engines, senders, strict=True):
-            stage_handles = []
+        # Every stage's handles from the start: a prefill that stops early gives up on each
+        # stage's layers, so its token stages know no writer is left (their slots free).
+        handles: list[list[SendHandle]] = []
+        for sender in senders:
+            handles.append([])
             for rid in rids:
-                stage_handles.append(sender.start(rid, list(tickets[rid])))
-                taken.append((sender, stage_handles[-1]))
+                handles[-1].append(sender.start(rid, list(tickets[rid])))
+                taken.append((sender, handles[-1][-1]))
+        for engine, sender, stage_handles in zip(engines, senders, handles, strict=True):
 
             def save(layer: int, caches: Sequence[KVCache], sender=sender,
                      hs=stage_handles) -> None:

@@ -10,11 +10,14 @@ extra bytes, so the T-pipeline knows what to feed next.
 
 A job whose client left (its ``is_cancelled``, asked at most every
 ``CANCEL_POLL_S``: each question is a round trip to tritonserver) is not
-started, and a batch whose every job left stops after the layer in progress.
+started, and a batch whose every job left stops after the layer in progress;
+either way the token stages hear that nothing more will be written into the
+job's KV slots (a signed ABORT), so they reuse them at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 
 from orchestrator.engine.base import Engine
 from orchestrator.engine.log_probs import TokenLogProb
+from orchestrator.kv.errors import KVTransferError
 from orchestrator.pipeline.prefill import PrefillCancelled, stream_prefill
 from orchestrator.serving.metrics import Metrics
 from orchestrator.serving.params import GenerationParams
@@ -81,6 +85,11 @@ class PrefillWorker:
         """Staging blocks still taken (0 between batches once their transfers drained)."""
         return sum(sender.in_flight() for sender in self.senders)
 
+    def _give_up(self, job: PrefillJob) -> None:
+        for sender in self.senders:
+            with contextlib.suppress(KVTransferError, ValueError):  # e.g. a bad ticket
+                sender.give_up(job.request_id, job.tickets)
+
     def _drain(self) -> None:
         """Wait (at most ``_DRAIN_S``) for the layers a stopped prefill left in flight: a
         finished one waited for its saves already."""
@@ -93,6 +102,9 @@ class PrefillWorker:
             ValueError("empty prompt") if not job.prompt_ids
             else PrefillCancelled("cancelled before it started") for job in jobs]
         todo = {job.request_id: job for job in jobs if job.prompt_ids and not job.is_cancelled()}
+        for job in jobs:
+            if job.request_id not in todo:
+                self._give_up(job)
         if not todo:
             return results
         opened = time.perf_counter()

@@ -242,6 +242,53 @@ def test_failed_slots_are_quarantined_before_reuse() -> None:
         receiver.reserve("b", 4)
 
 
+@pytest.mark.parametrize("released_first", [False, True])
+def test_a_slot_every_prefill_stage_gave_up_on_is_free_at_once(released_first: bool) -> None:
+    """A prefill that stops early (its client left) tells the token stages that it writes
+    nothing more, once its transfers are done: the slot is reused at once, not after the
+    late-write wait. A stage still running keeps it waiting."""
+    cluster = Cluster(2, 1)  # two prompt stages write into one token stage
+    receiver, (first, second) = cluster.receivers[0], cluster.senders
+    tickets = cluster.reserve("gone", 4)
+    handles = [sender.start("gone", tickets) for sender in cluster.senders]
+    cache = cluster.prompt_caches(torch.randn(MODEL.shape))[0]
+    first.save_layer(handles[0], cluster.p_ranges[0].start, cache)  # one layer landed
+    if released_first:
+        receiver.release("gone")  # the T-node saw the cancel before the P-node stopped
+    first.release(handles[0])
+    if not released_first:
+        receiver.release("gone")
+    receiver.reserve("other", 4)
+    with pytest.raises(RuntimeError, match="no free KV slot"):  # the second stage may write
+        receiver.reserve("next", 4)
+    second.release(handles[1])
+    receiver.reserve("next", 4)  # every writer is done: the slot is free
+
+
+def test_a_prompt_given_up_before_it_started_frees_its_slot() -> None:
+    cluster = Cluster(1, 1)
+    receiver = cluster.receivers[0]
+    cluster.senders[0].give_up("early", cluster.reserve("early", 4))
+    receiver.release("early")
+    receiver.reserve("a", 4)
+    receiver.reserve("b", 4)  # both slots
+
+
+def test_an_abort_without_the_secret_frees_nothing() -> None:
+    cluster = Cluster(1, 1)
+    receiver = cluster.receivers[0]
+    cluster.reserve("gone", 4)
+    receiver.release("gone")
+    forged = encode_header(BlockHeader.for_layout(BlockKind.ABORT, "gone", MODEL, seq_len=4,
+                                                  payload_bytes=0), b"not the secret")
+    intruder = cluster.node("intruder")
+    intruder.add_peer("t0", b"t0")
+    intruder.notify("t0", forged)
+    receiver.reserve("a", 4)
+    with pytest.raises(RuntimeError, match="no free KV slot"):
+        receiver.reserve("b", 4)
+
+
 def test_sender_bounds_requests_in_flight() -> None:
     cluster = Cluster(1, 1)
     sender = KVSender(cluster.node("small"), MODEL, SECRET, max_inflight=1)

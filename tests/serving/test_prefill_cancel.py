@@ -53,7 +53,10 @@ def model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cluster(model, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("prefill-cancel")
-    with cluster_up(model, run_dir, prefill=1, decode=1) as c:
+    # One prompt KV slot on the T-node: each round's request needs the slot the round
+    # before cancelled, so a P-node that stopped must say it writes nothing more (else the
+    # slot waits out the KV timeout, 30 s, for a late write).
+    with cluster_up(model, run_dir, prefill=1, decode=1, num_slots=1) as c:
         yield c
 
 
@@ -80,7 +83,7 @@ def _leave_mid_prefill(cluster, start, leave) -> float:
     before = {outcome: _count(prefill, outcome) for outcome in ("cancelled", "finished")}
     request = start()
     try:
-        _until(lambda: metric(prefill, "dejavu_held", what="prompts") == 1, 30,
+        _until(lambda: metric(prefill, "dejavu_held", what="prompts") == 1, 10,
                "the P-node never started the prompt")
     finally:
         left = time.monotonic()

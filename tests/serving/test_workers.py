@@ -109,12 +109,13 @@ def test_colocated_log_probs_are_the_reference_log_softmax(engine):
     assert [[i for i, _ in p.top] for p in asked.log_probs] == rows.topk(2).indices.tolist()
 
 
-def disaggregated(model, engine, max_inflight: int = 4,
-                  metrics: Metrics | None = None) -> tuple[TokenService, PrefillWorker]:
-    """A one-stage T-node (two slots) and a P-node's prefill worker that streams it the KV
-    over the in-process transport."""
+def disaggregated(model, engine, max_inflight: int = 4, metrics: Metrics | None = None,
+                  prompt_slots: int = 16) -> tuple[TokenService, PrefillWorker]:
+    """A one-stage T-node (two sequences at a time) and a P-node's prefill worker that
+    streams it the KV over the in-process transport."""
     fabric = LocalFabric()
-    config = PipelineConfig(depth=1, batch_size=2, max_seq_len=MAX_SEQ, kv_timeout_s=5)
+    config = PipelineConfig(depth=1, batch_size=2, max_seq_len=MAX_SEQ, kv_timeout_s=5,
+                            prompt_slots=prompt_slots)
     node = StageNode(model, 0, config, secret=SECRET,
                      make_transport=lambda name: LocalTransport(fabric, name)).start()
     sender = KVSender(LocalTransport(fabric, "p0"), engine.kv_layout, SECRET,
@@ -245,7 +246,8 @@ def test_a_prefill_whose_client_left_stops_and_gives_everything_back(model, engi
     left before it started never runs. The next prompt's tokens are the reference's."""
     monkeypatch.setattr(prefill_worker, "CANCEL_POLL_S", 0.0)  # ask after every layer
     metrics = Outcomes()
-    service, prefill = disaggregated(model, engine, max_inflight=2, metrics=metrics)
+    service, prefill = disaggregated(model, engine, max_inflight=2, metrics=metrics,
+                                     prompt_slots=2)
     answers = [False, False, True]  # before it starts, after layer 0, after layer 1
     try:
         gone = Client()
@@ -259,11 +261,19 @@ def test_a_prefill_whose_client_left_stops_and_gives_everything_back(model, engi
         assert isinstance(result, PrefillCancelled)
         assert metrics.outcomes == ["cancelled", "cancelled"]
         service.head.cancel("gone")  # what the frontend's cancelled stream does
-        good = Client()
-        admit(service, "good", PROMPTS[1], GenerationParams(max_tokens=3), good)
-        ((first, _),) = prefill.run([PrefillJob("good", PROMPTS[1],
-                                                GenerationParams(max_tokens=3), [good.ticket])])
-        assert [first, *good.wait().tokens] == generate([engine], PROMPTS[1:2], 3)[0]
-        assert metrics.outcomes[-1] == "finished"
+        deadline = time.monotonic() + 5
+        while service.node.receiver.held():
+            assert time.monotonic() < deadline, "the cancelled request kept its KV slot"
+            time.sleep(0.01)
+        # Both prompt slots take a request at once: the P-node said it writes nothing more into
+        # the cancelled one's (without that, it waits out kv_timeout_s for a late write).
+        goods = [Client(), Client()]
+        for i, good in enumerate(goods):
+            admit(service, f"good{i}", PROMPTS[1], GenerationParams(max_tokens=3), good)
+        firsts = prefill.run([PrefillJob(f"good{i}", PROMPTS[1], GenerationParams(max_tokens=3),
+                                         [good.ticket]) for i, good in enumerate(goods)])
+        for (first, _), good in zip(firsts, goods, strict=True):
+            assert [first, *good.wait().tokens] == generate([engine], PROMPTS[1:2], 3)[0]
+        assert metrics.outcomes[-2:] == ["finished", "finished"]
     finally:
         service.stop()
