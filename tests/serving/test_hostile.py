@@ -401,8 +401,10 @@ def test_a_thousand_mixed_requests_leave_nothing_behind(cluster, model, expected
             raise_for_error(result, "prefill")
 
     kinds = [bad] * 6 + [bad_grpc] + [cancelled] * 2 + [failing]  # of every 10
-    with ThreadPoolExecutor(16) as pool:  # warm: thread pools and shm regions at their size
-        list(pool.map(lambda i: kinds[i % len(kinds)](i), range(100)))
+    # Warm with the same 1,000: the pools of connections (and their threads) and the shm
+    # regions grow to what this load needs once (100 left them short of it: +17 threads).
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda i: kinds[i % len(kinds)](i), range(1_000)))
     until_nothing_held(cluster)
     before = usage(cluster)
     start = time.monotonic()
@@ -411,15 +413,23 @@ def test_a_thousand_mixed_requests_leave_nothing_behind(cluster, model, expected
     took = time.monotonic() - start
     prefill.close()
     until_nothing_held(cluster)
-    after = usage(cluster)
+    # The frontend's HTTP server closes the connections of the clients that left a moment
+    # after their requests end: poll until each node is back within bounds, or 10 s.
+    deadline = time.monotonic() + 10
+    while (grown := leftovers(before, after := usage(cluster))) and time.monotonic() < deadline:
+        time.sleep(0.2)
     print(f"1,000 mixed requests in {took:.1f} s; per node before -> after: "
           + "; ".join(f"{name} {before[name]} -> {after[name]}" for name in after))
-    for name, counts in after.items():
-        was = before[name]
-        assert counts["processes"] == was["processes"], (name, was, counts)
-        assert counts["shm"] <= was["shm"], (name, was, counts)
-        assert counts["fds"] <= was["fds"] + 8, (name, was, counts)
-        # Pools may add a few; the frontend leaked one per cancelled stream (~200 here)
-        # before control.client.stop_stream.
-        assert counts["threads"] <= was["threads"] + 16, (name, was, counts)
+    assert not grown, grown
     normal_request_works(cluster, expected, usual_s)
+
+
+def leftovers(before: dict, after: dict) -> list:
+    """What a node holds beyond its count before: no process, /dev/shm region, more than a
+    few fds or threads (pools may add a few; the frontend leaked a thread per cancelled
+    stream, ~200 here, before control.client.stop_stream)."""
+    return [(name, before[name], counts) for name, counts in after.items()
+            if counts["processes"] != before[name]["processes"]
+            or counts["shm"] > before[name]["shm"]
+            or counts["fds"] > before[name]["fds"] + 8
+            or counts["threads"] > before[name]["threads"] + 16]
