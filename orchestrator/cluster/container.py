@@ -120,6 +120,9 @@ def node_main(argv: list[str]) -> int:
                         help="where its repository and backend go")
     parser.add_argument("--devices", default=os.environ.get("DEJAVU_DEVICES", ""),
                         help="its cores or GPUs, e.g. cuda:0 (default: $DEJAVU_DEVICES)")
+    parser.add_argument("--host", default=os.environ.get("DEJAVU_HOST", "127.0.0.1"),
+                        help="the address it listens on (default: $DEJAVU_HOST, else "
+                             "127.0.0.1); peers in other containers need 0.0.0.0")
     args = parser.parse_args(argv)
     try:
         config = _node_config(args)
@@ -133,10 +136,9 @@ def node_main(argv: list[str]) -> int:
     repo = args.work / "repo"
     shutil.rmtree(repo, ignore_errors=True)
     write_node_repo(repo, config)
-    # Inside a container only: peers reach it over the compose network, not loopback.
     server = TritonServer(args.node, repo, make_backend_dir(args.work / "backends"),
                           args.work / "unused.log", HTTP_PORT, GRPC_PORT, METRICS_PORT,
-                          host="0.0.0.0", devices=devices)
+                          host=args.host, devices=devices)
     command = server.command()
     print(f"{config.name}: {' '.join(command)}", flush=True)
     if devices is not None:
