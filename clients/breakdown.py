@@ -5,14 +5,14 @@ robin so the machine's noise hits them alike, as the median time between two
 tokens of one request (the first token excluded):
 
 - ``engine``: the bare engine's decode step (``TorchEngine.decode`` + sampling);
-- ``pipeline``: a depth-1 :class:`TokenPipeline` in this process (head thread,
-  scheduler, the two queue links, the stage thread);
+- ``pipeline``: a depth-1 colocated :class:`LocalPipeline` in this process (the
+  serving nodes' head, scheduler and stage thread over the in-process transport);
 - ``T-node``: the decode model of a tritonserver, called over gRPC (the
   token service, Triton's Python-backend IPC for every response, gRPC);
 - ``frontend``: the orchestrator model of the frontend (its gRPC stream to
   the T-node, the relay thread, IPC again, gRPC again);
-- ``ensemble``: what clients call (the ensemble's scheduling and the
-  postprocessing model's detokenization per token).
+- ``ensemble``: what clients call (the ensemble's scheduling, preprocessing, and
+  the orchestrator model's detokenization per token).
 
 Each layer's cost is its time minus the layer inside it. The cluster is
 colocated (1 T-node): after the first token a disaggregated request takes the
@@ -40,7 +40,7 @@ COSTS = {  # what each layer adds over the one inside it
     "pipeline": "head + scheduler + links + stage thread",
     "T-node": "token service + Triton Python-backend IPC + gRPC",
     "frontend": "frontend relay (gRPC client, relay thread, IPC, gRPC)",
-    "ensemble": "ensemble + postprocessing (detokenize)",
+    "ensemble": "ensemble + detokenize",
 }
 
 
@@ -180,19 +180,19 @@ def measure_hop(rounds: int = 300) -> Hop:
     from orchestrator.kv.transport.base import KVPoll, Region
     from orchestrator.kv.transport.nixl import NixlTransport
     from orchestrator.pipeline.link import TokenMessage
-    from orchestrator.pipeline.transport_link import TransportLink
+    from orchestrator.pipeline.transport_link import TransportReceiver, TransportSender
 
     a, b = NixlTransport(), NixlTransport()
     try:
-        there = TransportLink(a, b, slots=4, slot_bytes=1 << 16)
-        back = TransportLink(b, a, slots=4, slot_bytes=1 << 16)
+        at_b, at_a = (TransportReceiver(t, slots=4, slot_bytes=1 << 16) for t in (b, a))
+        there, back = TransportSender(a, at_b.ticket()), TransportSender(b, at_a.ticket())
         message = TokenMessage(0, 0, {0: 1})
 
         def link_round() -> None:
             there.send(message, 5.0)
-            there.recv(5.0)
+            at_b.recv(5.0)
             back.send(message, 5.0)
-            back.recv(5.0)
+            at_a.recv(5.0)
 
         bufs = {t: torch.zeros(64, dtype=torch.uint8) for t in (a, b)}
         regions = {t: t.register(buf) for t, buf in bufs.items()}
@@ -239,14 +239,15 @@ def run_breakdown(model_dir, prompt: str, tokens: int, repeats: int, out_dir
     from orchestrator.control.auth import load_secret
     from orchestrator.engine.tokenizer import load_tokenizer
     from orchestrator.engine.torch_engine import load_engine
-    from orchestrator.pipeline.pipeline import TokenPipeline
+    from orchestrator.pipeline.local import LocalPipeline
+    from orchestrator.pipeline.node import PipelineConfig
     from orchestrator.serving.params import GenerationParams
 
     torch.set_num_threads(1)  # as a serving node
     prompt_ids = load_tokenizer(model_dir).encode(prompt).ids
     engine = load_engine(model_dir)
     params = GenerationParams(max_tokens=tokens, stream=True)
-    pipeline = TokenPipeline([engine], 1, mode="colocated").start()
+    pipeline = LocalPipeline([engine], PipelineConfig(1, 1, mode="colocated")).start()
     try:
         with Cluster.up(model_dir, colocated=True, run_dir=out_dir / "cluster") as cluster:
             tnode = cluster.role("decode")[0].server.grpc_url

@@ -6,7 +6,7 @@ requests over gRPC (``--streaming``, a fixed prompt and ``max_tokens``) at each
 concurrency; its per-request profile export gives tokens/s, time to first
 token (TTFT) and inter-token latency (ITL). The bare engine loop
 (``orchestrator.engine.reference.generate`` in this process, same weights,
-batch = concurrency) runs in the same invocation: the ratio of time per token,
+batch = concurrency) runs right before and after each point: the ratio of time per token,
 served over bare, is the serving overhead. genai-perf runs once per mode at one
 concurrency for its own TTFT/ITL, over Triton's HTTP ``generate_stream`` (its
 ``kserve`` endpoint sends ``exclude_input_in_output``, an input the ensemble
@@ -225,32 +225,39 @@ def _streamed(output: dict) -> int:
 # -- the bare engine ---------------------------------------------------------------------------
 
 
-def bare_tokens_per_s(model_dir: Path, prompt: str, max_tokens: int, batches: list[int],
-                      min_s: float = 0.5) -> dict[int, float]:
-    """Tokens/s of ``reference.generate`` in this process, one thread like a serving node."""
-    import torch
+class BareEngine:
+    """``reference.generate`` in this process, one thread like a serving node: the engine's
+    own tokens/s, measured right before and right after each served point (this machine's
+    speed drifts by tens of percent within minutes)."""
 
-    from orchestrator.engine.reference import generate
-    from orchestrator.engine.tokenizer import load_tokenizer
-    from orchestrator.engine.torch_engine import load_engine
+    def __init__(self, model_dir: Path, prompt: str, max_tokens: int, min_s: float = 0.5
+                 ) -> None:
+        import torch
 
-    torch.set_num_threads(1)
-    engine = load_engine(model_dir)
-    prompt_ids = load_tokenizer(model_dir).encode(prompt).ids
-    rates = {}
-    for batch in batches:
-        prompts = [prompt_ids] * batch
-        generate([engine], prompts, max_tokens)  # warm-up
+        from orchestrator.engine.tokenizer import load_tokenizer
+        from orchestrator.engine.torch_engine import load_engine
+
+        torch.set_num_threads(1)
+        self.engine = load_engine(model_dir)
+        self.prompt_ids = load_tokenizer(model_dir).encode(prompt).ids
+        self.max_tokens, self.min_s = max_tokens, min_s
+
+    def tokens_per_s(self, batch: int) -> float:
+        from orchestrator.engine.reference import generate
+
+        prompts = [self.prompt_ids] * batch
+        generate([self.engine], prompts, self.max_tokens)  # warm-up
         runs, begin = 0, time.perf_counter()
-        while runs < 2 or time.perf_counter() - begin < min_s:
-            generate([engine], prompts, max_tokens)
+        while runs < 2 or time.perf_counter() - begin < self.min_s:
+            generate([self.engine], prompts, self.max_tokens)
             runs += 1
-        rates[batch] = runs * batch * max_tokens / (time.perf_counter() - begin)
-    return rates
+        return runs * batch * self.max_tokens / (time.perf_counter() - begin)
 
 
-def compare_to_bare(point: LoadPoint, bare: dict[int, float]) -> None:
-    point.bare_tokens_per_s = bare[point.concurrency]
+def compare_to_bare(point: LoadPoint, before: float, after: float) -> None:
+    """``before``/``after``: the bare engine's tokens/s around the point; their mean time
+    per token is the point's bare figure."""
+    point.bare_tokens_per_s = 2 / (1 / before + 1 / after)
     point.served_over_bare = point.bare_tokens_per_s / point.tokens_per_s
     point.overhead_ms_per_token = 1e3 / point.tokens_per_s - 1e3 / point.bare_tokens_per_s
 
@@ -338,15 +345,16 @@ def main(argv: list[str]) -> int:
     try:
         tools = install_tools()
         model_dir = (args.model or dummy_model(args.out, args.arch, args.preset)).resolve()
-        bare = bare_tokens_per_s(model_dir, args.prompt, args.max_tokens, args.concurrency)
+        bare = BareEngine(model_dir, args.prompt, args.max_tokens)
         points, genai = [], []
         for mode in modes:
             with _frontend(args, mode, model_dir) as (grpc_url, http_url):
                 for c in args.concurrency:
+                    before = bare.tokens_per_s(c)
                     point = run_perf_analyzer(tools, grpc_url, mode, c, args.requests * c,
                                               args.max_tokens, args.prompt,
                                               args.out / mode / f"c{c}")
-                    compare_to_bare(point, bare)
+                    compare_to_bare(point, before, bare.tokens_per_s(c))
                     points.append(point)
                     print(f"{mode} c={c}: {point.tokens_per_s:.0f} tok/s", flush=True)
                 if args.genai_concurrency:
