@@ -2,14 +2,14 @@
 
 Two models of the frontend node serve requests this way, each on a thread of its own:
 
-- ``orchestrator``, the ensemble's middle step: token ids that preprocessing made and
-  signed in; token ids out, which postprocessing turns into text.
+- ``orchestrator``, the ensemble's second step: token ids that preprocessing made and
+  signed in; token ids and their text out.
 - ``tensorrt_llm_bls``: the ensemble's whole contract, text in and text out, with the
-  preprocessing and postprocessing code (:mod:`orchestrator.serving.text`) called
-  in-process. Triton 2.51's ensemble hands a client's cancellation on only between steps,
-  so a decoupled step (the orchestrator) runs to ``max_tokens`` after the client left; a
-  model that runs the whole request itself sees ``is_cancelled()``, and
-  :meth:`Frontend.generate` then cancels its stream to the T-node, which frees the slot.
+  preprocessing code (:mod:`orchestrator.serving.text`) called in-process too. Triton
+  2.51's ensemble hands a client's cancellation on only between steps, so a decoupled
+  step (the orchestrator) runs to ``max_tokens`` after the client left; a model that runs
+  the whole request itself sees ``is_cancelled()``, and :meth:`Frontend.generate` then
+  cancels its stream to the T-node, which frees the slot.
 
 A request is split into its sequences and every row is checked before any node works on
 it (:func:`orchestrator.serving.batch.split`).

@@ -1,14 +1,14 @@
 """Text in and out: tokenize prompts, detokenize tokens as they stream.
 
 :func:`encode_batch` is what the ``preprocessing`` model does to a batched request and
-:func:`decode_response` what ``postprocessing`` does to each response; ``tensorrt_llm_bls``
-calls both in-process.
+:func:`decode_response` what the ``orchestrator`` model does to each response;
+``tensorrt_llm_bls`` calls both in-process.
 
 Streaming sends a few tokens at a time, and a token's text can depend on the
 ones before it (merged spaces, multi-byte characters split across tokens). So
 each streamed response carries the last ``CONTEXT_TOKENS`` tokens already sent;
 the new text is what the new tokens add to that context's text. This keeps
-the postprocessing model stateless.
+detokenizing stateless.
 """
 
 from __future__ import annotations

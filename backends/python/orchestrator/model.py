@@ -1,19 +1,20 @@
 """Frontend, decoupled: split a batched request into sequences, route each to a P-node and a
-token pipeline, relay their tokens. Serves the ensemble only: each row's ``input_auth`` must
-be preprocessing's signature of its ``input_ids``."""
-
-import json
+token pipeline, relay their tokens as text. Serves the ensemble only: each row's
+``input_auth`` must be preprocessing's signature of its ``input_ids``."""
 
 from orchestrator.control.auth import check_prompt
+from orchestrator.engine.tokenizer import load_tokenizer
 from orchestrator.serving import pb
 from orchestrator.serving.entry import EntryPoint
 from orchestrator.serving.params import INPUTS
+from orchestrator.serving.text import decode_response
 
 
 class TritonPythonModel:
     def initialize(self, args):
         config = pb.node_config(args)
         self.secret = config.secret()
+        self.tokenizer = load_tokenizer(config.model_dir)
         self.entry = EntryPoint.for_node(config, pb.TritonMetrics(config.name or "frontend"))
 
     def execute(self, requests):
@@ -26,10 +27,8 @@ class TritonPythonModel:
     def verify(self, prompt, signature):
         check_prompt(self.secret, signature, pb.ids(prompt).tobytes())
 
-    @staticmethod
-    def respond(tokens, context, meta):
-        return {"output_ids": pb.ids([tokens]), "context_ids": pb.ids([context]),
-                "meta": pb.strings(json.dumps(meta)).reshape(1, 1)}
+    def respond(self, tokens, context, meta):
+        return decode_response(self.tokenizer, tokens, context, meta)
 
     def finalize(self):
         self.entry.close()

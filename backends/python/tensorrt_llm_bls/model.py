@@ -1,6 +1,6 @@
 """tensorrt_llm_bls, decoupled: the ensemble's contract (text in, text out, batched) served
-in-process: preprocessing's tokenizing and checks, the Frontend, postprocessing's
-detokenizing, as library calls. Unlike the ensemble's, a client's cancellation reaches the
+in-process: preprocessing's tokenizing and checks, the Frontend and its detokenizing, as
+library calls. Unlike the ensemble's, a client's cancellation reaches the
 Frontend, which cancels the request on the T-node."""
 
 from orchestrator.engine.tokenizer import load_tokenizer
