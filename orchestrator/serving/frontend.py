@@ -68,6 +68,7 @@ Emit = Callable[[list[int], list[TokenLogProb] | None, list[int], bool], None]
 # new tokens, their log-probs (None: not asked for), is it the last
 Relay = Callable[[list[int], list[TokenLogProb] | None, bool], None]
 CANCEL_POLL_S = 0.05  # how often a waiting relay asks Triton whether its client left
+END_TIMEOUT_S = 5.0  # a healthy stage 0 ends a request within a step
 
 
 class ServingError(RuntimeError):
@@ -177,6 +178,21 @@ class DecodeStream:
             raise_for_error(result, f"decode node {self.url}")
             final = result.get_response().parameters["triton_final_response"].bool_param
             return result, final
+
+    def drain(self, timeout_s: float) -> bool:
+        """Read to the final response (the node ended the request); False if it did not
+        come within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                result, error = self.responses.get(timeout=left)
+            except queue.Empty:
+                return False
+            if error is not None:
+                return False
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                return True
+        return False
 
     def close(self, cancel: bool) -> None:
         try:
@@ -381,7 +397,7 @@ class Frontend:
 
         stream = None
         cancel = True
-        admitted = False
+        admitted = client_left = False
         reserved: list[str] = []  # later stages holding a slot stage 0 has not taken over
 
         def admit(rid: str) -> tuple[DecodeStream, np.ndarray | None]:
@@ -416,6 +432,9 @@ class Frontend:
             raise _decode_error(exc, f"decode node {url}", admitted) from exc
         except (PipelineLost, NodeBusy, Refused):
             raise
+        except Cancelled:
+            client_left = True
+            raise
         except ServingError as exc:
             if admitted:  # e.g. the P-node failed, or stage 0 went silent
                 raise PipelineLost(str(exc)) from exc
@@ -423,6 +442,8 @@ class Frontend:
         finally:
             self.decode.done(url, left)
             if stream is not None:
+                if cancel and client_left and admitted:
+                    cancel = not self._end(url, request_id, stream)
                 stream.close(cancel)
             for stage_url in reserved:
                 self._release(stage_url, request_id)
@@ -452,6 +473,19 @@ class Frontend:
             raise ServingError(f"decode node {url} answered without a KV ticket")
         reserved.clear()  # stage 0 holds the request now: its head frees every slot
         return stream, np.concatenate([ticket.reshape(-1), np.array(tickets, np.object_)])
+
+    def _end(self, url: str, request_id: str, stream: DecodeStream) -> bool:
+        """Have stage 0 end a request whose client left, and read its stream to the end;
+        False if that failed. Ending a request there, not cancelling its gRPC stream,
+        keeps the T-node clear of Triton 2.51's race between a cancellation and a response
+        (server issues 7368 and 8034: a crash, or a stub that answers nothing more)."""
+        try:
+            self.control.call(url, "end", request_id=request_id, timeout_s=END_TIMEOUT_S)
+        except (InferenceServerException, ControlError, TimeoutError) as exc:
+            log.warning("decode node %s: could not end %s (%s); cancelling its stream",
+                        url, request_id, exc)
+            return False
+        return stream.drain(END_TIMEOUT_S)
 
     def _reserve(self, url: str, request_id: str, prompt_ids: list[int]) -> bytes:
         try:

@@ -8,8 +8,11 @@ the first (the P-node's, which the client already has). Colocated: a depth-1
 StageNode in ``mode="colocated"`` prefills the prompts itself. Either way the
 token loop is the pipeline library's.
 
-Control requests bootstrap a pipeline (``endpoints``, ``connect``, ``start``)
-and reserve or release prompt KV (``reserve``, ``release``) on any stage; with
+Control requests bootstrap a pipeline (``endpoints``, ``connect``, ``start``),
+reserve or release prompt KV (``reserve``, ``release``) on any stage, and end a
+request whose client left (``end``, stage 0: the request's stream then closes with
+an empty final response, so the frontend never cancels a gRPC call, whose
+cancellation races with a response in Triton 2.51, issues 7368 and 8034); with
 KV replication on, the fault layer's operations (``RecoveryOps.ops``) wire the
 replicas and replace a lost stage.
 
@@ -67,6 +70,7 @@ class _Client:
     log_probs: list[TokenLogProb] | None = None  # the outbox's, if the request asked
     final: bool = False
     error: str | None = None
+    ended: bool = False  # by an ``end`` op: its stream still wants a final response
 
 
 class TokenService:
@@ -108,9 +112,9 @@ class TokenService:
     # -- control requests --------------------------------------------------------------
 
     def _control_ops(self) -> dict[str, Callable[[ControlRequest], bytes | None]]:
-        held = {"held": lambda _: json.dumps(self.held()).encode()}
+        requests = {"held": lambda _: json.dumps(self.held()).encode(), "end": self._end}
         if self.colocated:
-            return held
+            return requests
         node = self.node
         ops: dict[str, Callable[[ControlRequest], bytes | None]] = {
             "endpoints": lambda _: node.endpoints(),
@@ -122,7 +126,7 @@ class TokenService:
         if self.recovery is not None:
             ops |= {name: lambda r, op=op: op(*r.args)
                     for name, op in self.recovery.ops().items()}
-        return ops | held
+        return ops | requests
 
     def control(self, op: str, request: ControlRequest) -> bytes:
         """Run the control operation named ``op``; the bytes to answer with."""
@@ -147,6 +151,16 @@ class TokenService:
         if request.prompt_len < 1:
             raise RequestError("op 'reserve' needs the prompt (input_ids)")
         return self.node.reserve_prompt(request.request_id, request.prompt_len)
+
+    def _end(self, request: ControlRequest) -> bytes:
+        """End a request whose client left; b"1" if it was running here."""
+        if self.head is None:
+            raise RequestError("op 'end' goes to stage 0, where requests run")
+        with self.lock:
+            client = self.clients.get(request.request_id)
+            if client is not None:
+                client.ended = True
+        return b"1" if client is not None and self.head.cancel(request.request_id) else b"0"
 
     def held(self) -> dict[str, int]:
         """What requests hold on this node, each 0 once every request ended: clients,
@@ -224,6 +238,8 @@ class TokenService:
                 if seq.finish_reason is not FinishReason.CANCELLED:
                     self._send(client, [], seq.error or
                                f"ended ({seq.finish_reason.value}) without a token")
+                elif client.ended:  # else Triton cancelled it: its stream is gone
+                    self._send(client, [], finished=True)
             elif finished or len(seq.output_ids) > client.sent:
                 self._send(client, seq.output_ids[client.sent :], finished=finished,
                            log_probs=seq.log_probs[client.sent :])

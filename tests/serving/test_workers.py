@@ -177,6 +177,39 @@ def test_end_id_cancel_and_refusal(engine, monkeypatch):
         service.stop()
 
 
+def test_a_request_ended_by_the_end_op_closes_its_stream_with_a_final_response(
+        engine, monkeypatch):
+    """The frontend's client left: ``end`` stops the request on the node, which answers its
+    stream's last response itself (no gRPC cancellation needed); the slot is free again."""
+    decode = engine.decode
+
+    def slow_decode(*args):  # 28 steps outlast the test's call on any machine
+        time.sleep(0.02)
+        return decode(*args)
+
+    monkeypatch.setattr(engine, "decode", slow_decode)
+    outcomes = Outcomes()
+    config = PipelineConfig(depth=1, batch_size=1, mode="colocated")
+    service = TokenService(engine, node=StageNode(None, 0, config, secret=b"", engine=engine
+                                                  ).start(), metrics=outcomes)
+    try:
+        left = Client()
+        admit(service, "left", PROMPTS[0], GenerationParams(max_tokens=28), left)
+        deadline = time.monotonic() + 10
+        while len(left.tokens) < 2:
+            assert time.monotonic() < deadline, "no tokens came"
+            time.sleep(0.005)
+        assert service.control("end", ControlRequest("left")) == b"1"
+        assert left.wait().error is None and 2 <= len(left.tokens) < 28  # a final response
+        assert outcomes.outcomes == ["cancelled"] and not service.clients
+        assert service.control("end", ControlRequest("left")) == b"0"  # ended already
+        after = Client()  # the one slot is free
+        admit(service, "after", PROMPTS[0], GenerationParams(max_tokens=3), after)
+        assert after.wait().tokens == generate([engine], PROMPTS[:1], 3)[0]
+    finally:
+        service.stop()
+
+
 def test_kv_that_never_comes_fails_the_request_and_frees_the_slot(model):
     config = PipelineConfig(depth=1, batch_size=1, max_seq_len=MAX_SEQ, kv_timeout_s=0.3)
     fabric = LocalFabric()
