@@ -71,6 +71,15 @@ class Supervisor:
         state = read_state(run_dir)
         self.secret = load_secret(state["secret_file"])
         self.control = ControlClient(self.secret, call_timeout_s)
+        self._stub: Stub | None = None  # to the controller, kept: it is asked every poll
+
+    def controller(self, address: str) -> Stub:
+        """The kept channel to the controller at ``address`` (a new one if it moved)."""
+        if self._stub is None or self._stub.address != address:
+            if self._stub is not None:
+                self._stub.close()
+            self._stub = Stub(address, self.secret)
+        return self._stub
 
     def run(self) -> None:
         while not stopping(self.run_dir):
@@ -79,7 +88,7 @@ class Supervisor:
             try:
                 state = read_state(self.run_dir)
                 self.keep_processes(state)
-                view = query_status(state["controller"]["address"], self.secret)
+                view = query_status(self.controller(state["controller"]["address"]))
             except grpc.RpcError:
                 continue  # the controller is away: failures wait until it is back
             except FileNotFoundError:
@@ -185,7 +194,7 @@ class Supervisor:
         restarted: set[int] = set()
         deadline = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < deadline:
-            failed = set(query_status(controller, self.secret)["pipelines"][name]["failed"])
+            failed = set(query_status(self.controller(controller))["pipelines"][name]["failed"])
             if 0 in failed or not _replicates(stages):
                 log.warning("%s: stages %s lost, %s; starting the whole pipeline again",
                             name, sorted(failed), "with the head" if 0 in failed else
@@ -265,13 +274,9 @@ class Supervisor:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the controller did not take {name}'s new nodes")
             time.sleep(self.poll_s)
-        stub = Stub(controller, self.secret)
-        try:
-            for node in nodes:
-                stub.call("Recovered", {"node_id": node["config"]["name"],
-                                        "epoch": plan["epoch"]}, 2.0)
-        finally:
-            stub.close()
+        for node in nodes:
+            self.controller(controller).call(
+                "Recovered", {"node_id": node["config"]["name"], "epoch": plan["epoch"]}, 2.0)
         log.warning("%s: started afresh (incarnation %d)", name, nodes[0]["incarnation"])
         self.record(state, name, "started afresh")
 
@@ -312,11 +317,7 @@ class Supervisor:
         path.with_suffix(".tmp").replace(path)
 
     def plan(self, controller: str, pipeline: str) -> dict | None:
-        stub = Stub(controller, self.secret)
-        try:
-            return stub.call("Plan", {"pipeline": pipeline}, 2.0)["plan"]
-        finally:
-            stub.close()
+        return self.controller(controller).call("Plan", {"pipeline": pipeline}, 2.0)["plan"]
 
     def call(self, url: str, op: str, args: list[bytes]) -> bytes:
         return self.control.call(url, op, args)

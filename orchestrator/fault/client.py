@@ -25,8 +25,12 @@ from orchestrator.pipeline import HEARTBEAT_S
 log = logging.getLogger("dejavu.fault.client")
 
 
-def query_status(controller: str, secret: bytes, timeout_s: float = 2.0) -> dict:
-    """The controller's view of the cluster (nodes, pipelines, acks), for ``dejavu status``."""
+def query_status(controller: str | Stub, secret: bytes = b"", timeout_s: float = 2.0) -> dict:
+    """The controller's view of the cluster (nodes, pipelines, acks), for ``dejavu status``;
+    ``controller``: a kept :class:`Stub` (callers that poll), or an address and the secret (a
+    channel for this call only)."""
+    if isinstance(controller, Stub):
+        return controller.call("Status", {}, timeout_s)
     stub = Stub(controller, secret)
     try:
         return stub.call("Status", {}, timeout_s)
@@ -150,7 +154,7 @@ class ControllerClient:
             log.warning("%s: could not report stage %d: %s", self.node_id, stage, e.code())
 
     def status(self) -> dict:
-        return query_status(self._stub.address, self._stub.secret, self.rpc_timeout_s)
+        return query_status(self._stub, timeout_s=self.rpc_timeout_s)
 
     # -- the heartbeat thread -------------------------------------------------
 

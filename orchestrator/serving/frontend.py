@@ -55,6 +55,7 @@ from orchestrator.control.client import (
 from orchestrator.control.errors import ControlError, ErrorCode
 from orchestrator.engine.log_probs import TokenLogProb
 from orchestrator.engine.log_probs import decode as decode_log_probs
+from orchestrator.fault.rpc import Stub
 from orchestrator.serving.metrics import Metrics
 from orchestrator.serving.params import GenerationParams
 from orchestrator.serving.router import NoNodeError, Router
@@ -225,26 +226,28 @@ class Frontend:
         self.metrics = metrics or Metrics()
         self.stopped = threading.Event()
         self.watcher = None
+        self.status_stub: Stub | None = None
         if controller:
+            self.status_stub = Stub(controller, secret)  # asked every watch_s: kept
             # Before serving: a frontend started again after a spare took a stage over would
             # otherwise send its first requests to the configured address, a spare's now.
-            self._look(controller, min(watch_s, 2.0))
-            self.watcher = threading.Thread(target=self._watch, args=(controller, watch_s),
+            self._look(min(watch_s, 2.0))
+            self.watcher = threading.Thread(target=self._watch, args=(watch_s,),
                                             name="controller-watch", daemon=True)
             self.watcher.start()
 
-    def _watch(self, controller: str, watch_s: float) -> None:
+    def _watch(self, watch_s: float) -> None:
         while not self.stopped.wait(watch_s):
-            self._look(controller, watch_s)
+            self._look(watch_s)
 
-    def _look(self, controller: str, timeout_s: float) -> None:
+    def _look(self, timeout_s: float) -> None:
         """Ask the controller which nodes are alive and where each stage is now."""
         import grpc
 
         from orchestrator.fault.client import query_status
 
         try:
-            nodes = query_status(controller, self.secret, timeout_s=timeout_s)["nodes"]
+            nodes = query_status(self.status_stub, timeout_s=timeout_s)["nodes"]
         except grpc.RpcError:
             return  # the controller is away: go by the failures met
         alive = {}  # the latest registration per address wins
@@ -281,6 +284,8 @@ class Frontend:
         self.stopped.set()
         if self.watcher is not None:
             self.watcher.join(timeout=5)
+        if self.status_stub is not None:
+            self.status_stub.close()
         self.control.close()
         for client in self.prefill_clients.values():
             client.close()
