@@ -14,7 +14,10 @@ tokens of one request (the first token excluded):
 - ``ensemble``: what clients call (the ensemble's scheduling, preprocessing, and
   the orchestrator model's detokenization per token).
 
-Each layer's cost is its time minus the layer inside it. The cluster is
+Each layer's cost is its time minus the layer inside it. Then the CPU time
+every process of the cluster (and this one, the client) spends per streamed
+token of the ``ensemble`` layer, from ``/proc``: on a machine with fewer cores
+than busy processes, the sum of these sets the gap between tokens. The cluster is
 colocated (1 T-node): after the first token a disaggregated request takes the
 same path. In the same run one stage-to-stage hop (a :class:`TransportLink`
 message over NIXL, as between two T-stages) is timed against NIXL's own
@@ -24,7 +27,9 @@ sleeping), both as ping-pong between two agents in this process.
 
 from __future__ import annotations
 
+import os
 import queue
+import re
 import statistics
 import time
 import uuid
@@ -163,6 +168,81 @@ def measure_layers(runs: dict[str, Callable[[], list[float]]], repeats: int
     return layers
 
 
+# -- CPU per token, by process ------------------------------------------------------------
+
+
+@dataclass
+class ProcessCpu:
+    process: str  # a tritonserver (by model repository), a model's stub, or a python module
+    us_per_token: float
+
+
+def _children() -> dict[int, list[int]]:
+    found: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                parent = int(_stat(int(entry))[1])
+            except (OSError, IndexError):
+                continue
+            found.setdefault(parent, []).append(int(entry))
+    return found
+
+
+def _stat(pid: int) -> list[str]:
+    """``/proc/<pid>/stat`` after the command name: [state, ppid, ...]."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
+def _cpu_s(pid: int) -> float:
+    fields = _stat(pid)
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def _label(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        argv = f.read().decode(errors="replace").split("\0")
+    command = " ".join(argv)
+    if stub := re.search(r"repos/([^/]+)/([^/]+)/\d+/model\.py", command):
+        return f"{stub.group(1)} {stub.group(2)} (Python stub)"
+    if repo := re.search(r"--model-repository=\S*/repos/(\S+)", command):
+        return f"{repo.group(1)} tritonserver"
+    if "-m" in argv:
+        return argv[argv.index("-m") + 1].rsplit(".", 1)[-1]
+    return "client" if pid == os.getpid() else os.path.basename(argv[0])
+
+
+def cpu_per_token(run: Callable[[], list[float]], requests: int, min_s: float = 3.0
+                  ) -> list[ProcessCpu]:
+    """Each process's CPU time (this one and every one below it) per token of ``run``'s
+    responses over ``requests`` runs and at least ``min_s`` (the kernel counts CPU time in
+    10 ms ticks), the busiest first."""
+    tree, stack, children = [], [os.getpid()], _children()
+    while stack:
+        pid = stack.pop()
+        tree.append(pid)
+        stack += children.get(pid, [])
+    labels, before = {}, {}
+    for pid in tree:
+        try:
+            labels[pid], before[pid] = _label(pid), _cpu_s(pid)
+        except OSError:  # ended meanwhile
+            continue
+    tokens, runs, begin = 0, 0, time.monotonic()
+    while runs < requests or time.monotonic() - begin < min_s:
+        tokens += len(run()) - 1
+        runs += 1
+    spent: dict[str, float] = {}
+    for pid, label in labels.items():
+        try:
+            spent[label] = spent.get(label, 0.0) + _cpu_s(pid) - before[pid]
+        except OSError:
+            continue
+    return sorted((ProcessCpu(label, s / tokens * 1e6) for label, s in spent.items() if s > 0),
+                  key=lambda p: -p.us_per_token)
+
+
 # -- one stage-to-stage hop against NIXL's own round trip ----------------------------------
 
 
@@ -233,7 +313,7 @@ def _interleaved_medians_us(runs: list[Callable[[], None]], rounds: int) -> list
 
 
 def run_breakdown(model_dir, prompt: str, tokens: int, repeats: int, out_dir
-                  ) -> tuple[list[Layer], Hop]:
+                  ) -> tuple[list[Layer], list[ProcessCpu], Hop]:
     from clients.generate import stream_grpc
     from orchestrator.cluster.launcher import Cluster
     from orchestrator.control.auth import load_secret
@@ -265,9 +345,10 @@ def run_breakdown(model_dir, prompt: str, tokens: int, repeats: int, out_dir
                 "ensemble": lambda: _ensemble_times(stream_grpc, frontend, prompt, tokens),
             }
             layers = measure_layers(runs, repeats)
+            cpu = cpu_per_token(runs["ensemble"], repeats)
     finally:
         pipeline.stop()
-    return layers, measure_hop()
+    return layers, cpu, measure_hop()
 
 
 def _ensemble_times(stream_grpc, url: str, prompt: str, tokens: int) -> list[float]:
@@ -277,22 +358,29 @@ def _ensemble_times(stream_grpc, url: str, prompt: str, tokens: int) -> list[flo
     return times
 
 
-def report(layers: list[Layer], hop: Hop, tokens: int, repeats: int) -> str:
+def report(layers: list[Layer], cpu: list[ProcessCpu], hop: Hop, tokens: int, repeats: int
+           ) -> str:
     lines = [f"per-token breakdown, concurrency 1, {repeats} requests of {tokens} tokens per "
              "layer (median gap between tokens):", "",
              "| layer | ms/token | adds ms | what it adds |", "|---|---:|---:|---|"]
     lines += [f"| {x.name} | {x.ms_per_token:.3f} | {x.adds_ms:+.3f} | {x.adds} |"
               for x in layers]
     served, bare = layers[-1].ms_per_token, layers[0].ms_per_token
+    lines += ["", "CPU time per token through the ensemble, by process:",
+              "", "| process | CPU us/token |", "|---|---:|"]
+    lines += [f"| {p.process} | {p.us_per_token:.0f} |" for p in cpu if p.us_per_token >= 1]
+    lines += [f"| **all** | **{sum(p.us_per_token for p in cpu):.0f}** |"]
     lines += ["", f"served (ensemble) / bare engine time per token: {served / bare:.2f}",
               f"stage-to-stage hop: link round trip {hop.link_rtt_us:.0f} us, NIXL's own "
               f"small-message round trip {hop.nixl_rtt_us:.0f} us: {hop.ratio:.2f}x"]
     return "\n".join(lines)
 
 
-def as_rows(layers: list[Layer], hop: Hop) -> list[dict]:
+def as_rows(layers: list[Layer], cpu: list[ProcessCpu], hop: Hop) -> list[dict]:
     rows = [{"what": x.name, "ms": round(x.ms_per_token, 4), "adds_ms": round(x.adds_ms, 4)}
             for x in layers]
+    rows += [{"what": f"CPU: {p.process}", "ms": round(p.us_per_token / 1e3, 4),
+              "adds_ms": np.nan} for p in cpu]
     rows += [{"what": "link round trip", "ms": hop.link_rtt_us / 1e3, "adds_ms": np.nan},
              {"what": "nixl round trip", "ms": hop.nixl_rtt_us / 1e3, "adds_ms": np.nan}]
     return rows

@@ -376,14 +376,14 @@ def _breakdown(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     try:
         model_dir = (args.model or dummy_model(args.out, args.arch, args.preset)).resolve()
-        layers, hop = run_breakdown(model_dir, args.prompt, args.max_tokens,
-                                    args.breakdown_requests, out)
+        layers, cpu, hop = run_breakdown(model_dir, args.prompt, args.max_tokens,
+                                         args.breakdown_requests, out)
     except (ServerError, RuntimeError, ValueError, OSError) as exc:
         print(f"dejavu bench serving --breakdown: {exc}", file=sys.stderr)
         return 1
-    rows = as_rows(layers, hop)
+    rows = as_rows(layers, cpu, hop)
     write_csv(out / "breakdown.csv", rows)
-    print(report(layers, hop, args.max_tokens, args.breakdown_requests))
+    print(report(layers, cpu, hop, args.max_tokens, args.breakdown_requests))
     print(f"wrote {out}/breakdown.csv")
     return 0
 

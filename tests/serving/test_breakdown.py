@@ -40,3 +40,7 @@ def test_breakdown_against_a_real_cluster(tiny_model, tmp_path):
         rows = {row["what"]: float(row["ms"]) for row in csv.DictReader(f)}
     layers = ("engine", "pipeline", "T-node", "frontend", "ensemble")
     assert all(rows[name] > 0 for name in (*layers, "link round trip", "nixl round trip")), rows
+    # every node's tritonserver and the stubs on the token path spent CPU on the tokens
+    for process in ("frontend tritonserver", "decode0 tritonserver",
+                    "frontend orchestrator (Python stub)", "decode0 decode (Python stub)"):
+        assert rows[f"CPU: {process}"] > 0, rows
