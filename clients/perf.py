@@ -127,7 +127,12 @@ def run_perf_analyzer(tools: Tools, grpc_url: str, mode: str, concurrency: int, 
         "--stability-percentage", "999", "--profile-export-file", "export.json",
     ]
     _run(cmd, tools, out_dir / "perf_analyzer.log", PA_TIMEOUT_S, out_dir)
-    export = json.loads((out_dir / "export.json").read_text())
+    path = out_dir / "export.json"
+    try:
+        export = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:  # seen once: cut at 768 KiB, perf_analyzer exit 0
+        raise BenchError(f"perf_analyzer's profile export {path} is not JSON ({exc}); its "
+                         f"log: {out_dir / 'perf_analyzer.log'}") from None
     return summarize_export(export, mode, concurrency, max_tokens)
 
 

@@ -148,28 +148,26 @@ class ControlClient:
         self.pool = pool or ClientPool()
 
     def call(self, url: str, op: str, args: Sequence[bytes] = (), request_id: str = "",
-             prompt_ids: list[int] | None = None, timeout_s: float | None = None) -> bytes:
-        """``timeout_s``: this call's (default: the client's)."""
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+             prompt_ids: list[int] | None = None) -> bytes:
         arrays = {"op": np.array([op.encode()], dtype=np.object_)}
         if prompt_ids:
             arrays["input_ids"] = np.array(prompt_ids, dtype=np.int32)
         if args:
             arrays["peers"] = np.array(list(args), dtype=np.object_)
         try:
-            return self._call(url, op, arrays, request_id, timeout_s)
+            return self._call(url, op, arrays, request_id)
         except _Unsent:
             # A pooled connection to a node that was started again may still be waiting out
             # its reconnect backoff (its stream fails before the request is sent): once more,
             # on a new connection.
             self.pool.forget(url)
             try:
-                return self._call(url, op, arrays, request_id, timeout_s)
+                return self._call(url, op, arrays, request_id)
             except _Unsent as exc:
                 raise exc.error from None
 
-    def _call(self, url: str, op: str, arrays: dict[str, np.ndarray], request_id: str,
-              timeout_s: float) -> bytes:
+    def _call(self, url: str, op: str, arrays: dict[str, np.ndarray], request_id: str
+              ) -> bytes:
         responses: queue.Queue = queue.Queue()
         with self.pool.borrow(url) as client:
             client.start_stream(callback=lambda result, error: responses.put((result, error)))
@@ -183,10 +181,10 @@ class ControlClient:
                 except InferenceServerException as exc:  # the stream ended before the send
                     raise _Unsent(_stream_error(responses, exc)) from None
                 try:
-                    result, error = responses.get(timeout=timeout_s)
+                    result, error = responses.get(timeout=self.timeout_s)
                 except queue.Empty:
                     raise TimeoutError(f"decode node {url}: no answer to {op!r} within "
-                                       f"{timeout_s:.0f} s") from None
+                                       f"{self.timeout_s:.0f} s") from None
                 answered = True
             finally:  # waiting for a silent node's stream to end would never return
                 stop_stream(client, cancel=not answered)

@@ -180,20 +180,30 @@ class DecodeStream:
             final = result.get_response().parameters["triton_final_response"].bool_param
             return result, final
 
-    def drain(self, timeout_s: float) -> bool:
-        """Read to the final response (the node ended the request); False if it did not
-        come within ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
-        while (left := deadline - time.monotonic()) > 0:
+    def end(self, request_id: str, timeout_s: float) -> bool:
+        """Have the node end the request (its client left): a signed ``end`` op on this
+        stream, no new connection. True once both requests' final responses came (the op's
+        and the request's own, which the node sends when it drops it) within ``timeout_s``.
+        Ending it there, not cancelling the gRPC stream, keeps the T-node clear of Triton
+        2.51's race between a cancellation and a response (server issues 7368 and 8034: a
+        crash, or a stub that answers nothing more)."""
+        try:
+            self.client.async_stream_infer(
+                "decode", [tensor("op", np.array([b"end"], dtype=np.object_))],
+                request_id=request_id,
+                parameters=request_parameters(self.secret, "decode", "end", request_id))
+        except InferenceServerException:
+            return False
+        finals, deadline = 0, time.monotonic() + timeout_s
+        while finals < 2 and (left := deadline - time.monotonic()) > 0:
             try:
                 result, error = self.responses.get(timeout=left)
             except queue.Empty:
                 return False
             if error is not None:
                 return False
-            if result.get_response().parameters["triton_final_response"].bool_param:
-                return True
-        return False
+            finals += result.get_response().parameters["triton_final_response"].bool_param
+        return finals == 2
 
     def close(self, cancel: bool) -> None:
         try:
@@ -448,7 +458,10 @@ class Frontend:
             self.decode.done(url, left)
             if stream is not None:
                 if cancel and client_left and admitted:
-                    cancel = not self._end(url, request_id, stream)
+                    cancel = not stream.end(request_id, END_TIMEOUT_S)
+                    if cancel:
+                        log.warning("decode node %s did not end %s; cancelling its stream",
+                                    url, request_id)
                 stream.close(cancel)
             for stage_url in reserved:
                 self._release(stage_url, request_id)
@@ -478,19 +491,6 @@ class Frontend:
             raise ServingError(f"decode node {url} answered without a KV ticket")
         reserved.clear()  # stage 0 holds the request now: its head frees every slot
         return stream, np.concatenate([ticket.reshape(-1), np.array(tickets, np.object_)])
-
-    def _end(self, url: str, request_id: str, stream: DecodeStream) -> bool:
-        """Have stage 0 end a request whose client left, and read its stream to the end;
-        False if that failed. Ending a request there, not cancelling its gRPC stream,
-        keeps the T-node clear of Triton 2.51's race between a cancellation and a response
-        (server issues 7368 and 8034: a crash, or a stub that answers nothing more)."""
-        try:
-            self.control.call(url, "end", request_id=request_id, timeout_s=END_TIMEOUT_S)
-        except (InferenceServerException, ControlError, TimeoutError) as exc:
-            log.warning("decode node %s: could not end %s (%s); cancelling its stream",
-                        url, request_id, exc)
-            return False
-        return stream.drain(END_TIMEOUT_S)
 
     def _reserve(self, url: str, request_id: str, prompt_ids: list[int]) -> bytes:
         try:
