@@ -1,6 +1,7 @@
 """T-node, decoupled: one stage of a token pipeline. ``op`` absent (or ``generate``): admit a
 request and stream each token as it is made (stage 0); else a control request (bootstrap,
-KV reservation, recovery) answered with one final ``reply``. Every request must be signed
+KV reservation, recovery, ``end`` of a request whose client left) answered with one final
+``reply``. Every request must be signed
 with the cluster secret; failures come back as ``error_code`` and ``error``."""
 
 from orchestrator.control.errors import ErrorCode, code_of
