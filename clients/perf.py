@@ -39,6 +39,7 @@ TOOLS_SCRIPT = ROOT / "scripts" / "perf_tools.sh"
 MODEL = "ensemble"
 PROMPT = "The prompt phase reads the whole prompt, then the token phase writes one token at a time"
 PA_TIMEOUT_S = 300.0
+PA_ATTEMPTS = 3  # perf_analyzer runs per point until one writes a readable export
 GENAI_TIMEOUT_S = 300.0
 
 
@@ -126,13 +127,22 @@ def run_perf_analyzer(tools: Tools, grpc_url: str, mode: str, concurrency: int, 
         "--request-count", str(requests), "--warmup-request-count", str(concurrency),
         "--stability-percentage", "999", "--profile-export-file", "export.json",
     ]
-    _run(cmd, tools, out_dir / "perf_analyzer.log", PA_TIMEOUT_S, out_dir)
     path = out_dir / "export.json"
-    try:
-        export = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:  # seen once: cut at 768 KiB, perf_analyzer exit 0
-        raise BenchError(f"perf_analyzer's profile export {path} is not JSON ({exc}); its "
-                         f"log: {out_dir / 'perf_analyzer.log'}") from None
+    for attempt in range(PA_ATTEMPTS):
+        _run(cmd, tools, out_dir / "perf_analyzer.log", PA_TIMEOUT_S, out_dir)
+        try:
+            export = json.loads(path.read_text())
+            break
+        except json.JSONDecodeError as exc:
+            # perf_analyzer 2.51 exports every output the model declares, reading memory it
+            # never set for those a response lacks (log-probs not asked for); a NaN there
+            # stops rapidjson's writer, and the file ends at its last full 64 KiB buffer
+            # (seen: 0 and 768 KiB), exit status 0. Its measurement is lost: run it again.
+            print(f"perf_analyzer's profile export {path} is cut short ({exc}); "
+                  f"attempt {attempt + 1} of {PA_ATTEMPTS}", file=sys.stderr, flush=True)
+    else:
+        raise BenchError(f"perf_analyzer wrote no readable profile export in {PA_ATTEMPTS} "
+                         f"runs; its log: {out_dir / 'perf_analyzer.log'}")
     return summarize_export(export, mode, concurrency, max_tokens)
 
 
