@@ -19,10 +19,11 @@ every process of the cluster (and this one, the client) spends per streamed
 token of the ``ensemble`` layer, from ``/proc``: on a machine with fewer cores
 than busy processes, the sum of these sets the gap between tokens. The cluster is
 colocated (1 T-node): after the first token a disaggregated request takes the
-same path. In the same run one stage-to-stage hop (a :class:`TransportLink`
-message over NIXL, as between two T-stages) is timed against NIXL's own
-small-message round trip (one WRITE with a notification, polled without
-sleeping), both as ping-pong between two agents in this process.
+same path. In the same run one stage-to-stage hop (a message from a
+:class:`TransportSender` to a :class:`TransportReceiver` over NIXL, as between two
+T-stages) is timed against NIXL's own small-message round trip (one WRITE with a
+notification, polled without sleeping), both as ping-pong between two agents in this
+process.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from clients.common import proc_stat
 
 LAYERS = ("engine", "pipeline", "T-node", "frontend", "ensemble")
 COSTS = {  # what each layer adds over the one inside it
@@ -182,21 +185,15 @@ def _children() -> dict[int, list[int]]:
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                parent = int(_stat(int(entry))[1])
+                parent = int(proc_stat(int(entry))[1])
             except (OSError, IndexError):
                 continue
             found.setdefault(parent, []).append(int(entry))
     return found
 
 
-def _stat(pid: int) -> list[str]:
-    """``/proc/<pid>/stat`` after the command name: [state, ppid, ...]."""
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()
-
-
 def _cpu_s(pid: int) -> float:
-    fields = _stat(pid)
+    fields = proc_stat(pid)
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 

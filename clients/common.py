@@ -87,6 +87,12 @@ def metric(address: str, name: str, **labels: str) -> float:
     return total
 
 
+def proc_stat(pid: int) -> list[str]:
+    """``/proc/<pid>/stat`` after the command name: [state, ppid, pgrp, ...]."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
 def process_groups() -> dict[int, dict[str, int]]:
     """Per process group (a node's tritonserver and its stubs), from /proc: resident memory
     (``rss_kb``), ``threads``, open ``fds`` and ``processes``. A zombie (killed, not reaped
@@ -96,8 +102,7 @@ def process_groups() -> dict[int, dict[str, int]]:
         if not entry.name.isdigit():
             continue
         try:
-            with open(f"/proc/{entry.name}/stat") as f:
-                state, _, pgrp = f.read().rsplit(")", 1)[1].split()[:3]
+            state, _, pgrp = proc_stat(int(entry.name))[:3]
             if state == "Z":
                 continue
             status = Path(f"/proc/{entry.name}/status").read_text()

@@ -73,7 +73,7 @@ class Supervisor:
         self.control = ControlClient(self.secret, call_timeout_s)
         self._stub: Stub | None = None  # to the controller, kept: it is asked every poll
 
-    def controller(self, address: str) -> Stub:
+    def controller_stub(self, address: str) -> Stub:
         """The kept channel to the controller at ``address`` (a new one if it moved)."""
         if self._stub is None or self._stub.address != address:
             if self._stub is not None:
@@ -88,7 +88,7 @@ class Supervisor:
             try:
                 state = read_state(self.run_dir)
                 self.keep_processes(state)
-                view = query_status(self.controller(state["controller"]["address"]))
+                view = query_status(self.controller_stub(state["controller"]["address"]))
             except grpc.RpcError:
                 continue  # the controller is away: failures wait until it is back
             except FileNotFoundError:
@@ -194,7 +194,8 @@ class Supervisor:
         restarted: set[int] = set()
         deadline = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < deadline:
-            failed = set(query_status(self.controller(controller))["pipelines"][name]["failed"])
+            view = query_status(self.controller_stub(controller))
+            failed = set(view["pipelines"][name]["failed"])
             if 0 in failed or not _replicates(stages):
                 log.warning("%s: stages %s lost, %s; starting the whole pipeline again",
                             name, sorted(failed), "with the head" if 0 in failed else
@@ -275,7 +276,7 @@ class Supervisor:
                 raise TimeoutError(f"the controller did not take {name}'s new nodes")
             time.sleep(self.poll_s)
         for node in nodes:
-            self.controller(controller).call(
+            self.controller_stub(controller).call(
                 "Recovered", {"node_id": node["config"]["name"], "epoch": plan["epoch"]}, 2.0)
         log.warning("%s: started afresh (incarnation %d)", name, nodes[0]["incarnation"])
         self.record(state, name, "started afresh")
@@ -317,7 +318,7 @@ class Supervisor:
         path.with_suffix(".tmp").replace(path)
 
     def plan(self, controller: str, pipeline: str) -> dict | None:
-        return self.controller(controller).call("Plan", {"pipeline": pipeline}, 2.0)["plan"]
+        return self.controller_stub(controller).call("Plan", {"pipeline": pipeline}, 2.0)["plan"]
 
     def call(self, url: str, op: str, args: list[bytes]) -> bytes:
         return self.control.call(url, op, args)
