@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from clients.common import proc_stat
+from orchestrator.cluster.tritonserver import proc_stat
 
 LAYERS = ("engine", "pipeline", "T-node", "frontend", "ensemble")
 COSTS = {  # what each layer adds over the one inside it

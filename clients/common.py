@@ -87,16 +87,12 @@ def metric(address: str, name: str, **labels: str) -> float:
     return total
 
 
-def proc_stat(pid: int) -> list[str]:
-    """``/proc/<pid>/stat`` after the command name: [state, ppid, pgrp, ...]."""
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()
-
-
 def process_groups() -> dict[int, dict[str, int]]:
     """Per process group (a node's tritonserver and its stubs), from /proc: resident memory
     (``rss_kb``), ``threads``, open ``fds`` and ``processes``. A zombie (killed, not reaped
     yet) holds nothing and is left out."""
+    from orchestrator.cluster.tritonserver import proc_stat
+
     groups: dict[int, dict[str, int]] = {}
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():

@@ -238,16 +238,21 @@ def stop_processes(pids: list[int], timeout_s: float = 15.0) -> None:
             os.killpg(pid, signal.SIGKILL)
 
 
+def proc_stat(pid: int) -> list[str]:
+    """``/proc/<pid>/stat`` after the command name: [state, ppid, pgrp, ...]."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
 def alive(pid: int) -> bool:
     """Running (a zombie, killed and not yet reaped by its parent, is not)."""
     with contextlib.suppress(ChildProcessError):  # our own child: reap it
         if os.waitpid(pid, os.WNOHANG)[0] == pid:
             return False
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        return proc_stat(pid)[0] != "Z"
     except OSError:
         return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def clean_shm(prefix: str) -> None:
