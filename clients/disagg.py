@@ -3,24 +3,27 @@ at equal devices, replaying a Splitwise trace with Poisson arrivals.
 
 The device budget is a list of core sets, one per "machine" (default: each core
 of this host). Colocated: one T-node per machine, each prefilling its own
-prompts. Disaggregated: the planner's split of the same machines into P- and
-T-nodes (1P+1T on two). Every node is pinned to its machine's cores; the
+prompts (data parallel, Splitwise's baseline). Colocated pipeline: one token
+pipeline with a stage on every machine, its prompts running in its microbatch
+steps stage by stage (DejaVu's baseline: pipeline parallel with the bubbles
+prompts make). Disaggregated: the planner's split of the same machines into P-
+and T-nodes (1P+1T on two). Every node is pinned to its machine's cores; the
 frontend (router, the clients' end) is not. Both modes serve the same requests:
 prompt and output lengths from the Azure trace scaled to the model's context,
 random prompt tokens (seeded), sent to the frontend's orchestrator model over
 gRPC streaming at each arrival rate.
 
 Per mode and rate: tokens/s and requests/s over the run, TTFT p50/p99, time
-between tokens (TBT) p50/p99 over every gap of every request, and goodput: the
+between tokens (TBT) p50/p99 over every gap of every request, the TBT p99 of
+running requests (gaps from the second token on: a disaggregated request's
+first gap also holds its wait for a slot in a T-node's batch, the others
+are decode steps, and prompts that interrupt them), and goodput: the
 requests/s that met the SLO (TTFT <= ``ttft_slo`` x the unloaded prefill of
 its prompt, its mean TBT <= ``tbt_slo`` x the unloaded token step; unloaded =
-the bare engine in this process), next to the planner's predicted throughput
-for that layout from the live profile (Y, t, m at the workload's mean lengths
-and the cluster's batch). Output: ``disagg.csv``, ``disagg.png``, a table.
-
-Not measured: a depth-2 token pipeline against a colocated depth-2 pipeline
-(DejaVu's own comparison): colocated pipelines deeper than 1 do not run on
-Triton nodes here (prompts enter a pipeline only within one process).
+the bare engine on one machine's cores), next to the planner's predicted
+throughput for that layout from a live profile on one machine (Y, t, m at the
+workload's mean lengths and the cluster's batch). Output: ``disagg.csv``,
+``disagg.png``, a table.
 """
 
 from __future__ import annotations
@@ -34,12 +37,14 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from clients.common import dummy_model, markdown, write_csv
+from orchestrator.cluster.devices import Devices
 
-MODES = ("colocated", "disaggregated")
+MODES = ("colocated", "colocated-pipeline", "disaggregated")
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,7 @@ class Point:
     ttft_p99_s: float
     tbt_p50_ms: float
     tbt_p99_ms: float
+    tbt_p99_running_ms: float  # gaps from the second token on
     slo_met: float  # fraction of requests
     goodput_rps: float
     predicted_rps: float  # the planner's, for this layout
@@ -121,6 +127,7 @@ def summarize(mode: str, layout: str, rate: float, jobs: list[Job], times: list[
     span = max(t[-1] for t in times) - min(t[0] for t in times)
     ttft = [t[1] - t[0] for t in times]
     gaps = [b - a for t in times for a, b in zip(t[1:], t[2:], strict=False)]
+    running = [b - a for t in times for a, b in zip(t[2:], t[3:], strict=False)]
     met = 0
     for job, t in zip(jobs, times, strict=True):
         mean_tbt = (t[-1] - t[1]) / max(1, len(t) - 2)
@@ -133,19 +140,28 @@ def summarize(mode: str, layout: str, rate: float, jobs: list[Job], times: list[
         ttft_p50_s=statistics.median(ttft), ttft_p99_s=_pct(ttft, 99),
         tbt_p50_ms=statistics.median(gaps) * 1e3 if gaps else math.nan,
         tbt_p99_ms=_pct(gaps, 99) * 1e3 if gaps else math.nan,
+        tbt_p99_running_ms=_pct(running, 99) * 1e3 if running else math.nan,
         slo_met=met / len(times), goodput_rps=met / span, predicted_rps=predicted_rps,
     )
 
 
 def cluster_for(mode: str, model_dir: Path, machines: list, run_dir: Path, batch: int,
                 max_seq_len: int, prefill: int):
-    """The cluster of ``mode`` on ``machines`` (core sets): colocated one T-node each;
-    disaggregated ``prefill`` P-nodes, the rest T-nodes."""
+    """The cluster of ``mode`` on ``machines`` (core sets): colocated one T-node each,
+    or one stage each of one pipeline; disaggregated ``prefill`` P-nodes, the rest
+    T-nodes."""
     from orchestrator.cluster.launcher import Cluster
+    from orchestrator.cluster.topology import decode_name
+    from orchestrator.fault import ReplicateMode
 
     if mode == "colocated":
         names = [f"decode{i}" for i in range(len(machines))]
         kwargs = dict(prefill=0, decode=len(machines), colocated=True)
+    elif mode == "colocated-pipeline":
+        names = [decode_name(0, i, len(machines)) for i in range(len(machines))]
+        # No KV replicas: the baseline pipeline, as the other modes, runs without them.
+        kwargs = dict(prefill=0, decode=1, decode_depth=len(machines), colocated=True,
+                      replicate=ReplicateMode.OFF)
     else:
         decode = len(machines) - prefill
         names = [f"prefill{i}" for i in range(prefill)] + [f"decode{i}" for i in range(decode)]
@@ -155,19 +171,38 @@ def cluster_for(mode: str, model_dir: Path, machines: list, run_dir: Path, batch
                       **kwargs)
 
 
-def predictions(model_dir: Path, lengths: list[tuple[int, int]], batch: int, machines: int):
-    """The planner on a live profile at the workload's mean lengths: its pick, each
-    layout's predicted requests/s, and the unloaded prefill time per token and step."""
+@contextmanager
+def on_machine(machine: Devices):
+    """Run this thread as a node on ``machine`` runs: on its cores, torch threads to match."""
+    import torch
+
+    cores, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    machine.pin()
+    torch.set_num_threads(machine.threads or threads)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(threads)
+
+
+def predictions(model_dir: Path, lengths: list[tuple[int, int]], batch: int,
+                machine: Devices, machines: int):
+    """The planner on a live profile on one ``machine`` at the workload's mean lengths:
+    its pick, each layout's predicted requests/s, and the unloaded prefill time per token
+    and step."""
     from orchestrator.planner.perf_model import Workload, profile_live
     from orchestrator.planner.planner import Layout, plan, score
 
     prompt = round(statistics.fmean(p for p, _ in lengths))
     new = round(statistics.fmean(n for _, n in lengths))
     memory = 80e9  # the model fits one machine: memory does not bound the layouts here
-    profile, _ = profile_live(model_dir, Workload(prompt, new, batch), memory, reps=2,
-                              transport="local")
-    unloaded, _ = profile_live(model_dir, Workload(prompt, new, 1), memory, reps=2,
-                               transport="local")
+    device = "cuda" if machine.kind == "cuda" else "cpu"
+    with on_machine(machine):
+        profile, _ = profile_live(model_dir, Workload(prompt, new, batch), memory, device,
+                                  reps=2, transport="local")
+        unloaded, _ = profile_live(model_dir, Workload(prompt, new, 1), memory, device,
+                                   reps=2, transport="local")
     picked = plan(profile, machines)
     split = picked.layout if not picked.layout.colocated else Layout(1, 1, machines - 1)
 
@@ -177,7 +212,9 @@ def predictions(model_dir: Path, lengths: list[tuple[int, int]], batch: int, mac
     return {
         "pick": str(picked.layout), "split": split, "Y/t": picked.ratio,
         "colocated_rps": rps(Layout(machines, 1)), "disaggregated_rps": rps(split),
+        "colocated-pipeline_rps": rps(Layout(1, machines)),
         "prompt_s_per_token": unloaded.prompt_time_per_token, "step_s": unloaded.t,
+        "batch_step_s": profile.t,
     }
 
 
@@ -187,10 +224,11 @@ def plot(points: list[Point], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    panels = [("ttft_p99_s", "TTFT p99 (s)"), ("tbt_p99_ms", "TBT p99 (ms)"),
-              ("tokens_per_s", "throughput (tok/s)")]
-    for ax, (key, label) in zip(axes, panels, strict=True):
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    panels = [("ttft_p99_s", "TTFT p99 (s)"), ("tokens_per_s", "throughput (tok/s)"),
+              ("tbt_p99_ms", "TBT p99 (ms)"), ("tbt_p99_running_ms",
+                                                "TBT p99 from the 2nd token (ms)")]
+    for ax, (key, label) in zip(axes.flat, panels, strict=True):
         for mode in MODES:
             mine = [p for p in points if p.mode == mode]
             if mine:
@@ -200,7 +238,7 @@ def plot(points: list[Point], path: Path) -> None:
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle("disaggregated vs colocated at equal devices")
+    fig.suptitle("disaggregated vs colocated (data and pipeline parallel) at equal devices")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -209,7 +247,8 @@ def plot(points: list[Point], path: Path) -> None:
 COLUMNS = {
     "mode": "mode", "layout": "layout", "rate_rps": "offered req/s", "tokens_per_s": "tok/s",
     "requests_per_s": "req/s", "ttft_p50_s": "TTFT p50 s", "ttft_p99_s": "TTFT p99 s",
-    "tbt_p50_ms": "TBT p50 ms", "tbt_p99_ms": "TBT p99 ms", "slo_met": "SLO met",
+    "tbt_p50_ms": "TBT p50 ms", "tbt_p99_ms": "TBT p99 ms",
+    "tbt_p99_running_ms": "TBT p99 running ms", "slo_met": "SLO met",
     "goodput_rps": "goodput req/s", "predicted_rps": "planner req/s",
 }
 
@@ -242,7 +281,6 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     from rich.progress import Progress
 
-    from orchestrator.cluster.devices import Devices
     from orchestrator.cluster.tritonserver import ServerError
     from orchestrator.control.auth import load_secret
     from orchestrator.engine.config import ModelConfig
@@ -262,11 +300,12 @@ def main(argv: list[str]) -> int:
               f"{min(p for p, _ in lengths)}-{max(p for p, _ in lengths)} tokens, outputs "
               f"{min(n for _, n in lengths)}-{max(n for _, n in lengths)}; profiling...",
               flush=True)
-        pred = predictions(model_dir, lengths, args.batch, len(machines))
+        pred = predictions(model_dir, lengths, args.batch, machines[0], len(machines))
         rates = args.rates or [f * pred["colocated_rps"] for f in (0.25, 0.5, 1.0, 1.5)]
         prefill = pred["split"].prompt_depth
         print(f"planner: Y/t {pred['Y/t']:.1f}, picks {pred['pick']}; predicted colocated "
-              f"{pred['colocated_rps']:.2f} req/s, {pred['split']} "
+              f"{pred['colocated_rps']:.2f} req/s, colocated pipeline "
+              f"{pred['colocated-pipeline_rps']:.2f} req/s, {pred['split']} "
               f"{pred['disaggregated_rps']:.2f} req/s", flush=True)
         max_seq_len = args.max_prompt + args.max_new
         points: list[Point] = []
@@ -282,8 +321,9 @@ def main(argv: list[str]) -> int:
             for mode in args.modes:
                 with cluster_for(mode, model_dir, machines, args.out / "cluster", args.batch,
                                  max_seq_len, prefill) as cluster:
-                    layout = (f"{len(machines)}x colocated" if mode == "colocated"
-                              else f"{prefill}P+{len(machines) - prefill}T")
+                    layout = {"colocated": f"{len(machines)}x colocated",
+                              "colocated-pipeline": f"colocated depth {len(machines)}",
+                              }.get(mode, f"{prefill}P+{len(machines) - prefill}T")
                     url = cluster.frontend.grpc_url
                     secret = load_secret(cluster.secret_file)
                     warm = make_jobs(lengths[:2], 100.0, vocab, args.seed + 1)
@@ -303,7 +343,8 @@ def main(argv: list[str]) -> int:
     plot(points, args.out / "disagg.png")
     print(markdown(points, COLUMNS))
     print(f"\nunloaded (bare engine): prefill {pred['prompt_s_per_token'] * 1e3:.2f} ms/token, "
-          f"step {pred['step_s'] * 1e3:.1f} ms; SLO TTFT <= {args.ttft_slo:g}x, mean TBT <= "
+          f"step {pred['step_s'] * 1e3:.1f} ms (at batch {args.batch}: "
+          f"{pred['batch_step_s'] * 1e3:.1f} ms); SLO TTFT <= {args.ttft_slo:g}x, mean TBT <= "
           f"{args.tbt_slo:g}x; machines {' '.join(map(str, machines))}")
     print(f"wrote {args.out}/disagg.csv, disagg.png")
     return 0

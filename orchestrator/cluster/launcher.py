@@ -14,8 +14,8 @@ its endpoints and sends each its successor's and stage 0's (control requests
 to the decode model), then starts stages 1..D-1 and stage 0 last. Depth-1
 pipelines start themselves.
 
-Colocated mode has no P-nodes: each T-node (depth 1) prefills its own prompts
-(the baseline that disaggregation is measured against).
+Colocated mode has no P-nodes: each token pipeline runs its own prompts in its
+steps, stage by stage (the baseline that disaggregation is measured against).
 
 The fault controller (:mod:`orchestrator.fault.controller`) runs as a process of
 its own on loopback, started before the nodes and stopped after them; every P-
@@ -427,7 +427,8 @@ def topology_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompt stages per P-node (D_p, in one process)")
     parser.add_argument("--decode-depth", type=int, default=1,
                         help="T-nodes per token pipeline (D_t, one stage each)")
-    parser.add_argument("--colocated", action="store_true", help="T-nodes prefill themselves")
+    parser.add_argument("--colocated", action="store_true",
+                        help="no P-nodes: token pipelines prefill their own prompts")
     parser.add_argument("--swap", choices=list(SwapMode), default=SwapMode.OFF,
                         help="microbatch swapping on the T-stages")
     parser.add_argument("--max-batch", type=int, default=16, help="sequences per microbatch")

@@ -47,9 +47,6 @@ class Topology:
         if self.prefill_depth < 1 or self.decode_depth < 1:
             raise ValueError(f"depths must be >= 1, got prefill {self.prefill_depth}, "
                              f"decode {self.decode_depth}")
-        if self.colocated and self.decode_depth != 1:
-            raise ValueError("colocated pipelines deeper than 1 are not supported on Triton "
-                             "nodes (prompts enter a pipeline only within one process)")
 
     @classmethod
     def from_spec(cls, spec: dict) -> tuple[Topology, dict]:

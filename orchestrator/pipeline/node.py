@@ -45,8 +45,8 @@ the stage, and ``submit_prefilled`` refuses new ones. With ``recover_timeout_s``
 the head pauses instead and its requests wait for the fault layer to replace
 the stage (:mod:`orchestrator.fault.stage_recovery`; ``reconnect`` points a
 node at a replaced successor, ``repaired`` resets node 0's liveness view).
-``mode="colocated"`` (prompts run inside microbatch steps) needs no prompt KV
-receiver; a serving T-node runs it at depth 1 only.
+``mode="colocated"`` (prompts run inside microbatch steps, stage by stage) needs
+no prompt KV receiver.
 """
 
 from __future__ import annotations

@@ -95,9 +95,6 @@ class NodeConfig:
         if self.dead_after_s <= self.heartbeat_s:
             raise ValueError(f"node config: dead_after_s ({self.dead_after_s}) must exceed "
                              f"heartbeat_s ({self.heartbeat_s})")
-        if self.mode is Mode.COLOCATED and self.depth != 1:
-            raise ValueError("node config: colocated T-nodes run depth-1 pipelines only "
-                             "(prompts cannot yet enter a pipeline across nodes)")
         if self.role is Role.SPARE and (self.depth < 2 or self.replicate != "on"):
             raise ValueError("node config: a spare takes over a stage of a pipeline deeper "
                              "than 1 from replicas in memory (replicate on)")

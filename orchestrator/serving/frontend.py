@@ -473,7 +473,7 @@ class Frontend:
         """Reserve the prompt KV on every stage and open stage 0's stream; the KV tickets
         (None when colocated). ``reserved`` lists the stages to release if this fails."""
         tickets = []
-        for stage_url in self.later_stages[url]:
+        for stage_url in [] if self.colocated else self.later_stages[url]:
             tickets.append(self._reserve(stage_url, request_id, prompt_ids))
             reserved.append(stage_url)
         stream = DecodeStream(url, self.timeout_s, self.secret, self.pool)

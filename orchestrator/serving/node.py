@@ -16,7 +16,7 @@ from orchestrator.fault.node_replication import NodeReplication
 from orchestrator.fault.stage_recovery import RecoveryOps
 from orchestrator.kv.transport.base import Transport
 from orchestrator.pipeline.node import PipelineConfig, StageNode
-from orchestrator.serving.config import Mode, NodeConfig, Role
+from orchestrator.serving.config import NodeConfig, Role
 from orchestrator.serving.metrics import Metrics
 from orchestrator.serving.prefill_worker import PrefillWorker
 from orchestrator.serving.token_service import TokenService
@@ -39,12 +39,6 @@ def load_token_service(config: NodeConfig, metrics: Metrics | None = None,
                        controller: ControllerClient | None = None) -> TokenService:
     """``controller``: the node's controller client (replication acks go through it)."""
     torch.set_num_threads(config.threads)
-    if config.mode is Mode.COLOCATED:  # a depth-1 pipeline that prefills its own prompts
-        colocated = PipelineConfig(depth=1, batch_size=config.max_batch, mode=config.mode,
-                                   swap=config.swap, max_seq_len=config.max_seq_len)
-        node = StageNode(config.model_dir, 0, colocated, secret=b"",  # takes no prompt KV
-                         device=config.device, name=config.name or None).start()
-        return TokenService(node.engine, node=node, metrics=metrics)
     if config.role is Role.SPARE:
         from orchestrator.serving.spare import SpareService  # it builds its stage with ours
 
@@ -55,11 +49,12 @@ def load_token_service(config: NodeConfig, metrics: Metrics | None = None,
 def stage_service(config: NodeConfig, metrics: Metrics | None,
                   controller: ControllerClient | None, engine: Engine | None = None,
                   make_transport: Callable[[str], Transport] | None = None) -> TokenService:
-    """One stage of a disaggregated token pipeline; ``engine`` and ``make_transport``: what
-    a warm spare loaded and made ahead of time (else loaded and made here)."""
+    """One stage of a token pipeline (colocated: its prompts run in its own steps);
+    ``engine`` and ``make_transport``: what a warm spare loaded and made ahead of time (else
+    loaded and made here)."""
     slots = {"prompt_slots": config.num_slots} if config.num_slots else {}
     pipeline_config = PipelineConfig(
-        depth=config.depth, batch_size=config.max_batch, swap=config.swap,
+        depth=config.depth, batch_size=config.max_batch, mode=config.mode, swap=config.swap,
         max_seq_len=config.max_seq_len, heartbeat_s=config.heartbeat_s,
         dead_after_s=config.dead_after_s, reserve_ttl_s=config.reserve_ttl_s,
         recover_timeout_s=config.recover_timeout_s if config.replicates else None, **slots,

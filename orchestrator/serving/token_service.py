@@ -4,9 +4,9 @@ Disaggregated: the node runs a :class:`~orchestrator.pipeline.node.StageNode`.
 Stage 0 holds the pipeline's head: a request reserves its prompt KV slot
 here (the ticket is the first response; the frontend reserved one on every
 other stage before), joins the head at once, and streams every token after
-the first (the P-node's, which the client already has). Colocated: a depth-1
-StageNode in ``mode="colocated"`` prefills the prompts itself. Either way the
-token loop is the pipeline library's.
+the first (the P-node's, which the client already has). Colocated: the
+pipeline (``mode="colocated"``) runs each prompt in its own steps, stage by
+stage. Either way the token loop is the pipeline library's.
 
 Control requests bootstrap a pipeline (``endpoints``, ``connect``, ``start``),
 reserve or release prompt KV (``reserve``, ``release``) on any stage, and end a
@@ -74,7 +74,7 @@ class _Client:
 
 
 class TokenService:
-    """One stage (``node``) of a disaggregated pipeline, or a colocated depth-1 pipeline."""
+    """One stage (``node``) of a token pipeline, disaggregated or colocated."""
 
     def __init__(
         self,
@@ -113,16 +113,14 @@ class TokenService:
 
     def _control_ops(self) -> dict[str, Callable[[ControlRequest], bytes | None]]:
         requests = {"held": lambda _: json.dumps(self.held()).encode(), "end": self._end}
-        if self.colocated:
-            return requests
         node = self.node
-        ops: dict[str, Callable[[ControlRequest], bytes | None]] = {
-            "endpoints": lambda _: node.endpoints(),
-            "connect": self._connect,
-            "start": lambda _: node.start(),
-            "reserve": self._reserve,
-            "release": lambda r: node.release_prompt(r.request_id),
-        }
+        ops: dict[str, Callable[[ControlRequest], bytes | None]] = {}
+        if node.config.depth > 1:
+            ops |= {"endpoints": lambda _: node.endpoints(), "connect": self._connect,
+                    "start": lambda _: node.start()}
+        if not self.colocated:
+            ops |= {"reserve": self._reserve,
+                    "release": lambda r: node.release_prompt(r.request_id)}
         if self.recovery is not None:
             ops |= {name: lambda r, op=op: op(*r.args)
                     for name, op in self.recovery.ops().items()}
@@ -132,7 +130,7 @@ class TokenService:
         """Run the control operation named ``op``; the bytes to answer with."""
         handler = self.ops.get(op)
         if handler is None:
-            where = "a colocated node has no pipeline" if self.colocated else (
+            where = "a colocated node takes no prompt KV" if self.colocated else (
                 "this node does not replicate its KV" if self.recovery is None else "")
             raise RequestError(f"unknown op {op!r}{f' ({where})' if where else ''}: "
                                f"this node answers {sorted(self.ops) or 'none'}")

@@ -1,4 +1,4 @@
-"""``dejavu bench disagg`` at its smallest: both modes come up pinned, serve a replayed
+"""``dejavu bench disagg`` at its smallest: every mode comes up pinned, serve a replayed
 trace, and the CSV and plot are well-formed (no speed is asserted)."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def test_bench_disagg_smallest_run(tiny_model, tmp_path, capsys):
     assert main(argv) == 0, capsys.readouterr().err
     with (out / "disagg.csv").open() as f:
         rows = list(csv.DictReader(f))
-    assert [r["mode"] for r in rows] == ["colocated", "disaggregated"]
+    assert [r["mode"] for r in rows] == ["colocated", "colocated-pipeline", "disaggregated"]
     for row in rows:
         assert set(COLUMNS) <= set(row)
         assert int(row["requests"]) == 3 and float(row["rate_rps"]) == 4

@@ -32,6 +32,15 @@ def test_the_writer_places_every_node_and_tells_each_its_peers():
     assert not configs["prefill0"].replicates and not configs["frontend"].replicates
 
 
+def test_a_colocated_pipeline_has_no_p_nodes_and_its_stages_know_their_places():
+    configs = node_configs(Topology(prefill=0, decode=1, decode_depth=2, colocated=True),
+                           lambda name: f"{name}:8001", model_dir="/model")
+    assert list(configs) == ["decode0s0", "decode0s1", "frontend"]
+    assert [(c.mode, c.stage, c.depth) for c in configs.values() if c.role is Role.DECODE] \
+        == [(Mode.COLOCATED, 0, 2), (Mode.COLOCATED, 1, 2)]
+    assert configs["frontend"].prefill_urls == ()
+
+
 def test_one_set_of_defaults():
     config = NodeConfig(role=Role.DECODE, model_dir="/m")
     pipeline = PipelineConfig(depth=1, batch_size=1)
@@ -65,12 +74,10 @@ def test_a_bad_config_is_refused_naming_the_field(change, message):
 
 
 def test_impossible_clusters_are_refused():
-    with pytest.raises(ValueError, match="colocated T-nodes run depth-1"):
-        NodeConfig(role=Role.DECODE, model_dir="/m", mode=Mode.COLOCATED, depth=2)
     with pytest.raises(ValueError, match="a frontend needs decode_urls"):
         NodeConfig(role=Role.FRONTEND, model_dir="/m")
-    with pytest.raises(ValueError, match="colocated pipelines deeper than 1"):
-        Topology(colocated=True, decode_depth=2)
+    with pytest.raises(ValueError, match="disaggregated mode needs at least one prefill"):
+        Topology(prefill=0)
 
 
 def test_the_secret_comes_from_a_file_or_the_environment(tmp_path, monkeypatch):

@@ -168,7 +168,7 @@ def test_end_id_cancel_and_refusal(engine, monkeypatch):
         assert cancelled.tokens == generate([engine], PROMPTS[:1], 28)[0][: len(cancelled.tokens)]
         with pytest.raises(RequestError, match="exceeds the context"):
             admit(service, "long", [1] * 30, GenerationParams(max_tokens=8), Client())
-        with pytest.raises(RequestError, match="a colocated node has no pipeline"):
+        with pytest.raises(RequestError, match="a colocated node takes no prompt KV"):
             service.control("reserve", ControlRequest("x", 3))
         after = Client()
         admit(service, "after", PROMPTS[0], GenerationParams(max_tokens=8), after)
