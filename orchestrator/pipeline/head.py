@@ -191,6 +191,7 @@ class PipelineHead:
         with self._lock:
             self._register(seq)
             self.scheduler.add(seq)
+        self.from_last.wake()  # an idle loop issues it now, not after its poll
         return seq
 
     def submit_prefilled(self, seq: Seq, first_token: int | None = None) -> Seq:
@@ -207,6 +208,7 @@ class PipelineHead:
                 self._pending_kv[seq.seq_id] = (seq, time.monotonic())
             else:
                 self._admit_prefilled(seq, first_token)
+        self.from_last.wake()
         return seq
 
     def cancel(self, request_id: str) -> bool:
@@ -223,6 +225,7 @@ class PipelineHead:
                 seq.finish(FinishReason.CANCELLED)  # e.g. mid-prefill: dropped when it returns
             if unadmitted:
                 self._discard_prompt_kv(seq)
+                self.from_last.wake()  # the next probe releases its prompt KV
             self._prune()
             return True
 

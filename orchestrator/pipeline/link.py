@@ -11,6 +11,7 @@ a transport behind the same two calls
 
 from __future__ import annotations
 
+import contextlib
 import queue
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -85,8 +86,16 @@ class Link(Protocol):
         ...
 
     def recv(self, timeout_s: float) -> Message | None:
-        """The next message, or ``None`` if none came within ``timeout_s``."""
+        """The next message, or ``None`` if none came within ``timeout_s`` or :meth:`wake`
+        was called meanwhile."""
         ...
+
+    def wake(self) -> None:
+        """End the wait of a ``recv`` now (another thread has new work for the receiver)."""
+        ...
+
+
+_WAKE = object()  # in a QueueLink's queue: ``recv`` returns None
 
 
 class QueueLink:
@@ -94,7 +103,7 @@ class QueueLink:
 
     def __init__(self, name: str, capacity: int) -> None:
         self.name = name
-        self._queue: queue.Queue[Message] = queue.Queue(maxsize=capacity)
+        self._queue: queue.Queue[Message | object] = queue.Queue(maxsize=capacity)
 
     def send(self, message: Message, timeout_s: float) -> None:
         try:
@@ -104,6 +113,11 @@ class QueueLink:
 
     def recv(self, timeout_s: float) -> Message | None:
         try:
-            return self._queue.get(timeout=timeout_s)
+            message = self._queue.get(timeout=timeout_s)
         except queue.Empty:
             return None
+        return None if message is _WAKE else message
+
+    def wake(self) -> None:
+        with contextlib.suppress(queue.Full):  # full: the receiver has messages to wake to
+            self._queue.put_nowait(_WAKE)

@@ -78,6 +78,7 @@ class TransportReceiver:
         self.region = transport.register(self.ring)
         self._arrived: deque[int] = deque()
         self.control: deque[tuple[str, bytes]] = deque()  # (peer, note), oldest first
+        self._woken = False
 
     def ticket(self) -> LinkTicket:
         return LinkTicket(self.transport.name, self.transport.metadata(), self.region.addr,
@@ -91,12 +92,16 @@ class TransportReceiver:
             if self._arrived:
                 break
             now = time.monotonic()
-            if now >= deadline:
+            if now >= deadline or self._woken:
+                self._woken = False
                 return None
             if now - begin >= SPIN_S:  # a message due soon is caught without a sleep
                 time.sleep(self.poll_s)
         slot = self._arrived.popleft()
         return decode(self.ring[slot * self.slot_bytes : (slot + 1) * self.slot_bytes])
+
+    def wake(self) -> None:
+        self._woken = True  # seen within one poll_s sleep
 
     def drain(self) -> None:
         """Sort what arrived into ring slots and control notes."""

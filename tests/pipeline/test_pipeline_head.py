@@ -40,3 +40,16 @@ def test_a_step_failed_during_a_repair_is_redone():
         assert seq.output_ids == [7, 8] and seq.error is None
     finally:
         head.stop(1.0)
+
+
+def test_an_idle_head_issues_a_new_request_at_once():
+    """A submission wakes the head's wait for answers: it does not wait out its poll."""
+    to_first, from_last = QueueLink("to-first", 4), QueueLink("from-last", 4)
+    head = PipelineHead(to_first, from_last, num_microbatches=1, batch_size=1,
+                        max_seq_len=64, poll_s=30.0).start()
+    try:
+        assert to_first.recv(0.2) is None  # idle: the head waits on from_last for 30 s
+        head.submit_prefilled(Sequence("r", [1, 2, 3], 8, None), first_token=7)
+        assert isinstance(to_first.recv(5.0), StepMessage)  # well inside its 30 s poll
+    finally:
+        head.stop(1.0)

@@ -3,6 +3,9 @@ whose every link is a transport link (in-process fabric and real NIXL/UCX agents
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -60,6 +63,23 @@ def test_messages_arrive_in_order_through_the_ring_and_a_dead_peer_fails_the_sen
     fabric.leave(receiver.transport.name)
     with pytest.raises(LinkError):
         sender.send(Shutdown(), 1.0)
+
+
+def test_a_wake_ends_a_wait_for_messages():
+    receiver = TransportReceiver(LocalTransport(LocalFabric()), slots=2, slot_bytes=4096)
+    waited: list[float] = []
+
+    def wait() -> None:
+        begin = time.monotonic()
+        assert receiver.recv(30.0) is None
+        waited.append(time.monotonic() - begin)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.05)
+    receiver.wake()
+    waiter.join(5.0)
+    assert waited and waited[0] < 5.0  # not its 30 s
 
 
 @pytest.fixture(scope="module")
