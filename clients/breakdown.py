@@ -1,16 +1,19 @@
 """``dejavu bench serving --breakdown``: where one token's time goes, at concurrency 1.
 
 Each layer of the per-token path is measured on its own, interleaved round
-robin so the machine's noise hits them alike, as the median time between two
-tokens of one request (the first token excluded):
+robin so the machine's noise hits them alike, as the median over requests of a
+request's time per token after its first (a stream that falls behind gets
+several tokens in one response):
 
 - ``engine``: the bare engine's decode step (``TorchEngine.decode`` + sampling);
 - ``pipeline``: a depth-1 colocated :class:`LocalPipeline` in this process (the
   serving nodes' head, scheduler and stage thread over the in-process transport);
-- ``T-node``: the decode model of a tritonserver, called over gRPC (the
-  token service, Triton's Python-backend IPC for every response, gRPC);
-- ``frontend``: the orchestrator model of the frontend (its gRPC stream to
-  the T-node, the relay thread, IPC again, gRPC again);
+- ``T-node``: the decode model of a tritonserver, called over gRPC as the
+  frontend calls it (a :class:`~orchestrator.serving.node_stream.NodeStream`
+  and its token feed: the token service, Triton's Python-backend IPC for every
+  response, gRPC);
+- ``frontend``: the orchestrator model of the frontend (its stream to the
+  T-node, the relay thread, IPC again, gRPC again);
 - ``ensemble``: what clients call (the ensemble's scheduling, preprocessing, and
   the orchestrator model's detokenization per token).
 
@@ -55,65 +58,67 @@ COSTS = {  # what each layer adds over the one inside it
 @dataclass
 class Layer:
     name: str
-    ms_per_token: float  # median gap between tokens over the runs
+    ms_per_token: float  # median over the runs of a run's time per token after its first
     adds_ms: float  # over the layer inside it
     adds: str
 
 
-def _gaps(times: list[float]) -> list[float]:
-    return [b - a for a, b in zip(times[1:], times[2:], strict=False)]  # first token excluded
+# One request as its client saw it: (arrival time, tokens in that response), the first
+# entry (start, 0).
+Arrivals = list[tuple[float, int]]
 
 
-def time_engine(engine, prompt_ids: list[int], tokens: int) -> list[float]:
+def ms_per_token(arrivals: Arrivals) -> float:
+    """The request's time per token after its first response."""
+    (first, head), (last, _) = arrivals[1], arrivals[-1]
+    return (last - first) * 1e3 / (sum(n for _, n in arrivals) - head)
+
+
+def time_engine(engine, prompt_ids: list[int], tokens: int) -> Arrivals:
     from orchestrator.engine.sampling import Sampler
 
     sampler, cache = Sampler(None), engine.new_cache()
     h = engine.prefill([torch.tensor(prompt_ids)], [cache])
-    token, times = int(sampler(torch.stack(h))[0]), [time.perf_counter()]
+    token, arrivals = int(sampler(torch.stack(h))[0]), [(0.0, 0), (time.perf_counter(), 1)]
     for _ in range(tokens - 1):
         logits = engine.decode(torch.tensor([token]), [cache])
         token = int(sampler(logits)[0])
-        times.append(time.perf_counter())
-    return [0.0, *times]
+        arrivals.append((time.perf_counter(), 1))
+    return arrivals
 
 
 def time_pipeline(pipeline, prompt_ids: list[int], tokens: int, timeout_s: float = 60.0
-                  ) -> list[float]:
+                  ) -> Arrivals:
     from orchestrator.pipeline.sequence import Sequence
 
-    times: list[float] = []
+    arrivals: Arrivals = [(0.0, 0)]
     done = queue.Queue()
 
     def on_token(seq, token, finished) -> None:
-        times.append(time.perf_counter())
+        arrivals.append((time.perf_counter(), 1))
         if finished:
             done.put(seq)
 
     pipeline.submit(Sequence(f"breakdown-{time.monotonic_ns()}", prompt_ids, tokens,
                              on_token=on_token))
     done.get(timeout=timeout_s)
-    return [0.0, *times]
+    return arrivals
 
 
-def signed_request(secret: bytes, model: str, prompt_ids: list[int], params) -> dict:
-    """What a request straight to an internal model carries: a T-node's ``decode`` wants
-    a signed request id, the frontend's ``orchestrator`` preprocessing's signature of the
-    prompt ids (as the ensemble hands it on)."""
-    from orchestrator.control.auth import request_parameters, sign_prompt
+def signed_request(secret: bytes, prompt_ids: list[int], params) -> dict:
+    """What a request straight to the frontend's ``orchestrator`` model carries: the
+    ensemble's batched ``[1, ...]`` tensors and preprocessing's signature of the prompt
+    ids (as the ensemble hands it on)."""
+    from orchestrator.control.auth import sign_prompt
     from orchestrator.control.client import tensor
-    from orchestrator.serving.frontend import request_tensors
 
-    if model == "orchestrator":  # the ensemble's batched [1, ...] tensors
-        ids = np.array([prompt_ids], dtype=np.int32)
-        arrays = {"input_ids": ids, "input_lengths": np.array([[len(prompt_ids)]], np.int32),
-                  "input_auth": np.array([[sign_prompt(secret, ids.tobytes()).encode()]],
-                                         dtype=np.object_),
-                  "max_tokens": np.array([[params.max_tokens]], np.int32),
-                  "stream": np.array([[params.stream]])}
-        return {"inputs": [tensor(name, array) for name, array in arrays.items()]}
-    request_id = uuid.uuid4().hex
-    return {"inputs": request_tensors(prompt_ids, params), "request_id": request_id,
-            "parameters": request_parameters(secret, model, "generate", request_id)}
+    ids = np.array([prompt_ids], dtype=np.int32)
+    arrays = {"input_ids": ids, "input_lengths": np.array([[len(prompt_ids)]], np.int32),
+              "input_auth": np.array([[sign_prompt(secret, ids.tobytes()).encode()]],
+                                     dtype=np.object_),
+              "max_tokens": np.array([[params.max_tokens]], np.int32),
+              "stream": np.array([[params.stream]])}
+    return {"inputs": [tensor(name, array) for name, array in arrays.items()]}
 
 
 def stream_orchestrator(url: str, secret: bytes, prompt_ids: list[int], max_tokens: int
@@ -125,47 +130,67 @@ def stream_orchestrator(url: str, secret: bytes, prompt_ids: list[int], max_toke
     from orchestrator.serving.params import GenerationParams
 
     params = GenerationParams(max_tokens=max_tokens, stream=True)
-    request = signed_request(secret, "orchestrator", prompt_ids, params)
+    request = signed_request(secret, prompt_ids, params)
     for result in stream_results(url, "orchestrator", request["inputs"]):
         yield result.as_numpy("output_ids").reshape(-1).tolist()
 
 
-def time_stream(url: str, model: str, request: dict, timeout_s: float = 60.0) -> list[float]:
-    """Arrival times of a streamed request's responses that carry tokens (as a client's
-    consumer thread sees them); ``request``: :func:`signed_request`'s."""
+def time_stream(url: str, model: str, request: dict, timeout_s: float = 60.0) -> Arrivals:
+    """When a streamed request's responses that carry tokens arrive (as a client's consumer
+    thread sees them), and how many each holds; ``request``: :func:`signed_request`'s."""
     import tritonclient.grpc as grpcclient
 
     responses: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
-    times = [time.perf_counter()]
+    arrivals: Arrivals = [(time.perf_counter(), 0)]
     try:
         client.async_stream_infer(model, enable_empty_final_response=True, **request)
         while True:
             result, error = responses.get(timeout=timeout_s)
             if error is not None:
                 raise RuntimeError(f"{model} at {url}: {error}")
-            if result.as_numpy("output_ids") is not None:
-                times.append(time.perf_counter())
+            ids = result.as_numpy("output_ids")
+            if ids is not None and ids.size:
+                arrivals.append((time.perf_counter(), ids.size))
             if result.get_response().parameters["triton_final_response"].bool_param:
-                return times
+                return arrivals
     finally:
         client.stop_stream()
         client.close()
 
 
-def measure_layers(runs: dict[str, Callable[[], list[float]]], repeats: int
-                   ) -> list[Layer]:
-    """Each run ``repeats`` times, round robin; a layer's figure is its median token gap."""
-    gaps: dict[str, list[float]] = {name: [] for name in runs}
+def time_node_stream(stream, prompt_ids: list[int], params, timeout_s: float = 60.0
+                     ) -> Arrivals:
+    """A T-node's tokens as the frontend gets them: a request on its ``NodeStream``."""
+    from orchestrator.serving.frontend import request_tensors
+
+    request = stream.open(uuid.uuid4().hex, timeout_s)
+    arrivals: Arrivals = [(time.perf_counter(), 0)]
+    try:
+        request.send(request_tensors(prompt_ids, params))
+        done = False
+        while not done:
+            tokens, _, done = request.tokens(lambda: False)
+            if tokens:
+                arrivals.append((time.perf_counter(), len(tokens)))
+        return arrivals
+    finally:
+        request.close()
+
+
+def measure_layers(runs: dict[str, Callable[[], Arrivals]], repeats: int) -> list[Layer]:
+    """Each run ``repeats`` times, round robin; a layer's figure is the median of its runs'
+    times per token."""
+    figures: dict[str, list[float]] = {name: [] for name in runs}
     for run in runs.values():
         run()  # warm-up
     for _ in range(repeats):
         for name, run in runs.items():
-            gaps[name] += _gaps(run())
+            figures[name].append(ms_per_token(run()))
     layers, inner = [], 0.0
     for name in runs:
-        ms = statistics.median(gaps[name]) * 1e3
+        ms = statistics.median(figures[name])
         layers.append(Layer(name, ms, ms - inner, COSTS[name]))
         inner = ms
     return layers
@@ -210,7 +235,7 @@ def _label(pid: int) -> str:
     return "client" if pid == os.getpid() else os.path.basename(argv[0])
 
 
-def cpu_per_token(run: Callable[[], list[float]], requests: int, min_s: float = 3.0
+def cpu_per_token(run: Callable[[], Arrivals], requests: int, min_s: float = 3.0
                   ) -> list[ProcessCpu]:
     """Each process's CPU time (this one and every one below it) per token of ``run``'s
     responses over ``requests`` runs and at least ``min_s`` (the kernel counts CPU time in
@@ -228,7 +253,7 @@ def cpu_per_token(run: Callable[[], list[float]], requests: int, min_s: float = 
             continue
     tokens, runs, begin = 0, 0, time.monotonic()
     while runs < requests or time.monotonic() - begin < min_s:
-        tokens += len(run()) - 1
+        tokens += sum(n for _, n in run())
         runs += 1
     spent: dict[str, float] = {}
     for pid, label in labels.items():
@@ -318,6 +343,7 @@ def run_breakdown(model_dir, prompt: str, tokens: int, repeats: int, out_dir
     from orchestrator.engine.torch_engine import load_engine
     from orchestrator.pipeline.local import LocalPipeline
     from orchestrator.pipeline.node import PipelineConfig
+    from orchestrator.serving.node_stream import NodeStream
     from orchestrator.serving.params import GenerationParams
 
     torch.set_num_threads(1)  # as a serving node
@@ -331,34 +357,36 @@ def run_breakdown(model_dir, prompt: str, tokens: int, repeats: int, out_dir
             frontend = cluster.frontend.grpc_url
             secret = load_secret(cluster.secret_file)
 
-            def direct(url: str, model: str) -> list[float]:
-                return time_stream(url, model, signed_request(secret, model, prompt_ids, params))
-
+            node = NodeStream(tnode, secret)
             runs = {
                 "engine": lambda: time_engine(engine, prompt_ids, tokens),
                 "pipeline": lambda: time_pipeline(pipeline, prompt_ids, tokens),
-                "T-node": lambda: direct(tnode, "decode"),
-                "frontend": lambda: direct(frontend, "orchestrator"),
+                "T-node": lambda: time_node_stream(node, prompt_ids, params),
+                "frontend": lambda: time_stream(frontend, "orchestrator",
+                                                signed_request(secret, prompt_ids, params)),
                 "ensemble": lambda: _ensemble_times(stream_grpc, frontend, prompt, tokens),
             }
-            layers = measure_layers(runs, repeats)
-            cpu = cpu_per_token(runs["ensemble"], repeats)
+            try:
+                layers = measure_layers(runs, repeats)
+                cpu = cpu_per_token(runs["ensemble"], repeats)
+            finally:
+                node.close()
     finally:
         pipeline.stop()
     return layers, cpu, measure_hop()
 
 
-def _ensemble_times(stream_grpc, url: str, prompt: str, tokens: int) -> list[float]:
-    times = [time.perf_counter()]
-    for _ in stream_grpc(url, prompt, max_tokens=tokens):
-        times.append(time.perf_counter())
-    return times
+def _ensemble_times(stream_grpc, url: str, prompt: str, tokens: int) -> Arrivals:
+    arrivals: Arrivals = [(time.perf_counter(), 0)]
+    for chunk in stream_grpc(url, prompt, max_tokens=tokens):
+        arrivals.append((time.perf_counter(), len(chunk.ids)))
+    return arrivals
 
 
 def report(layers: list[Layer], cpu: list[ProcessCpu], hop: Hop, tokens: int, repeats: int
            ) -> str:
     lines = [f"per-token breakdown, concurrency 1, {repeats} requests of {tokens} tokens per "
-             "layer (median gap between tokens):", "",
+             "layer (median of each request's time per token after its first):", "",
              "| layer | ms/token | adds ms | what it adds |", "|---|---:|---:|---|"]
     lines += [f"| {x.name} | {x.ms_per_token:.3f} | {x.adds_ms:+.3f} | {x.adds} |"
               for x in layers]

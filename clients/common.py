@@ -1,6 +1,7 @@
 """What the benches and the cluster tests share: their prompts, the single-process reference
-they check tokens against, a dummy model folder, CSV and markdown output of result rows
-(dicts or dataclasses), and what each process group holds (from /proc)."""
+they check tokens against, a dummy model folder, running on one machine's cores, CSV and
+markdown output of result rows (dicts or dataclasses), and what each process group holds
+(from /proc)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,11 @@ import csv
 import dataclasses
 import math
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+from orchestrator.cluster.devices import Devices
 
 PROMPTS = [
     "The quick brown fox",
@@ -41,6 +46,21 @@ def dummy_model(folder: Path, arch: str, preset: str) -> Path:
 
     folder = folder / f"{arch}-{preset}"
     return folder if (folder / "config.json").is_file() else make_checkpoint(arch, preset, folder)
+
+
+@contextmanager
+def on_machine(machine: Devices) -> Iterator[None]:
+    """Run this thread as a node on ``machine`` runs: on its cores, torch threads to match."""
+    import torch
+
+    cores, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    machine.pin()
+    torch.set_num_threads(machine.threads or threads)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(threads)
 
 
 def _as_dict(row) -> dict:

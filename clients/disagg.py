@@ -14,8 +14,9 @@ random prompt tokens (seeded), sent to the frontend's orchestrator model over
 gRPC streaming at each arrival rate.
 
 Per mode and rate: tokens/s and requests/s over the run, TTFT p50/p99, time
-between tokens (TBT) p50/p99 over every gap of every request, the TBT p99 of
-running requests (gaps from the second token on: a disaggregated request's
+between tokens (TBT) p50/p99 over every gap of every request (a response that
+carries n tokens, of a stream that fell behind, spreads its gap over them), the
+TBT p99 of running requests (gaps from the second token on: a disaggregated request's
 first gap also holds its wait for a slot in a T-node's batch, the others
 are decode steps, and prompts that interrupt them), and goodput: the
 requests/s that met the SLO (TTFT <= ``ttft_slo`` x the unloaded prefill of
@@ -37,11 +38,10 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from clients.common import dummy_model, markdown, write_csv
+from clients.common import dummy_model, markdown, on_machine, write_csv
 from orchestrator.cluster.devices import Devices
 
 MODES = ("colocated", "colocated-pipeline", "disaggregated")
@@ -103,8 +103,8 @@ def replay(url: str, secret: bytes, jobs: list[Job], progress=None) -> list[list
     def run(job: Job) -> list[float]:
         time.sleep(max(0.0, start + job.arrival - time.perf_counter()))
         params = GenerationParams(max_tokens=job.max_tokens, stream=True)
-        request = signed_request(secret, "orchestrator", job.prompt_ids, params)
-        times = time_stream(url, "orchestrator", request, timeout_s=600.0)
+        request = signed_request(secret, job.prompt_ids, params)
+        times = token_times(time_stream(url, "orchestrator", request, timeout_s=600.0))
         if len(times) - 1 != job.max_tokens:
             raise RuntimeError(f"a request streamed {len(times) - 1} tokens, "
                                f"not {job.max_tokens}")
@@ -114,6 +114,15 @@ def replay(url: str, secret: bytes, jobs: list[Job], progress=None) -> list[list
 
     with ThreadPoolExecutor(len(jobs)) as pool:
         return list(pool.map(run, jobs))
+
+
+def token_times(arrivals: list[tuple[float, int]]) -> list[float]:
+    """[send, token, token, ...]: a response of n tokens (a stream that fell behind) spreads
+    its gap since the one before evenly over its tokens."""
+    times = [arrivals[0][0]]
+    for at, n in arrivals[1:]:
+        times += [times[-1] + (at - times[-1]) * (i + 1) / n for i in range(n)]
+    return times
 
 
 def _pct(values: list[float], p: float) -> float:
@@ -169,21 +178,6 @@ def cluster_for(mode: str, model_dir: Path, machines: list, run_dir: Path, batch
     return Cluster.up(model_dir, run_dir=run_dir / mode, max_batch=batch,
                       max_seq_len=max_seq_len, devices=dict(zip(names, machines, strict=True)),
                       **kwargs)
-
-
-@contextmanager
-def on_machine(machine: Devices):
-    """Run this thread as a node on ``machine`` runs: on its cores, torch threads to match."""
-    import torch
-
-    cores, threads = os.sched_getaffinity(0), torch.get_num_threads()
-    machine.pin()
-    torch.set_num_threads(machine.threads or threads)
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, cores)
-        torch.set_num_threads(threads)
 
 
 def predictions(model_dir: Path, lengths: list[tuple[int, int]], batch: int,

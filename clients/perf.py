@@ -11,12 +11,15 @@ served over bare, is the serving overhead. genai-perf runs once per mode at one
 concurrency for its own TTFT/ITL, over Triton's HTTP ``generate_stream`` (its
 ``kserve`` endpoint sends ``exclude_input_in_output``, an input the ensemble
 lacks). The tools come from ``scripts/perf_tools.sh`` (run here; a no-op when
-installed).
+installed). With ``--pin`` the T-node runs on the last core alone (its "machine") and
+everything else (frontend, P-node, perf_analyzer) on the others, and the bare engine on
+the T-node's core: the engine has the same core served and bare.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -31,7 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
-from clients.common import dummy_model, fmt, markdown, write_csv
+from clients.common import dummy_model, fmt, markdown, on_machine, write_csv
+from orchestrator.cluster.devices import Devices
 from orchestrator.cluster.tritonserver import ServerError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,7 +106,8 @@ class LoadPoint:
     mode: str
     concurrency: int
     requests: int  # completed, every one of them
-    tokens: int  # streamed responses, one token each
+    tokens: int  # streamed tokens
+    tokens_per_response: float  # above 1 when streams fell behind
     requests_per_s: float  # over the run: first request sent to last token received
     tokens_per_s: float
     ttft_p50_ms: float
@@ -147,14 +152,16 @@ def run_perf_analyzer(tools: Tools, grpc_url: str, mode: str, concurrency: int, 
 
 
 def summarize_export(export: dict, mode: str, concurrency: int, max_tokens: int) -> LoadPoint:
-    """TTFT, ITL and throughput from the per-request timestamps (ns) perf_analyzer exported."""
+    """TTFT, ITL and throughput from the per-request timestamps (ns) perf_analyzer exported;
+    tokens are counted from each response's ``output_ids`` (a stream that fell behind gets
+    several in one response)."""
     experiment = next((e for e in export["experiments"]
                        if e["experiment"] == {"mode": "concurrency", "value": concurrency}), None)
     if experiment is None or not experiment["requests"]:
         raise BenchError(f"perf_analyzer exported no requests at concurrency {concurrency}")
     requests = experiment["requests"]
-    short = [len(r["response_timestamps"]) for r in requests
-             if len(r["response_timestamps"]) != max_tokens]
+    counts = [streamed_tokens(r) for r in requests]
+    short = [n for n in counts if n != max_tokens]
     if short:
         raise BenchError(f"{len(short)} of {len(requests)} requests streamed {short[0]} tokens, "
                          f"not max_tokens={max_tokens} (failed or cut short)")
@@ -163,13 +170,24 @@ def summarize_export(export: dict, mode: str, concurrency: int, max_tokens: int)
     ttft = sorted((r["response_timestamps"][0] - r["timestamp"]) / 1e6 for r in requests)
     itl = [(r["response_timestamps"][-1] - r["response_timestamps"][0]) / 1e6 / (max_tokens - 1)
            for r in requests] if max_tokens > 1 else [math.nan]
-    tokens = sum(len(r["response_timestamps"]) for r in requests)
+    tokens, responses = sum(counts), sum(len(r["response_timestamps"]) for r in requests)
     return LoadPoint(
         mode=mode, concurrency=concurrency, requests=len(requests), tokens=tokens,
+        tokens_per_response=tokens / responses,
         requests_per_s=len(requests) / span_s, tokens_per_s=tokens / span_s,
         ttft_p50_ms=statistics.median(ttft), ttft_p99_ms=_percentile(ttft, 99),
         itl_ms=statistics.fmean(itl),
     )
+
+
+def streamed_tokens(request: dict) -> int:
+    """Tokens of one exported request: the ``output_ids`` of its responses (a response
+    without them, e.g. a final flag alone, adds none; an export without outputs, one a
+    response)."""
+    outputs = request.get("response_outputs")
+    if outputs is None:
+        return len(request["response_timestamps"])
+    return sum(int(np.size(o.get("output_ids", []))) for o in outputs)
 
 
 def _percentile(ordered: list[float], p: float) -> float:
@@ -186,7 +204,7 @@ class GenaiPoint:
     mode: str
     concurrency: int
     requests: int
-    tokens_streamed: int  # data events with output_ids in its raw export: one token each
+    tokens_streamed: int  # output_ids in its raw export's data events
     requests_per_s: float
     tokens_per_s: float
     ttft_avg_ms: float
@@ -228,13 +246,13 @@ def run_genai_perf(tools: Tools, http_url: str, model_dir: Path, mode: str, conc
 
 def _streamed(output: dict) -> int:
     """Tokens in one exported response: kserve, its output_ids; server-sent events
-    (generate, completions), one per event with output_ids or a choice's text."""
+    (generate: each event's output_ids; completions: one per event with a choice's text)."""
     if "response" not in output:
         return int(np.size(output.get("output_ids", [])))
     events = [json.loads(line.removeprefix("data:")) for line in output["response"].splitlines()
               if line.removeprefix("data:").strip().startswith("{")]
-    return sum("output_ids" in e or any(c.get("text") for c in e.get("choices", []))
-               for e in events)
+    return sum(int(np.size(e["output_ids"])) if "output_ids" in e
+               else any(c.get("text") for c in e.get("choices", [])) for e in events)
 
 
 # -- the bare engine ---------------------------------------------------------------------------
@@ -245,8 +263,9 @@ class BareEngine:
     own tokens/s, measured right before and right after each served point (this machine's
     speed drifts by tens of percent within minutes)."""
 
-    def __init__(self, model_dir: Path, prompt: str, max_tokens: int, min_s: float = 0.5
-                 ) -> None:
+    def __init__(self, model_dir: Path, prompt: str, max_tokens: int,
+                 machine: Devices | None = None, min_s: float = 0.5) -> None:
+        """``machine``: the cores it runs on (the T-node's), else where this process runs."""
         import torch
 
         from orchestrator.engine.tokenizer import load_tokenizer
@@ -255,18 +274,19 @@ class BareEngine:
         torch.set_num_threads(1)
         self.engine = load_engine(model_dir)
         self.prompt_ids = load_tokenizer(model_dir).encode(prompt).ids
-        self.max_tokens, self.min_s = max_tokens, min_s
+        self.max_tokens, self.min_s, self.machine = max_tokens, min_s, machine
 
     def tokens_per_s(self, batch: int) -> float:
         from orchestrator.engine.reference import generate
 
         prompts = [self.prompt_ids] * batch
-        generate([self.engine], prompts, self.max_tokens)  # warm-up
-        runs, begin = 0, time.perf_counter()
-        while runs < 2 or time.perf_counter() - begin < self.min_s:
-            generate([self.engine], prompts, self.max_tokens)
-            runs += 1
-        return runs * batch * self.max_tokens / (time.perf_counter() - begin)
+        with on_machine(self.machine) if self.machine else contextlib.nullcontext():
+            generate([self.engine], prompts, self.max_tokens)  # warm-up
+            runs, begin = 0, time.perf_counter()
+            while runs < 2 or time.perf_counter() - begin < self.min_s:
+                generate([self.engine], prompts, self.max_tokens)
+                runs += 1
+            return runs * batch * self.max_tokens / (time.perf_counter() - begin)
 
 
 def compare_to_bare(point: LoadPoint, before: float, after: float) -> None:
@@ -282,7 +302,8 @@ def compare_to_bare(point: LoadPoint, before: float, after: float) -> None:
 
 LOAD_COLUMNS = {
     "mode": "mode", "concurrency": "conc", "requests": "requests", "tokens_per_s": "tok/s",
-    "requests_per_s": "req/s", "ttft_p50_ms": "TTFT p50 ms", "ttft_p99_ms": "TTFT p99 ms",
+    "tokens_per_response": "tok/resp", "requests_per_s": "req/s", "ttft_p50_ms": "TTFT p50 ms",
+    "ttft_p99_ms": "TTFT p99 ms",
     "itl_ms": "ITL ms", "bare_tokens_per_s": "bare tok/s",
     "served_over_bare": "served/bare time per token",
     "overhead_ms_per_token": "overhead ms/token",
@@ -310,16 +331,38 @@ def print_table(title: str, rows: list, columns: dict[str, str]) -> None:
 
 
 @contextmanager
-def _frontend(args, mode: str, model_dir: Path) -> Iterator[tuple[str, str]]:
+def _frontend(args, mode: str, model_dir: Path, machines: Machines | None
+              ) -> Iterator[tuple[str, str]]:
     """(gRPC, HTTP) of a fresh local cluster for ``mode``, or of the one ``--url`` names."""
     if args.url:
         yield args.url, args.http_url
         return
     from orchestrator.cluster.launcher import Cluster
 
+    devices = None
+    if machines is not None:
+        devices = {"decode0": machines.token, "frontend": machines.host}
+        if mode == "disaggregated":
+            devices["prefill0"] = machines.host
     run_dir = args.out / "cluster" / mode
-    with Cluster.up(model_dir, colocated=mode == "colocated", run_dir=run_dir) as cluster:
+    with Cluster.up(model_dir, colocated=mode == "colocated", run_dir=run_dir,
+                    devices=devices) as cluster:
         yield cluster.frontend.grpc_url, cluster.frontend.http_url
+
+
+@dataclass(frozen=True)
+class Machines:
+    """``--pin``: the T-node's core, and the cores of everything else."""
+
+    token: Devices
+    host: Devices
+
+    @classmethod
+    def of_this_host(cls) -> Machines:
+        cores = sorted(os.sched_getaffinity(0))
+        if len(cores) < 2:
+            raise ValueError(f"--pin needs two cores or more, this process has {cores}")
+        return cls(Devices("cpu", (cores[-1],)), Devices("cpu", tuple(cores[:-1])))
 
 
 def main(argv: list[str]) -> int:
@@ -345,6 +388,9 @@ def main(argv: list[str]) -> int:
                         "pipeline, T-node, frontend, ensemble) and one stage hop vs NIXL")
     parser.add_argument("--breakdown-requests", type=int, default=20,
                         help="requests per layer in the breakdown")
+    parser.add_argument("--pin", action="store_true",
+                        help="the T-node alone on the last core, the rest (frontend, P-node, "
+                        "perf_analyzer) on the others; the bare engine on the T-node's core")
     args = parser.parse_args(argv)
     if args.breakdown:
         return _breakdown(args)
@@ -360,10 +406,14 @@ def main(argv: list[str]) -> int:
     try:
         tools = install_tools()
         model_dir = (args.model or dummy_model(args.out, args.arch, args.preset)).resolve()
-        bare = BareEngine(model_dir, args.prompt, args.max_tokens)
+        machines = Machines.of_this_host() if args.pin and not args.url else None
+        if machines is not None:  # perf_analyzer, started from here, runs there too
+            machines.host.pin()
+        bare = BareEngine(model_dir, args.prompt, args.max_tokens,
+                          machines.token if machines else None)
         points, genai = [], []
         for mode in modes:
-            with _frontend(args, mode, model_dir) as (grpc_url, http_url):
+            with _frontend(args, mode, model_dir, machines) as (grpc_url, http_url):
                 for c in args.concurrency:
                     before = bare.tokens_per_s(c)
                     point = run_perf_analyzer(tools, grpc_url, mode, c, args.requests * c,

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from orchestrator.engine.log_probs import TokenLogProb
-from orchestrator.serving.frontend import Cancelled, NodeBusy, PipelineLost, PrefillLost
+from orchestrator.serving.frontend import NodeBusy, PipelineLost, PrefillLost
+from orchestrator.serving.node_stream import Cancelled
 from orchestrator.serving.params import GenerationParams, RequestError
 from orchestrator.serving.router import UNAVAILABLE, NoNodeError
 

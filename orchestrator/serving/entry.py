@@ -28,9 +28,10 @@ from tokenizers import Tokenizer
 
 from orchestrator.serving.batch import BatchReply, Send, SendError, SequenceJob, split
 from orchestrator.serving.config import NodeConfig
-from orchestrator.serving.frontend import Cancelled, Frontend
+from orchestrator.serving.frontend import Frontend
 from orchestrator.serving.limits import RequestLimits
 from orchestrator.serving.metrics import Metrics
+from orchestrator.serving.node_stream import Cancelled
 from orchestrator.serving.params import GenerationParams, RequestError, check_prompt
 
 # (the row's prompt ids, its input_auth or None): raises unless the row may be served

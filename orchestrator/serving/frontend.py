@@ -1,12 +1,15 @@
 """The frontend's per-request path: route, hand the prompt from P to T, relay tokens.
 
 Disaggregated: the chosen token pipeline's stages 1..D-1 each reserve a KV
-slot for the prompt (a control request), then a stream opens to the decode
+slot for the prompt (a control request), then the request goes to the decode
 model on stage 0, whose first response is its own KV ticket; the chosen P-node
 prefills, streams each layer's KV into the stage that holds it and returns the
 first token, which goes to the client at once; stage 0's tokens follow.
-Colocated: the T-node prefills itself and every token comes from its stream.
-All calls are Triton gRPC.
+Colocated: the T-node prefills itself and every token comes from it. All calls
+are Triton gRPC; every request to a stage 0 goes on the one stream this
+frontend keeps to it, whose token feed brings the tokens of all of them
+(:mod:`orchestrator.serving.node_stream`). A stream that fell behind gets every
+token waiting for it in one response, as vLLM's output collector merges them.
 
 A P-node lost mid-prompt (unreachable, killed while prefilling, or its KV
 transfer failed) costs the client a pause, not an error: the frontend cancels
@@ -36,7 +39,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 import tritonclient.grpc as grpcclient
@@ -49,7 +51,6 @@ from orchestrator.control.client import (
     connect,
     is_unreachable,
     raise_for_error,
-    stop_stream,
     tensor,
 )
 from orchestrator.control.errors import ControlError, ErrorCode
@@ -57,6 +58,13 @@ from orchestrator.engine.log_probs import TokenLogProb
 from orchestrator.engine.log_probs import decode as decode_log_probs
 from orchestrator.fault.rpc import Stub
 from orchestrator.serving.metrics import Metrics
+from orchestrator.serving.node_stream import (
+    CANCEL_POLL_S,
+    Cancelled,
+    NodeStream,
+    RequestStream,
+    StreamTimeout,
+)
 from orchestrator.serving.params import GenerationParams
 from orchestrator.serving.router import NoNodeError, Router
 from orchestrator.serving.text import CONTEXT_TOKENS
@@ -68,8 +76,6 @@ log = logging.getLogger(__name__)
 Emit = Callable[[list[int], list[TokenLogProb] | None, list[int], bool], None]
 # new tokens, their log-probs (None: not asked for), is it the last
 Relay = Callable[[list[int], list[TokenLogProb] | None, bool], None]
-CANCEL_POLL_S = 0.05  # how often a waiting relay asks Triton whether its client left
-END_TIMEOUT_S = 5.0  # a healthy stage 0 ends a request within a step
 
 
 class ServingError(RuntimeError):
@@ -91,10 +97,6 @@ class PipelineLost(ServingError):
 class Refused(ServingError):
     """A node refused the request itself (bad parameters, a failed step it would fail again):
     never run again."""
-
-
-class Cancelled(Exception):
-    """The client went away; downstream work has been cancelled."""
 
 
 _BUSY_WAIT_S, _MAX_BUSY_WAIT_S = 0.05, 1.0  # first and longest wait for a free KV slot
@@ -121,99 +123,6 @@ def _decode_error(error: Exception, where: str, admitted: bool) -> ServingError:
     return ServingError(message)
 
 
-@dataclass
-class DecodeStream:
-    """One signed gRPC stream to a T-node's decode model, for one request."""
-
-    url: str
-    timeout_s: float
-    secret: bytes
-    pool: ClientPool
-    responses: queue.Queue = field(default_factory=queue.Queue)
-    _cancel_check_at: float = 0.0
-
-    def __post_init__(self) -> None:
-        self.client = self.pool.take(self.url)
-        self.client.start_stream(callback=lambda result, error: self.responses.put((result, error)))
-
-    def send(self, request_id: str, tensors: list[grpcclient.InferInput]) -> None:
-        try:
-            self.client.async_stream_infer(
-                "decode",
-                tensors,
-                request_id=request_id,
-                enable_empty_final_response=True,
-                parameters=request_parameters(self.secret, "decode", "generate", request_id),
-            )
-        except InferenceServerException as exc:
-            # A broken stream says why through the callback, not in this exception.
-            try:
-                _, error = self.responses.get(timeout=1.0)
-            except queue.Empty:
-                raise exc from None
-            raise (error or exc) from None
-
-    def next(self, is_cancelled: Callable[[], bool]) -> tuple[grpcclient.InferResult, bool]:
-        """The next response and whether it is the last; raises on error (a ControlError
-        for a failure the node answered) or timeout.
-
-        Blocks until a response comes; asking Triton whether the client left costs a
-        round trip, so that is asked every ``CANCEL_POLL_S`` at most, not per token."""
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            now = time.monotonic()
-            if now >= self._cancel_check_at:
-                self._cancel_check_at = now + CANCEL_POLL_S
-                if is_cancelled():
-                    raise Cancelled()
-            if now >= deadline:
-                raise ServingError(f"decode node {self.url} sent nothing for "
-                                   f"{self.timeout_s:.0f} s")
-            try:
-                result, error = self.responses.get(
-                    timeout=min(deadline, self._cancel_check_at) - now)
-            except queue.Empty:
-                continue
-            if error is not None:
-                raise error
-            raise_for_error(result, f"decode node {self.url}")
-            final = result.get_response().parameters["triton_final_response"].bool_param
-            return result, final
-
-    def end(self, request_id: str, timeout_s: float) -> bool:
-        """Have the node end the request (its client left): a signed ``end`` op on this
-        stream, no new connection. True once both requests' final responses came (the op's
-        and the request's own, which the node sends when it drops it) within ``timeout_s``.
-        Ending it there, not cancelling the gRPC stream, keeps the T-node clear of Triton
-        2.51's race between a cancellation and a response (server issues 7368 and 8034: a
-        crash, or a stub that answers nothing more)."""
-        try:
-            self.client.async_stream_infer(
-                "decode", [tensor("op", np.array([b"end"], dtype=np.object_))],
-                request_id=request_id,
-                parameters=request_parameters(self.secret, "decode", "end", request_id))
-        except InferenceServerException:
-            return False
-        finals, deadline = 0, time.monotonic() + timeout_s
-        while finals < 2 and (left := deadline - time.monotonic()) > 0:
-            try:
-                result, error = self.responses.get(timeout=left)
-            except queue.Empty:
-                return False
-            if error is not None:
-                return False
-            finals += result.get_response().parameters["triton_final_response"].bool_param
-        return finals == 2
-
-    def close(self, cancel: bool) -> None:
-        try:
-            stop_stream(self.client, cancel)
-        except Exception:
-            self.client.close()
-            raise
-        self.pool.give(self.url, self.client)
-
-
 class Frontend:
     def __init__(
         self, prefill_urls: list[str], decode_pipelines: list[list[str]],
@@ -233,6 +142,8 @@ class Frontend:
         self.secret, self.pool = secret, ClientPool()
         self.control = ControlClient(secret, timeout_s, self.pool)
         self.prefill_clients = {url: connect(url) for url in prefill_urls}
+        self.streams: dict[str, NodeStream] = {}  # stage 0 url -> the one stream to it
+        self.streams_lock = threading.Lock()
         self.metrics = metrics or Metrics()
         self.stopped = threading.Event()
         self.watcher = None
@@ -299,6 +210,27 @@ class Frontend:
         self.control.close()
         for client in self.prefill_clients.values():
             client.close()
+        with self.streams_lock:
+            streams, self.streams = list(self.streams.values()), {}
+        for stream in streams:
+            stream.close()
+
+    def _node_stream(self, url: str) -> NodeStream:
+        """The stream to stage 0 at ``url``; a broken one is replaced (the node died or was
+        started again)."""
+        with self.streams_lock:
+            stream = self.streams.get(url)
+            if stream is not None and stream.broken is None:
+                return stream
+            self.streams.pop(url, None)
+        if stream is not None:
+            stream.close()
+        stream = NodeStream(url, self.secret)
+        with self.streams_lock:
+            racing = self.streams.setdefault(url, stream)
+        if racing is not stream:  # another request made one meanwhile: use it
+            stream.close()
+        return racing
 
     @property
     def colocated(self) -> bool:
@@ -337,16 +269,12 @@ class Frontend:
                 if len(log_probs) != len(tokens):  # a node that lost them: never silently
                     raise Refused(f"{len(tokens)} tokens came with {len(log_probs)} log-probs")
                 held_log_probs.extend(log_probs[repeats:])
-            if not (params.stream or final):
+            if not (final or params.stream and held):
                 return
-            # A T-node answers a stream that fell behind with several tokens at once;
-            # clients still get one response per token.
-            n = len(held)
-            cuts = [(i, i + 1) for i in range(n)] if params.stream and n else [(0, n)]
-            for k, (a, b) in enumerate(cuts):
-                emit(held[a:b], held_log_probs[a:b] if params.return_log_probs else None,
-                     sent[-CONTEXT_TOKENS:], final and k == len(cuts) - 1)
-                sent.extend(held[a:b])
+            # A stream that fell behind gets every token it waits for in one response.
+            emit(list(held), list(held_log_probs) if params.return_log_probs else None,
+                 sent[-CONTEXT_TOKENS:], final)
+            sent.extend(held)
             held.clear()
             held_log_probs.clear()
 
@@ -410,12 +338,11 @@ class Frontend:
             left -= min(left, len(tokens))
             relay(tokens, log_probs, final)
 
-        stream = None
-        cancel = True
-        admitted = client_left = False
+        stream: RequestStream | None = None
+        done = admitted = False
         reserved: list[str] = []  # later stages holding a slot stage 0 has not taken over
 
-        def admit(rid: str) -> tuple[DecodeStream, np.ndarray | None]:
+        def admit(rid: str) -> tuple[RequestStream, np.ndarray | None]:
             return self._admit(url, rid, prompt_ids, params, reserved, is_cancelled)
 
         try:
@@ -427,68 +354,61 @@ class Frontend:
                 except PrefillLost as lost:
                     log.warning("%s; running the prompt again on another P-node", lost)
                     self.metrics.rerun("prompt")
-                    stream.close(cancel=True)  # the head frees the slot on every stage
+                    stream.end()  # the head frees the slot on every stage
+                    stream.close()
                     stream, admitted = None, False
                     request_id = uuid.uuid4().hex
                     stream, tickets = admit(request_id)
                     admitted = True
                     first = self._prefill(request_id, prompt_ids, params, tickets, is_cancelled)
                 counted(*first, False)
-            while True:
-                result, final = stream.next(is_cancelled)
-                tokens = result.as_numpy("output_ids")
-                counted([] if tokens is None else tokens.tolist(), _log_probs(result), final)
-                if final:
-                    cancel = False
-                    return
+            while not done:
+                tokens, log_probs, done = stream.tokens(is_cancelled)
+                counted(tokens, log_probs, done)
         except (InferenceServerException, ControlError) as exc:
             if is_unreachable(exc):
                 self.decode.mark_down(url)
             raise _decode_error(exc, f"decode node {url}", admitted) from exc
-        except (PipelineLost, NodeBusy, Refused):
+        except (PipelineLost, NodeBusy, Refused, Cancelled):
             raise
-        except Cancelled:
-            client_left = True
-            raise
-        except ServingError as exc:
+        except (ServingError, StreamTimeout, ConnectionError) as exc:
             if admitted:  # e.g. the P-node failed, or stage 0 went silent
                 raise PipelineLost(str(exc)) from exc
-            raise
+            if isinstance(exc, ServingError):
+                raise
+            raise ServingError(str(exc)) from exc
         finally:
             self.decode.done(url, left)
             if stream is not None:
-                if cancel and client_left and admitted:
-                    cancel = not stream.end(request_id, END_TIMEOUT_S)
-                    if cancel:
-                        log.warning("decode node %s did not end %s; cancelling its stream",
-                                    url, request_id)
-                stream.close(cancel)
+                if not done:  # the client left, or it failed here: the node drops it
+                    stream.end()
+                stream.close()
             for stage_url in reserved:
                 self._release(stage_url, request_id)
 
     def _admit(
         self, url: str, request_id: str, prompt_ids: list[int], params: GenerationParams,
         reserved: list[str], is_cancelled: Callable[[], bool],
-    ) -> tuple[DecodeStream, np.ndarray | None]:
-        """Reserve the prompt KV on every stage and open stage 0's stream; the KV tickets
-        (None when colocated). ``reserved`` lists the stages to release if this fails."""
+    ) -> tuple[RequestStream, np.ndarray | None]:
+        """Reserve the prompt KV on every stage and send the request to stage 0; the KV
+        tickets (None when colocated). ``reserved`` lists the stages to release if this
+        fails."""
         tickets = []
         for stage_url in [] if self.colocated else self.later_stages[url]:
             tickets.append(self._reserve(stage_url, request_id, prompt_ids))
             reserved.append(stage_url)
-        stream = DecodeStream(url, self.timeout_s, self.secret, self.pool)
+        stream = self._node_stream(url).open(request_id, self.timeout_s)
         try:
-            stream.send(request_id, request_tensors(prompt_ids, params))
+            stream.send(request_tensors(prompt_ids, params))
             if self.colocated:
                 return stream, None
-            result, _ = stream.next(is_cancelled)
+            ticket = stream.next(is_cancelled).as_numpy("kv_ticket")
+            if ticket is None:
+                raise ServingError(f"decode node {url} answered without a KV ticket")
         except BaseException:
-            stream.close(cancel=True)
+            stream.end()
+            stream.close()
             raise
-        ticket = result.as_numpy("kv_ticket")
-        if ticket is None:
-            stream.close(cancel=True)
-            raise ServingError(f"decode node {url} answered without a KV ticket")
         reserved.clear()  # stage 0 holds the request now: its head frees every slot
         return stream, np.concatenate([ticket.reshape(-1), np.array(tickets, np.object_)])
 

@@ -42,6 +42,7 @@ from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 from orchestrator.engine.tokenizer import load_tokenizer
 from orchestrator.serving.params import MAX_TOP_LOG_PROBS, GenerationParams, RequestError
 from orchestrator.serving.router import UNAVAILABLE
+from orchestrator.serving.text import CONTEXT_TOKENS, new_text
 
 TIMEOUT_S = 120.0
 DISCONNECT_POLL_S = 0.05  # how often a waiting call asks whether its client left
@@ -104,7 +105,7 @@ class TokenInfo:
     id: int
     log_prob: float
     top: list[tuple[int, float]]
-    offset: int  # where its text starts in the choice's text
+    offset: int  # where its text starts in the response's text, then in the choice's
 
 
 @dataclass
@@ -121,14 +122,17 @@ class Choice:
     log_probs_sent: int = 0
     cut: bool = False  # a stop string ended it
     ended: bool = False
+    ids: list[int] = field(default_factory=list)  # every token made
 
     def add(self, text: str, ids: list[int], log_probs: list[TokenInfo] = ()) -> str:
-        """New text (of the new token ``ids``) safe to send now."""
+        """New text (of the new token ``ids``) safe to send now; ``log_probs``' offsets are
+        into ``text``."""
         for info in log_probs:
-            info.offset = len(self.text)
+            info.offset += len(self.text)
         self.log_probs += log_probs
         self.text += text
         self.tokens += len(ids)
+        self.ids += ids
         if ids:
             self.last_token = ids[-1]
         cut = min((i for i in (self.text.find(s) for s in self.stops) if i >= 0), default=-1)
@@ -320,8 +324,11 @@ class OpenAIServer:
                         int(result.as_numpy("sequence_index").reshape(-1)[0]))
                     if choice.finish_reason is None:
                         tokens = result.as_numpy("output_ids").reshape(-1).tolist()
-                        yield index, choice.add(text.reshape(-1)[0].decode(), tokens,
-                                                _token_infos(result, tokens))
+                        infos = _token_infos(result, tokens)
+                        for info, start in zip(infos, self._starts(choice.ids, tokens),
+                                               strict=False):
+                            info.offset = start
+                        yield index, choice.add(text.reshape(-1)[0].decode(), tokens, infos)
                 expected = len(call.prompts) * call.params.num_return_sequences
                 stopped = [c for c in call.choices.values() if c.finish_reason]
                 if final or len(stopped) == expected:
@@ -334,6 +341,13 @@ class OpenAIServer:
             await client.close()
         for index, choice in sorted(call.choices.items()):
             yield index, choice.finish(call.params.max_tokens, call.params.end_id)
+
+
+    def _starts(self, before: list[int], tokens: list[int]) -> list[int]:
+        """Where each token's text starts in the text ``tokens`` add after ``before`` (a
+        response of a stream that fell behind holds several)."""
+        context = before[-CONTEXT_TOKENS:]
+        return [len(new_text(self.tokenizer, context, tokens[:i])) for i in range(len(tokens))]
 
 
 def _token_infos(result, tokens: list[int]) -> list[TokenInfo]:

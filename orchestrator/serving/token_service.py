@@ -19,7 +19,11 @@ replicas and replace a lost stage.
 Tokens leave through a sender thread, not the head's: answering a request costs
 a round trip to tritonserver, which would otherwise delay the next step. A
 stream whose tokens pile up while its responses go out gets them in one
-response.
+response. A request that names a *token feed* (a long-lived request of the
+frontend's, opened with the ``feed`` op) gets its tokens there instead: one
+feed response carries the new tokens of every request of that feed, so a step
+of B requests costs one response, not B. The request's own stream then carries
+its KV ticket, its failure, and an empty last response.
 """
 
 from __future__ import annotations
@@ -55,6 +59,18 @@ class ControlRequest:
 
 # new tokens, their log-probs (None: not asked for), is this the last response
 Emit = Callable[[list[int], list[TokenLogProb] | None, bool], None]
+# one feed response: (request id, new tokens, their log-probs or None, is it done) each
+FeedRow = tuple[str, list[int], list[TokenLogProb] | None, bool]
+FeedSend = Callable[[list[FeedRow]], None]
+
+
+@dataclass(eq=False)
+class _Feed:
+    """Where the tokens of the requests naming this feed go."""
+
+    send: FeedSend
+    close: Callable[[], None]  # its final response: the feed ends
+    is_cancelled: Callable[[], bool]
 
 
 @dataclass(eq=False)
@@ -71,6 +87,8 @@ class _Client:
     final: bool = False
     error: str | None = None
     ended: bool = False  # by an ``end`` op: its stream still wants a final response
+    request_id: str = ""
+    feed: str | None = None  # the token feed its tokens go to (None: its own stream)
 
 
 class TokenService:
@@ -92,10 +110,12 @@ class TokenService:
         self.head: PipelineHead | None = node.head
         self.metrics = metrics or Metrics()
         self.clients: dict[str, _Client] = {}
+        self.feeds: dict[str, _Feed] = {}
         self.lock = threading.Lock()
         self.stopped = threading.Event()
         self._outbox = threading.Condition()
         self._ready: dict[_Client, None] = {}  # clients with something to send, in order
+        self._ended_feeds: list[_Feed] = []  # their final response is due
         self._closing = False
         self.sender = threading.Thread(target=self._send_loop, name="token-sender", daemon=True)
         self.sender.start()
@@ -151,14 +171,35 @@ class TokenService:
         return self.node.reserve_prompt(request.request_id, request.prompt_len)
 
     def _end(self, request: ControlRequest) -> bytes:
-        """End a request whose client left; b"1" if it was running here."""
+        """End a request whose client left, or a token feed; b"1" if it was open here."""
         if self.head is None:
             raise RequestError("op 'end' goes to stage 0, where requests run")
         with self.lock:
+            feed = self.feeds.pop(request.request_id, None)
             client = self.clients.get(request.request_id)
             if client is not None:
                 client.ended = True
+        if feed is not None:
+            self._end_feed(feed)
+            return b"1"
         return b"1" if client is not None and self.head.cancel(request.request_id) else b"0"
+
+    def open_feed(self, feed_id: str, send: FeedSend, close: Callable[[], None],
+                  is_cancelled: Callable[[], bool]) -> None:
+        """A token feed: the requests that name it get their tokens through ``send``; it
+        ends (``close``) with an ``end`` op naming it, its cancellation or the node's stop."""
+        if self.head is None:
+            raise RequestError("op 'feed' goes to stage 0, where requests run")
+        with self.lock:
+            if feed_id in self.feeds or feed_id in self.clients:
+                raise RequestError(f"request id {feed_id!r} is already open here")
+            self.feeds[feed_id] = _Feed(send, close, is_cancelled)
+
+    def _end_feed(self, feed: _Feed) -> None:
+        """Its final response goes out from the sender, after what it already holds."""
+        with self._outbox:
+            self._ended_feeds.append(feed)
+            self._outbox.notify()
 
     def held(self) -> dict[str, int]:
         """What requests hold on this node, each 0 once every request ended: clients,
@@ -183,8 +224,10 @@ class TokenService:
         fail: Callable[[str], None],
         is_cancelled: Callable[[], bool],
         send_ticket: Callable[[bytes], None],
+        feed: str | None = None,
     ) -> None:
-        """Raises RequestError (nothing held) if the request cannot be served."""
+        """Raises RequestError (nothing held) if the request cannot be served. ``feed``: the
+        token feed its tokens go to (None: ``emit`` them on its own stream)."""
         if self.head is None:
             raise RequestError(f"stage {self.node.index} of a token pipeline: generate "
                                "requests go to stage 0")
@@ -193,11 +236,14 @@ class TokenService:
                        params.sampling(prompt_ids), self._on_token,
                        stop_words=params.stop_words)
         with self.lock:
-            if request_id in self.clients:
+            if request_id in self.clients or request_id in self.feeds:
                 raise RequestError(f"request id {request_id!r} is already running here")
+            if feed is not None and feed not in self.feeds:
+                raise RequestError(f"no token feed {feed!r} is open here")
             self.clients[request_id] = _Client(
                 emit, fail, is_cancelled, 0 if self.colocated else 1, time.perf_counter(),
-                log_probs=[] if params.return_log_probs else None)
+                log_probs=[] if params.return_log_probs else None, request_id=request_id,
+                feed=feed)
             self.metrics.queue_length(len(self.clients))
         try:
             if self.colocated:
@@ -260,25 +306,46 @@ class TokenService:
             self._outbox.notify()
 
     def _send_loop(self) -> None:
-        """Answer every client with something to send: all its tokens in one response."""
+        """Answer every client with something to send: all its tokens in one response, and
+        one response per token feed for all of its clients."""
         while True:
             with self._outbox:
-                self._outbox.wait_for(lambda: self._ready or self._closing)
-                if not self._ready:
+                self._outbox.wait_for(lambda: self._ready or self._ended_feeds or self._closing)
+                if not (self._ready or self._ended_feeds):
                     return
                 work = [(c, c.outbox, c.log_probs, c.final, c.error) for c in self._ready]
                 for client in self._ready:
                     client.outbox = []
                     client.log_probs = None if client.log_probs is None else []
                 self._ready.clear()
+                ended, self._ended_feeds = self._ended_feeds, []
+            rows: dict[str, list[FeedRow]] = {}
+            for client, tokens, log_probs, final, _ in work:
+                if client.feed is not None and (tokens or final):
+                    rows.setdefault(client.feed, []).append(
+                        (client.request_id, tokens, log_probs, final))
+            with self.lock:
+                feeds = {name: self.feeds.get(name) for name in rows}
+            for name, feed_rows in rows.items():
+                self._answer(feeds[name].send if feeds[name] else None, feed_rows)
             for client, tokens, log_probs, final, error in work:
-                try:
-                    if tokens or final:
-                        client.emit(tokens, log_probs, final)
-                    if error is not None:
-                        client.fail(error)
-                except Exception:
-                    log.exception("could not answer a request")
+                if client.feed is None and (tokens or final):
+                    self._answer(client.emit, tokens, log_probs, final)
+                elif final:  # its tokens went to the feed: the stream's own last response
+                    self._answer(client.emit, [], None, True)
+                if error is not None:
+                    self._answer(client.fail, error)
+            for feed in ended:
+                self._answer(feed.close)
+
+    @staticmethod
+    def _answer(send: Callable[..., None] | None, *args: object) -> None:
+        if send is None:
+            return  # its feed ended: the requests on it end with their streams
+        try:
+            send(*args)
+        except Exception:
+            log.exception("could not answer a request")
 
     def _count_kv(self, seq: Sequence, client: _Client) -> None:
         """The prompt KV of every stage has landed: count the whole model's bytes."""
@@ -295,6 +362,10 @@ class TokenService:
         while not self.stopped.wait(poll_s):
             with self.lock:  # no request ends (and is freed by Triton) while we ask
                 cancelled = [rid for rid, client in self.clients.items() if client.is_cancelled()]
+                gone = [fid for fid, feed in self.feeds.items() if feed.is_cancelled()]
+                ended = [self.feeds.pop(fid) for fid in gone]
+            for feed in ended:  # Triton releases it only with a final response
+                self._end_feed(feed)
             for request_id in cancelled:
                 try:
                     self.head.cancel(request_id)
@@ -306,7 +377,10 @@ class TokenService:
         self.node.close(timeout_s)
         if self.recovery is not None:
             self.recovery.close()
+        with self.lock:
+            ended, self.feeds = list(self.feeds.values()), {}
         with self._outbox:  # the answers the stop made (errors) still go out
+            self._ended_feeds += ended
             self._closing = True
             self._outbox.notify()
         self.sender.join(timeout_s)

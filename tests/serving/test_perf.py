@@ -80,9 +80,9 @@ def test_bench_serving_against_a_real_cluster(tiny_model, tmp_path):
     for c in CONCURRENCY:
         export = json.loads((out / "disaggregated" / f"c{c}" / "export.json").read_text())
         for request in export["experiments"][0]["requests"]:
-            # one token per response ([1, 1] from the batched ensemble)
+            # a token per response, or several for a stream that fell behind; none empty
             streamed = [np.ravel(r["output_ids"]).tolist() for r in request["response_outputs"]]
-            assert streamed == [[t] for t in expected]
+            assert all(streamed) and [t for ids in streamed for t in ids] == expected
 
     with (out / "genai_perf.csv").open() as f:
         (genai,) = list(csv.DictReader(f))

@@ -24,6 +24,7 @@ from cluster_helpers import (
     assert_log_probs_match_reference,
     cancel_rounds,
     cluster_up,
+    first_tokens,
     ids_of,
     report_cancels,
 )
@@ -81,7 +82,7 @@ def cancel_reaches_every_stage(cluster) -> None:
     def start():
         stream = stream_grpc(cluster.frontend.grpc_url, PROMPTS[0], model="tensorrt_llm_bls",
                              max_tokens=LONG)
-        next(stream), next(stream)
+        first_tokens(stream, 2)
         return stream
 
     seconds = cancel_rounds(cluster, start, lambda stream: stream.close(), rounds=5)

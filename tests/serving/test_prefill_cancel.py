@@ -113,7 +113,7 @@ def test_a_client_that_leaves_mid_prefill_stops_the_p_node(cluster, model):
         client.start_stream(callback=lambda result, error: None)
         params = GenerationParams(max_tokens=MAX_TOKENS, stream=True)
         client.async_stream_infer(
-            "orchestrator", signed_request(secret, "orchestrator", ids, params)["inputs"])
+            "orchestrator", signed_request(secret, ids, params)["inputs"])
         return client
 
     def cancel_grpc(client) -> None:

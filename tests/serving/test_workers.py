@@ -58,6 +58,10 @@ class Client:
     def send_ticket(self, ticket: bytes) -> None:
         self.ticket = ticket
 
+    def replies(self) -> tuple:
+        """``TokenService.admit``'s callbacks for this client."""
+        return self.emit, self.fail, self.is_cancelled, self.send_ticket
+
     def wait(self) -> Client:
         assert self.done.wait(30), "request never finished"
         return self
@@ -208,6 +212,68 @@ def test_a_request_ended_by_the_end_op_closes_its_stream_with_a_final_response(
         assert after.wait().tokens == generate([engine], PROMPTS[:1], 3)[0]
     finally:
         service.stop()
+
+
+class Feed:
+    """What the decode model's response sender of a token feed would see."""
+
+    def __init__(self) -> None:
+        self.responses: list[list] = []  # each response's rows
+        self.closed = threading.Event()
+        self.cancelled = False
+
+    def send(self, rows: list) -> None:
+        self.responses.append(rows)
+
+    def tokens(self, request_id: str) -> tuple[list[int], bool]:
+        rows = [r for response in self.responses for r in response if r[0] == request_id]
+        return [t for r in rows for t in r[1]], any(r[3] for r in rows)
+
+
+def open_feed(service: TokenService, feed: Feed, name: str = "feed") -> None:
+    service.open_feed(name, feed.send, feed.closed.set, lambda: feed.cancelled)
+
+
+def test_a_token_feed_carries_every_requests_tokens_in_one_response_per_step(engine):
+    """Requests naming a feed get their tokens there, several requests in one response;
+    their own streams get an empty last response once the feed said they are done."""
+    service = colocated(engine, 3)
+    feed = Feed()
+    try:
+        open_feed(service, feed)
+        with pytest.raises(RequestError, match="no token feed 'other'"):
+            service.admit("x", PROMPTS[0], GenerationParams(max_tokens=6), *Client().replies(),
+                          feed="other")
+        clients = [Client() for _ in PROMPTS[:3]]
+        for i, (prompt, client) in enumerate(zip(PROMPTS, clients, strict=False)):
+            service.admit(f"r{i}", prompt, GenerationParams(max_tokens=6), *client.replies(),
+                          feed="feed")
+        for client in clients:
+            client.wait()
+        assert all(c.tokens == [] and c.error is None for c in clients)  # all went to the feed
+        got = [feed.tokens(f"r{i}") for i in range(3)]
+        assert [tokens for tokens, _ in got] == generate([engine], PROMPTS[:3], max_tokens=6)
+        assert all(done for _, done in got)
+        assert max(len(rows) for rows in feed.responses) > 1  # one response, several requests
+        assert service.control("end", ControlRequest("feed")) == b"1"
+        assert feed.closed.wait(5)
+    finally:
+        service.stop()
+
+
+def test_a_cancelled_feed_is_closed_and_the_node_stop_closes_the_others(engine):
+    service = colocated(engine, 1)
+    gone, open_ = Feed(), Feed()
+    try:
+        open_feed(service, gone, "gone")
+        open_feed(service, open_, "open")
+        with pytest.raises(RequestError, match="already open"):
+            open_feed(service, Feed(), "open")
+        gone.cancelled = True  # Triton cancelled it: its frontend went away
+        assert gone.closed.wait(5) and not open_.closed.is_set()
+    finally:
+        service.stop()
+    assert open_.closed.is_set()  # its final response went out: Triton can release it
 
 
 def test_kv_that_never_comes_fails_the_request_and_frees_the_slot(model):

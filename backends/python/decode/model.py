@@ -1,8 +1,11 @@
 """T-node, decoupled: one stage of a token pipeline. ``op`` absent (or ``generate``): admit a
-request and stream each token as it is made (stage 0); else a control request (bootstrap,
-KV reservation, recovery, ``end`` of a request whose client left) answered with one final
-``reply``. Every request must be signed
-with the cluster secret; failures come back as ``error_code`` and ``error``."""
+request and stream each token as it is made (stage 0), on its own stream or on the token
+feed it names (``feed``); ``feed``: open a token feed, one response per step for all the
+requests on it; else a control request (bootstrap, KV reservation, recovery, ``end`` of a
+request whose client left or of a feed) answered with one final ``reply``. Every request
+must be signed with the cluster secret; failures come back as ``error_code`` and ``error``."""
+
+import numpy as np
 
 from orchestrator.control.errors import ErrorCode, code_of
 from orchestrator.engine.log_probs import encode as encode_log_probs
@@ -22,7 +25,7 @@ class TritonPythonModel:
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
-            tensors = pb.inputs(request, ["op", "peers", "input_ids", "params"])
+            tensors = pb.inputs(request, ["op", "peers", "input_ids", "params", "feed"])
             prompt = [] if tensors["input_ids"] is None else tensors["input_ids"].reshape(-1)
 
             def fail(message, code=ErrorCode.PIPELINE_LOST, sender=sender):
@@ -31,6 +34,12 @@ class TritonPythonModel:
             try:
                 op = "generate" if tensors["op"] is None else pb.text(tensors["op"])
                 pb.check_signed(request, self.secret, "decode", op)
+                if op == "feed":
+                    self.service.open_feed(request.request_id(), lambda rows, sender=sender:
+                                           pb.send(sender, feed_response(rows)),
+                                           lambda sender=sender: pb.send_final(sender),
+                                           pb.cancelled(request))
+                    continue
                 if op != "generate":
                     peers = () if tensors["peers"] is None else tuple(tensors["peers"].reshape(-1))
                     reply = self.service.control(
@@ -55,6 +64,7 @@ class TritonPythonModel:
                     fail,
                     pb.cancelled(request),
                     send_ticket,
+                    None if tensors["feed"] is None else pb.text(tensors["feed"]),
                 )
             except Exception as exc:  # a refused request must not hurt the others
                 self.service.metrics.request_done("failed")
@@ -65,3 +75,15 @@ class TritonPythonModel:
         if self.controller is not None:
             self.controller.stop()
         self.service.stop()
+
+
+def feed_response(rows):
+    """One token feed response: each request's id, its new tokens (``output_ids``, in row
+    order, ``feed_counts`` each), whether it is done, and its log-probs if any asked."""
+    outputs = {"feed_ids": pb.strings(*(rid for rid, _, _, _ in rows)),
+               "feed_counts": pb.ids([len(tokens) for _, tokens, _, _ in rows]),
+               "feed_done": np.array([done for _, _, _, done in rows], dtype=np.bool_),
+               "output_ids": pb.ids([t for _, tokens, _, _ in rows for t in tokens])}
+    if any(lp is not None for _, _, lp, _ in rows):
+        outputs["log_probs"] = pb.strings(*(encode_log_probs(lp or []) for _, _, lp, _ in rows))
+    return pb.response(**outputs)

@@ -1,0 +1,244 @@
+"""One gRPC stream from the frontend to a token pipeline's stage 0, for all its requests there.
+
+A stream per request costs a gRPC call's setup and teardown and a tritonclient
+thread while it lasts, and a response per token. A :class:`NodeStream` keeps one
+stream to the T-node: every generate and ``end`` request of this frontend goes
+on it, each response goes to its request's queue by request id, and one more
+request on it, the *token feed* (the decode model's ``feed`` op), brings the
+tokens of all of them: one response per pipeline step for every request the step
+advanced. A request's own responses are its KV ticket, its failure and its last
+(empty) response; it is done once both that and the feed's word that its tokens
+are done have come, in either order.
+
+The stream breaking (the node died or was started again) fails every request on
+it, and the next request opens a new one. Nothing on it is ever cancelled: a
+request whose client left is ended with a signed ``end`` op (Triton 2.51 races a
+cancellation against a response: server issues 7368 and 8034).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from orchestrator.control.auth import request_parameters
+from orchestrator.control.client import connect, raise_for_error, stop_stream, tensor
+from orchestrator.engine.log_probs import TokenLogProb
+from orchestrator.engine.log_probs import decode as decode_log_probs
+
+log = logging.getLogger(__name__)
+
+CANCEL_POLL_S = 0.05  # how often a waiting request asks Triton whether its client left
+
+
+class Cancelled(Exception):
+    """The client went away; downstream work has been ended."""
+
+
+class StreamTimeout(TimeoutError):
+    """The node sent a request nothing for its whole timeout."""
+
+
+@dataclass
+class _Tokens:
+    """A feed's tokens for one request."""
+
+    ids: list[int]
+    log_probs: list[TokenLogProb] | None
+    done: bool
+
+
+class NodeStream:
+    """One stream to a T-node's ``decode`` model and the token feed on it."""
+
+    def __init__(self, url: str, secret: bytes) -> None:
+        self.url, self.secret = url, secret
+        self.feed_id = f"feed-{uuid.uuid4().hex}"
+        self.broken: Exception | None = None
+        self._queues: dict[str, queue.Queue] = {}
+        self._lock = threading.Lock()
+        self._feed_ended = threading.Event()
+        self._client = connect(url)  # its own channel: a node started again is reached at once
+        self._client.start_stream(callback=self._dispatch)
+        self.send(self.feed_id, "feed", [])
+
+    def open(self, request_id: str, timeout_s: float) -> RequestStream:
+        with self._lock:
+            if self.broken is not None:
+                raise self.broken
+            responses = self._queues[request_id] = queue.Queue()
+        return RequestStream(self, request_id, responses, timeout_s)
+
+    def forget(self, request_id: str) -> None:
+        with self._lock:
+            self._queues.pop(request_id, None)
+
+    def send(self, request_id: str, op: str, tensors: list[grpcclient.InferInput]) -> None:
+        """A signed request on the stream; raises the stream's error if it is broken."""
+        if op != "generate":
+            tensors = [tensor("op", np.array([op.encode()], dtype=np.object_)), *tensors]
+        try:
+            self._client.async_stream_infer(
+                "decode", tensors, request_id=request_id, enable_empty_final_response=True,
+                parameters=request_parameters(self.secret, "decode", op, request_id))
+        except InferenceServerException as exc:
+            # A broken stream says why through the callback, not in this exception.
+            raise self._wait_broken(exc) from None
+
+    def _wait_broken(self, fallback: Exception, wait_s: float = 1.0) -> Exception:
+        deadline = time.monotonic() + wait_s
+        while self.broken is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if self.broken is None:
+            self._break(fallback)
+        return self.broken
+
+    def _dispatch(self, result: grpcclient.InferResult | None, error: Exception | None) -> None:
+        """On tritonclient's stream thread: hand each response to its request."""
+        if error is not None:  # tritonclient gives no request id with one: the stream is lost
+            self._break(error)
+            return
+        request_id = result.get_response().id
+        if request_id != self.feed_id:
+            self._put(request_id, result)
+            return
+        ids = result.as_numpy("feed_ids")
+        if ids is None:  # the feed refused, its own final response, or the ``end`` op's reply
+            try:
+                raise_for_error(result, f"decode node {self.url} (token feed)")
+            except Exception as exc:
+                self._break(exc)
+            if result.as_numpy("reply") is None:
+                self._feed_ended.set()
+            return
+        counts, done = result.as_numpy("feed_counts"), result.as_numpy("feed_done")
+        tokens, log_probs = result.as_numpy("output_ids").tolist(), result.as_numpy("log_probs")
+        ends = itertools.accumulate(counts.tolist())
+        for row, (rid, end) in enumerate(zip(ids, ends, strict=True)):
+            taken = tokens[end - int(counts[row]) : end]
+            probs = None if log_probs is None else decode_log_probs(log_probs[row])
+            self._put(rid.decode(), _Tokens(taken, probs, bool(done[row])))
+
+    def _put(self, request_id: str, item: object) -> None:
+        with self._lock:
+            responses = self._queues.get(request_id)
+        if responses is not None:  # else forgotten: a request that ended or was ended
+            responses.put(item)
+
+    def _break(self, error: Exception) -> None:
+        with self._lock:
+            if self.broken is None:
+                self.broken = error
+            waiting = list(self._queues.values())
+        for responses in waiting:
+            responses.put(error)
+
+    def close(self, wait_s: float = 2.0) -> None:
+        """End the feed and wait for its final response (Triton releases a request only
+        then), then the stream; requests still on it fail."""
+        if self.broken is None:
+            try:
+                self.send(self.feed_id, "end", [])
+                self._feed_ended.wait(wait_s)
+            except Exception:  # the node is gone: nothing left to end
+                log.debug("could not end the token feed to %s", self.url, exc_info=True)
+        self._break(ConnectionError(f"stream to {self.url} closed"))
+        try:
+            stop_stream(self._client, cancel=True)
+        finally:
+            self._client.close()
+
+
+@dataclass
+class RequestStream:
+    """One request on a :class:`NodeStream`: its responses and its feed's tokens."""
+
+    node: NodeStream
+    request_id: str
+    responses: queue.Queue
+    timeout_s: float
+    _cancel_check_at: float = 0.0
+    _fed_done: bool = False  # the feed said its tokens are done
+    _final: bool = False  # its own last response came
+    _held: list = field(default_factory=list)  # taken from the queue, not yet handed out
+
+    def send(self, tensors: list[grpcclient.InferInput]) -> None:
+        self.node.send(self.request_id, "generate", [
+            *tensors, tensor("feed", np.array([self.node.feed_id.encode()], dtype=np.object_))])
+
+    def next(self, is_cancelled: Callable[[], bool]) -> grpcclient.InferResult:
+        """The next response on the request's own stream (its ticket, its failure raised)."""
+        while True:
+            item = self._take(is_cancelled)
+            if isinstance(item, _Tokens):
+                self._held.append(item)
+            else:
+                return self._checked(item)
+
+    def tokens(self, is_cancelled: Callable[[], bool]
+               ) -> tuple[list[int], list[TokenLogProb] | None, bool]:
+        """The tokens that came since the last call (at least one unless it is done), their
+        log-probs (None: not asked for), and whether the request is done. Raises a
+        failure (a ControlError for one the node answered), Cancelled, or StreamTimeout."""
+        tokens: list[int] = []
+        log_probs: list[TokenLogProb] | None = None
+        while not (self._fed_done and self._final):
+            if tokens and not self._fed_done and not self._held and self.responses.empty():
+                break  # hand these out now: more may take a step (once done, its final
+                # response is right behind: the last tokens go out with the final flag)
+            item = self._held.pop(0) if self._held else self._take(is_cancelled)
+            if isinstance(item, _Tokens):
+                tokens += item.ids
+                if item.log_probs is not None:
+                    log_probs = (log_probs or []) + item.log_probs
+                self._fed_done |= item.done
+            else:
+                self._checked(item)
+        return tokens, log_probs, self._fed_done and self._final
+
+    def end(self) -> None:
+        """Have the node end the request (its client left, or it failed here): the head
+        drops it and frees its slot, KV and replicas on every stage."""
+        try:
+            self.node.send(self.request_id, "end", [])
+        except Exception:  # a broken stream: the node already lost the request with it
+            log.debug("could not end %s on %s", self.request_id, self.node.url, exc_info=True)
+
+    def close(self) -> None:
+        self.node.forget(self.request_id)
+
+    def _take(self, is_cancelled: Callable[[], bool]) -> object:
+        """The next item from the queue; asking Triton whether the client left costs a
+        round trip, so that is asked every ``CANCEL_POLL_S`` at most."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            now = time.monotonic()
+            if now >= self._cancel_check_at:
+                self._cancel_check_at = now + CANCEL_POLL_S
+                if is_cancelled():
+                    raise Cancelled()
+            if now >= deadline:
+                raise StreamTimeout(f"decode node {self.node.url} sent nothing for "
+                                    f"{self.timeout_s:.0f} s")
+            try:
+                item = self.responses.get(timeout=min(deadline, self._cancel_check_at) - now)
+            except queue.Empty:
+                continue
+            if isinstance(item, Exception):
+                raise item
+            return item
+
+    def _checked(self, result: grpcclient.InferResult) -> grpcclient.InferResult:
+        raise_for_error(result, f"decode node {self.node.url}")
+        self._final |= result.get_response().parameters["triton_final_response"].bool_param
+        return result

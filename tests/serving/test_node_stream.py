@@ -1,0 +1,77 @@
+"""A request on the frontend's stream to a T-node: its own responses and its feed's tokens,
+in either order (the real stream to real tritonservers: test_cluster.py and the others)."""
+
+from __future__ import annotations
+
+import queue
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from orchestrator.control.errors import ControlError, ErrorCode
+from orchestrator.serving.node_stream import Cancelled, RequestStream, StreamTimeout, _Tokens
+
+
+class Result:
+    """An InferResult as tritonclient hands it over: outputs and the final flag."""
+
+    def __init__(self, final: bool, **outputs: np.ndarray) -> None:
+        self.outputs = outputs
+        flag = SimpleNamespace(bool_param=final)
+        self.response = SimpleNamespace(id="r", parameters={"triton_final_response": flag})
+
+    def as_numpy(self, name: str) -> np.ndarray | None:
+        return self.outputs.get(name)
+
+    def get_response(self) -> SimpleNamespace:
+        return self.response
+
+
+def stream(*items: object, timeout_s: float = 5.0) -> RequestStream:
+    responses: queue.Queue = queue.Queue()
+    for item in items:
+        responses.put(item)
+    return RequestStream(SimpleNamespace(url="t:1"), "r", responses, timeout_s)
+
+
+def never_cancelled() -> bool:
+    return False
+
+
+def test_the_last_tokens_go_out_with_the_final_flag_in_either_order():
+    for last_two in ([_Tokens([3], None, True), Result(True)],
+                     [Result(True), _Tokens([3], None, True)]):
+        request = stream(_Tokens([1, 2], None, False))
+        assert request.tokens(never_cancelled) == ([1, 2], None, False)  # nothing more yet
+        for item in last_two:
+            request.responses.put(item)
+        assert request.tokens(never_cancelled) == ([3], None, True)
+
+
+def test_the_feed_done_waits_for_the_final_response_behind_it():
+    request = stream(_Tokens([1], None, True))
+    request.responses.put(Result(True))
+    assert request.tokens(never_cancelled) == ([1], None, True)  # one response, final
+
+
+def test_tokens_already_queued_go_out_together_and_the_ticket_is_kept_apart():
+    ticket = Result(False, kv_ticket=np.array([b"t"], dtype=np.object_))
+    request = stream(_Tokens([1], None, False), ticket, _Tokens([2], None, False),
+                     _Tokens([3], None, True), Result(True))
+    assert request.next(never_cancelled) is ticket  # a feed's tokens that came first wait
+    assert request.tokens(never_cancelled) == ([1, 2, 3], None, True)
+
+
+def test_a_failure_a_lost_stream_a_silent_node_and_a_client_that_left():
+    failure = Result(True, error_code=np.array([int(ErrorCode.PIPELINE_LOST)], np.int32),
+                     error=np.array([b"stage 1 lost"], dtype=np.object_))
+    with pytest.raises(ControlError, match="stage 1 lost") as failed:
+        stream(_Tokens([1], None, False), failure).tokens(never_cancelled)
+    assert failed.value.code is ErrorCode.PIPELINE_LOST
+    with pytest.raises(ConnectionError, match="gone"):
+        stream(ConnectionError("gone")).tokens(never_cancelled)
+    with pytest.raises(StreamTimeout, match="sent nothing"):
+        stream(timeout_s=0.1).tokens(never_cancelled)
+    with pytest.raises(Cancelled):
+        stream(timeout_s=5.0).tokens(lambda: True)
