@@ -134,6 +134,7 @@ def run_perf_analyzer(tools: Tools, grpc_url: str, mode: str, concurrency: int, 
     ]
     path = out_dir / "export.json"
     for attempt in range(PA_ATTEMPTS):
+        path.unlink(missing_ok=True)  # perf_analyzer refuses to write over an export
         _run(cmd, tools, out_dir / "perf_analyzer.log", PA_TIMEOUT_S, out_dir)
         try:
             export = json.loads(path.read_text())

@@ -14,7 +14,15 @@ import numpy as np
 import pytest
 from cluster_helpers import reference
 
-from clients.perf import PROMPT, BenchError, install_tools, main, summarize_export
+from clients.perf import (
+    PROMPT,
+    BenchError,
+    Tools,
+    install_tools,
+    main,
+    run_perf_analyzer,
+    summarize_export,
+)
 
 MAX_TOKENS = 8
 REQUESTS = 3  # per concurrent stream
@@ -47,6 +55,21 @@ def test_summarize_export_rejects_cut_streams_and_missing_levels():
         summarize_export(export, "colocated", 1, max_tokens=3)
     with pytest.raises(BenchError, match="no requests at concurrency 4"):
         summarize_export(export, "colocated", 4, max_tokens=3)
+
+
+def test_a_cut_short_export_is_measured_again(tmp_path):
+    """perf_analyzer 2.51 can cut its export short (a NaN stops its JSON writer) and refuses
+    to write over an export: the bench removes the cut one and runs it again."""
+    good = json.dumps(_export([(0, [1_000_000, 2_000_000])]))
+    tool = tmp_path / "perf_analyzer"  # a stand-in: cut the first export, then a whole one
+    tool.write_text(f"""#!/bin/sh
+[ -e export.json ] && {{ echo "Path must not already exist"; exit 99; }}
+if [ -e ran ]; then echo '{good}' > export.json; else touch ran; echo '{{"exp' > export.json; fi
+""")
+    tool.chmod(0o755)
+    point = run_perf_analyzer(Tools(tool, "", tool), "127.0.0.1:1", "colocated", 1, 1, 2,
+                              "hi", tmp_path)
+    assert (point.requests, point.tokens) == (1, 2)
 
 
 @pytest.mark.slow
