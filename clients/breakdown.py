@@ -43,6 +43,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from clients.common import Machines, on_machine
+from orchestrator.cluster.devices import Devices
 from orchestrator.cluster.tritonserver import proc_stat
 
 LAYERS = ("engine", "pipeline", "T-node", "frontend", "ensemble")
@@ -334,8 +336,11 @@ def _interleaved_medians_us(runs: list[Callable[[], None]], rounds: int) -> list
 # -- the whole breakdown ------------------------------------------------------------------
 
 
-def run_breakdown(model_dir, prompt: str, tokens: int, repeats: int, out_dir
+def run_breakdown(model_dir, prompt: str, tokens: int, repeats: int, out_dir,
+                  machines: Machines | None = None
                   ) -> tuple[list[Layer], list[ProcessCpu], Hop]:
+    """``machines`` (``--pin``): the T-node, the engine and the in-process pipeline on the
+    token core, the frontend and this client on the others."""
     from clients.generate import stream_grpc
     from orchestrator.cluster.launcher import Cluster
     from orchestrator.control.auth import load_secret
@@ -350,16 +355,24 @@ def run_breakdown(model_dir, prompt: str, tokens: int, repeats: int, out_dir
     prompt_ids = load_tokenizer(model_dir).encode(prompt).ids
     engine = load_engine(model_dir)
     params = GenerationParams(max_tokens=tokens, stream=True)
-    pipeline = LocalPipeline([engine], PipelineConfig(1, 1, mode="colocated")).start()
+    hop = measure_hop()  # first: its two agents' progress threads want both cores
+    devices, token_core = None, None
+    if machines is not None:
+        machines.host.pin()
+        devices = {"decode0": machines.token, "frontend": machines.host}
+        token_core = machines.token
+    with on_machine(token_core):  # its threads stay there
+        pipeline = LocalPipeline([engine], PipelineConfig(1, 1, mode="colocated")).start()
     try:
-        with Cluster.up(model_dir, colocated=True, run_dir=out_dir / "cluster") as cluster:
+        with Cluster.up(model_dir, colocated=True, run_dir=out_dir / "cluster",
+                        devices=devices) as cluster:
             tnode = cluster.role("decode")[0].server.grpc_url
             frontend = cluster.frontend.grpc_url
             secret = load_secret(cluster.secret_file)
 
             node = NodeStream(tnode, secret)
             runs = {
-                "engine": lambda: time_engine(engine, prompt_ids, tokens),
+                "engine": lambda: _on(token_core, time_engine, engine, prompt_ids, tokens),
                 "pipeline": lambda: time_pipeline(pipeline, prompt_ids, tokens),
                 "T-node": lambda: time_node_stream(node, prompt_ids, params),
                 "frontend": lambda: time_stream(frontend, "orchestrator",
@@ -373,7 +386,12 @@ def run_breakdown(model_dir, prompt: str, tokens: int, repeats: int, out_dir
                 node.close()
     finally:
         pipeline.stop()
-    return layers, cpu, measure_hop()
+    return layers, cpu, hop
+
+
+def _on(machine: Devices | None, run: Callable[..., Arrivals], *args: object) -> Arrivals:
+    with on_machine(machine):
+        return run(*args)
 
 
 def _ensemble_times(stream_grpc, url: str, prompt: str, tokens: int) -> Arrivals:

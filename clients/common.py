@@ -11,6 +11,7 @@ import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from orchestrator.cluster.devices import Devices
@@ -49,10 +50,14 @@ def dummy_model(folder: Path, arch: str, preset: str) -> Path:
 
 
 @contextmanager
-def on_machine(machine: Devices) -> Iterator[None]:
-    """Run this thread as a node on ``machine`` runs: on its cores, torch threads to match."""
+def on_machine(machine: Devices | None) -> Iterator[None]:
+    """Run this thread as a node on ``machine`` runs: on its cores, torch threads to match
+    (None: where it runs now)."""
     import torch
 
+    if machine is None:
+        yield
+        return
     cores, threads = os.sched_getaffinity(0), torch.get_num_threads()
     machine.pin()
     torch.set_num_threads(machine.threads or threads)
@@ -61,6 +66,21 @@ def on_machine(machine: Devices) -> Iterator[None]:
     finally:
         os.sched_setaffinity(0, cores)
         torch.set_num_threads(threads)
+
+
+@dataclass(frozen=True)
+class Machines:
+    """``--pin``: a T-node's own core (the last), and the cores of everything else."""
+
+    token: Devices
+    host: Devices
+
+    @classmethod
+    def of_this_host(cls) -> Machines:
+        cores = sorted(os.sched_getaffinity(0))
+        if len(cores) < 2:
+            raise ValueError(f"--pin needs two cores or more, this process has {cores}")
+        return cls(Devices("cpu", (cores[-1],)), Devices("cpu", tuple(cores[:-1])))
 
 
 def _as_dict(row) -> dict:

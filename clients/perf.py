@@ -19,7 +19,6 @@ the T-node's core: the engine has the same core served and bare.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -34,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from clients.common import dummy_model, fmt, markdown, on_machine, write_csv
+from clients.common import Machines, dummy_model, fmt, markdown, on_machine, write_csv
 from orchestrator.cluster.devices import Devices
 from orchestrator.cluster.tritonserver import ServerError
 
@@ -281,7 +280,7 @@ class BareEngine:
         from orchestrator.engine.reference import generate
 
         prompts = [self.prompt_ids] * batch
-        with on_machine(self.machine) if self.machine else contextlib.nullcontext():
+        with on_machine(self.machine):
             generate([self.engine], prompts, self.max_tokens)  # warm-up
             runs, begin = 0, time.perf_counter()
             while runs < 2 or time.perf_counter() - begin < self.min_s:
@@ -349,21 +348,6 @@ def _frontend(args, mode: str, model_dir: Path, machines: Machines | None
     with Cluster.up(model_dir, colocated=mode == "colocated", run_dir=run_dir,
                     devices=devices) as cluster:
         yield cluster.frontend.grpc_url, cluster.frontend.http_url
-
-
-@dataclass(frozen=True)
-class Machines:
-    """``--pin``: the T-node's core, and the cores of everything else."""
-
-    token: Devices
-    host: Devices
-
-    @classmethod
-    def of_this_host(cls) -> Machines:
-        cores = sorted(os.sched_getaffinity(0))
-        if len(cores) < 2:
-            raise ValueError(f"--pin needs two cores or more, this process has {cores}")
-        return cls(Devices("cpu", (cores[-1],)), Devices("cpu", tuple(cores[:-1])))
 
 
 def main(argv: list[str]) -> int:
@@ -442,8 +426,9 @@ def _breakdown(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     try:
         model_dir = (args.model or dummy_model(args.out, args.arch, args.preset)).resolve()
+        machines = Machines.of_this_host() if args.pin else None
         layers, cpu, hop = run_breakdown(model_dir, args.prompt, args.max_tokens,
-                                         args.breakdown_requests, out)
+                                         args.breakdown_requests, out, machines)
     except (ServerError, RuntimeError, ValueError, OSError) as exc:
         print(f"dejavu bench serving --breakdown: {exc}", file=sys.stderr)
         return 1

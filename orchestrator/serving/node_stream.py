@@ -18,7 +18,6 @@ cancellation against a response: server issues 7368 and 8034).
 
 from __future__ import annotations
 
-import itertools
 import logging
 import queue
 import threading
@@ -34,7 +33,7 @@ from tritonclient.utils import InferenceServerException
 from orchestrator.control.auth import request_parameters
 from orchestrator.control.client import connect, raise_for_error, stop_stream, tensor
 from orchestrator.engine.log_probs import TokenLogProb
-from orchestrator.engine.log_probs import decode as decode_log_probs
+from orchestrator.serving.feed import decode_rows
 
 log = logging.getLogger(__name__)
 
@@ -112,8 +111,8 @@ class NodeStream:
         if request_id != self.feed_id:
             self._put(request_id, result)
             return
-        ids = result.as_numpy("feed_ids")
-        if ids is None:  # the feed refused, its own final response, or the ``end`` op's reply
+        rows = result.as_numpy("feed")
+        if rows is None:  # the feed refused, its own final response, or the ``end`` op's reply
             try:
                 raise_for_error(result, f"decode node {self.url} (token feed)")
             except Exception as exc:
@@ -121,13 +120,8 @@ class NodeStream:
             if result.as_numpy("reply") is None:
                 self._feed_ended.set()
             return
-        counts, done = result.as_numpy("feed_counts"), result.as_numpy("feed_done")
-        tokens, log_probs = result.as_numpy("output_ids").tolist(), result.as_numpy("log_probs")
-        ends = itertools.accumulate(counts.tolist())
-        for row, (rid, end) in enumerate(zip(ids, ends, strict=True)):
-            taken = tokens[end - int(counts[row]) : end]
-            probs = None if log_probs is None else decode_log_probs(log_probs[row])
-            self._put(rid.decode(), _Tokens(taken, probs, bool(done[row])))
+        for rid, tokens, log_probs, done in decode_rows(rows.reshape(-1)[0]):
+            self._put(rid, _Tokens(tokens, log_probs, done))
 
     def _put(self, request_id: str, item: object) -> None:
         with self._lock:

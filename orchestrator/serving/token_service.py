@@ -41,6 +41,7 @@ from orchestrator.fault.stage_recovery import RecoveryOps
 from orchestrator.pipeline.head import PipelineHead
 from orchestrator.pipeline.node import StageNode
 from orchestrator.pipeline.sequence import FinishReason, Sequence
+from orchestrator.serving.feed import FeedRow
 from orchestrator.serving.metrics import Metrics
 from orchestrator.serving.params import GenerationParams, RequestError, check_prompt
 
@@ -59,9 +60,7 @@ class ControlRequest:
 
 # new tokens, their log-probs (None: not asked for), is this the last response
 Emit = Callable[[list[int], list[TokenLogProb] | None, bool], None]
-# one feed response: (request id, new tokens, their log-probs or None, is it done) each
-FeedRow = tuple[str, list[int], list[TokenLogProb] | None, bool]
-FeedSend = Callable[[list[FeedRow]], None]
+FeedSend = Callable[[list[FeedRow]], None]  # one feed response
 
 
 @dataclass(eq=False)

@@ -5,11 +5,10 @@ requests on it; else a control request (bootstrap, KV reservation, recovery, ``e
 request whose client left or of a feed) answered with one final ``reply``. Every request
 must be signed with the cluster secret; failures come back as ``error_code`` and ``error``."""
 
-import numpy as np
-
 from orchestrator.control.errors import ErrorCode, code_of
 from orchestrator.engine.log_probs import encode as encode_log_probs
 from orchestrator.serving import pb
+from orchestrator.serving.feed import encode_rows
 from orchestrator.serving.node import connect_controller, load_token_service
 from orchestrator.serving.params import GenerationParams
 from orchestrator.serving.token_service import ControlRequest
@@ -35,8 +34,11 @@ class TritonPythonModel:
                 op = "generate" if tensors["op"] is None else pb.text(tensors["op"])
                 pb.check_signed(request, self.secret, "decode", op)
                 if op == "feed":
-                    self.service.open_feed(request.request_id(), lambda rows, sender=sender:
-                                           pb.send(sender, feed_response(rows)),
+
+                    def send_rows(rows, sender=sender):
+                        pb.send(sender, pb.response(feed=pb.strings(encode_rows(rows))))
+
+                    self.service.open_feed(request.request_id(), send_rows,
                                            lambda sender=sender: pb.send_final(sender),
                                            pb.cancelled(request))
                     continue
@@ -76,14 +78,3 @@ class TritonPythonModel:
             self.controller.stop()
         self.service.stop()
 
-
-def feed_response(rows):
-    """One token feed response: each request's id, its new tokens (``output_ids``, in row
-    order, ``feed_counts`` each), whether it is done, and its log-probs if any asked."""
-    outputs = {"feed_ids": pb.strings(*(rid for rid, _, _, _ in rows)),
-               "feed_counts": pb.ids([len(tokens) for _, tokens, _, _ in rows]),
-               "feed_done": np.array([done for _, _, _, done in rows], dtype=np.bool_),
-               "output_ids": pb.ids([t for _, tokens, _, _ in rows for t in tokens])}
-    if any(lp is not None for _, _, lp, _ in rows):
-        outputs["log_probs"] = pb.strings(*(encode_log_probs(lp or []) for _, _, lp, _ in rows))
-    return pb.response(**outputs)
