@@ -106,6 +106,9 @@ class PipelineHead:
         # prefill it again (an in-process P-side) takes it; None: it ends with an error and
         # the frontend runs it again.
         self.prefill_again: Callable[[Seq], None] | None = None
+        # A pipeline of one stage in this process: runs that stage's pending steps on the
+        # head's thread, outside its lock (None: the stages run on threads of their own).
+        self.run_stage: Callable[[], None] | None = None
 
         self._lock = threading.RLock()
         self._done = threading.Condition(self._lock)
@@ -169,6 +172,8 @@ class PipelineHead:
         try:
             self.to_first.send(Shutdown(), wait_s)
             while time.monotonic() < deadline:  # drain answers until the shutdown comes out
+                if self.run_stage is not None and not self._thread.is_alive():
+                    self.run_stage()
                 if isinstance(self.from_last.recv(self.poll_s), Shutdown):
                     break
         except (LinkTimeout, ConnectionError) as exc:
@@ -326,6 +331,7 @@ class PipelineHead:
             for mb, busy in enumerate(self._in_flight):
                 if not busy:
                     self._issue(mb)
+        self.from_last.wake()  # a stage run on the head's thread takes them now
 
     def running(self) -> list[Seq]:
         """The sequences holding a microbatch slot now."""
@@ -383,6 +389,8 @@ class PipelineHead:
                             if not busy:
                                 self._issue(mb)
                     self._probe()
+            if self.run_stage is not None:
+                self.run_stage()
             message = self.from_last.recv(self.poll_s)
             with self._lock:
                 if self.broken is None:

@@ -11,8 +11,8 @@ a transport behind the same two calls
 
 from __future__ import annotations
 
-import contextlib
-import queue
+import threading
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -95,29 +95,34 @@ class Link(Protocol):
         ...
 
 
-_WAKE = object()  # in a QueueLink's queue: ``recv`` returns None
-
-
 class QueueLink:
-    """In-process link: a bounded FIFO between two threads."""
+    """In-process link: a bounded FIFO between two threads (a ``wake`` takes no room)."""
 
     def __init__(self, name: str, capacity: int) -> None:
-        self.name = name
-        self._queue: queue.Queue[Message | object] = queue.Queue(maxsize=capacity)
+        self.name, self.capacity = name, capacity
+        self._messages: deque[Message] = deque()
+        self._changed = threading.Condition()
+        self._woken = False
 
     def send(self, message: Message, timeout_s: float) -> None:
-        try:
-            self._queue.put(message, timeout=timeout_s)
-        except queue.Full:
-            raise LinkTimeout(f"{self.name}: receiver took nothing for {timeout_s} s") from None
+        with self._changed:
+            if not self._changed.wait_for(lambda: len(self._messages) < self.capacity,
+                                          timeout_s):
+                raise LinkTimeout(f"{self.name}: receiver took nothing for {timeout_s} s")
+            self._messages.append(message)
+            self._changed.notify_all()
 
     def recv(self, timeout_s: float) -> Message | None:
-        try:
-            message = self._queue.get(timeout=timeout_s)
-        except queue.Empty:
-            return None
-        return None if message is _WAKE else message
+        with self._changed:
+            self._changed.wait_for(lambda: self._messages or self._woken, timeout_s)
+            self._woken = False
+            if not self._messages:
+                return None
+            message = self._messages.popleft()
+            self._changed.notify_all()  # room for a waiting sender
+            return message
 
     def wake(self) -> None:
-        with contextlib.suppress(queue.Full):  # full: the receiver has messages to wake to
-            self._queue.put_nowait(_WAKE)
+        with self._changed:
+            self._woken = True
+            self._changed.notify_all()

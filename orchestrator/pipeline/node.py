@@ -230,8 +230,9 @@ class StageNode:
         self._started_at = 0.0
         self._stopping = threading.Event()
         self._heartbeat = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
-        if config.depth == 1:  # the stage answers its own head: no transport link
+        if config.depth == 1:  # the stage answers its own head, on the head's thread
             self._make_worker(self.head.from_last)
+            self.head.run_stage = self.worker.run_pending
 
     # -- bootstrap ------------------------------------------------------------------
 
@@ -304,7 +305,8 @@ class StageNode:
         if self.worker is None:
             raise RuntimeError(f"stage {self.index}: connect() before start()")
         self._started_at = time.monotonic()
-        self.worker.start()
+        if self.config.depth > 1:
+            self.worker.start()
         if self._head_node is not None:
             self._heartbeat.start()
         if self.head is not None:

@@ -1,4 +1,5 @@
-"""A stage worker: one engine stage, its sequences' KV, one thread.
+"""A stage worker: one engine stage, its sequences' KV, one thread (a pipeline's only stage
+runs on its head's thread instead).
 
 It takes microbatch steps from the previous stage's link, computes its layers
 and sends the result on; the last stage samples and sends the tokens back to
@@ -132,15 +133,22 @@ class StageWorker:
     def _run(self) -> None:
         while not self._retired.is_set():
             message = self.inbox.recv(self.poll_s)
-            if message is None:
-                continue
-            self._handling = True
-            try:
-                go_on = self._handle(message)
-            finally:
-                self._handling, self._last_handled = False, time.monotonic()
-            if not go_on:
+            if message is not None and not self.handle(message):
                 return
+
+    def run_pending(self) -> None:
+        """Handle every message waiting in the inbox, on the caller's thread (a pipeline's
+        only stage runs on its head's: no hand-off between two threads per step)."""
+        while (message := self.inbox.recv(0)) is not None:
+            self.handle(message)
+
+    def handle(self, message: Message) -> bool:
+        """Compute and pass on one message; False when the stage must stop."""
+        self._handling = True
+        try:
+            return self._handle(message)
+        finally:
+            self._handling, self._last_handled = False, time.monotonic()
 
     def quiet(self, for_s: float) -> bool:
         """Nothing handled for ``for_s`` seconds: with no new work coming in (a paused
