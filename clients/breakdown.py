@@ -8,10 +8,10 @@ several tokens in one response):
 - ``engine``: the bare engine's decode step (``TorchEngine.decode`` + sampling);
 - ``pipeline``: a depth-1 colocated :class:`LocalPipeline` in this process (the
   serving nodes' head, scheduler and stage thread over the in-process transport);
-- ``T-node``: the decode model of a tritonserver, called over gRPC as the
-  frontend calls it (a :class:`~orchestrator.serving.node_stream.NodeStream`
-  and its token feed: the token service, Triton's Python-backend IPC for every
-  response, gRPC);
+- ``T-node``: the decode model of a tritonserver, called as the frontend calls
+  it (a :class:`~orchestrator.serving.node_stream.NodeStream` and its token
+  feed: the token service, its feed messages, Triton's Python-backend IPC and
+  gRPC for each request's own responses);
 - ``frontend``: the orchestrator model of the frontend (its stream to the
   T-node, the relay thread, IPC again, gRPC again);
 - ``ensemble``: what clients call (the ensemble's scheduling, preprocessing, and
@@ -348,6 +348,7 @@ def run_breakdown(model_dir, prompt: str, tokens: int, repeats: int, out_dir,
     from orchestrator.engine.torch_engine import load_engine
     from orchestrator.pipeline.local import LocalPipeline
     from orchestrator.pipeline.node import PipelineConfig
+    from orchestrator.serving.feed import FeedListener
     from orchestrator.serving.node_stream import NodeStream
     from orchestrator.serving.params import GenerationParams
 
@@ -370,7 +371,8 @@ def run_breakdown(model_dir, prompt: str, tokens: int, repeats: int, out_dir,
             frontend = cluster.frontend.grpc_url
             secret = load_secret(cluster.secret_file)
 
-            node = NodeStream(tnode, secret)
+            listener = FeedListener(secret)
+            node = NodeStream(tnode, secret, listener)
             runs = {
                 "engine": lambda: _on(token_core, time_engine, engine, prompt_ids, tokens),
                 "pipeline": lambda: time_pipeline(pipeline, prompt_ids, tokens),
@@ -384,6 +386,7 @@ def run_breakdown(model_dir, prompt: str, tokens: int, repeats: int, out_dir,
                 cpu = cpu_per_token(runs["ensemble"], repeats)
             finally:
                 node.close()
+                listener.close()
     finally:
         pipeline.stop()
     return layers, cpu, hop

@@ -7,9 +7,10 @@ prefills, streams each layer's KV into the stage that holds it and returns the
 first token, which goes to the client at once; stage 0's tokens follow.
 Colocated: the T-node prefills itself and every token comes from it. All calls
 are Triton gRPC; every request to a stage 0 goes on the one stream this
-frontend keeps to it, whose token feed brings the tokens of all of them
-(:mod:`orchestrator.serving.node_stream`). A stream that fell behind gets every
-token waiting for it in one response, as vLLM's output collector merges them.
+frontend keeps to it, and the tokens of all of them come back on a token feed,
+a message per pipeline step (:mod:`orchestrator.serving.node_stream`). A stream
+that fell behind gets every token waiting for it in one response, as vLLM's
+output collector merges them.
 
 A P-node lost mid-prompt (unreachable, killed while prefilling, or its KV
 transfer failed) costs the client a pause, not an error: the frontend cancels
@@ -57,6 +58,7 @@ from orchestrator.control.errors import ControlError, ErrorCode
 from orchestrator.engine.log_probs import TokenLogProb
 from orchestrator.engine.log_probs import decode as decode_log_probs
 from orchestrator.fault.rpc import Stub
+from orchestrator.serving.feed import FeedListener
 from orchestrator.serving.metrics import Metrics
 from orchestrator.serving.node_stream import (
     CANCEL_POLL_S,
@@ -144,6 +146,7 @@ class Frontend:
         self.prefill_clients = {url: connect(url) for url in prefill_urls}
         self.streams: dict[str, NodeStream] = {}  # stage 0 url -> the one stream to it
         self.streams_lock = threading.Lock()
+        self.feeds = FeedListener(secret)  # where every stage 0 pushes its tokens
         self.metrics = metrics or Metrics()
         self.stopped = threading.Event()
         self.watcher = None
@@ -214,6 +217,7 @@ class Frontend:
             streams, self.streams = list(self.streams.values()), {}
         for stream in streams:
             stream.close()
+        self.feeds.close()
 
     def _node_stream(self, url: str) -> NodeStream:
         """The stream to stage 0 at ``url``; a broken one is replaced (the node died or was
@@ -225,7 +229,7 @@ class Frontend:
             self.streams.pop(url, None)
         if stream is not None:
             stream.close()
-        stream = NodeStream(url, self.secret)
+        stream = NodeStream(url, self.secret, self.feeds)
         with self.streams_lock:
             racing = self.streams.setdefault(url, stream)
         if racing is not stream:  # another request made one meanwhile: use it

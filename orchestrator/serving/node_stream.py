@@ -1,14 +1,15 @@
 """One gRPC stream from the frontend to a token pipeline's stage 0, for all its requests there.
 
 A stream per request costs a gRPC call's setup and teardown and a tritonclient
-thread while it lasts, and a response per token. A :class:`NodeStream` keeps one
-stream to the T-node: every generate and ``end`` request of this frontend goes
-on it, each response goes to its request's queue by request id, and one more
-request on it, the *token feed* (the decode model's ``feed`` op), brings the
-tokens of all of them: one response per pipeline step for every request the step
-advanced. A request's own responses are its KV ticket, its failure and its last
-(empty) response; it is done once both that and the feed's word that its tokens
-are done have come, in either order.
+thread while it lasts. A :class:`NodeStream` keeps one stream to the T-node:
+every generate and ``end`` request of this frontend goes on it, and each
+response goes to its request's queue by request id. The tokens do not come as
+Triton responses: the stream opens a *token feed* (the decode model's ``feed``
+op) to the frontend's :class:`~orchestrator.serving.feed.FeedListener`, and the
+T-node pushes one message per pipeline step with the tokens of every request
+the step advanced. A request's own responses are its KV ticket, its failure
+and its last (empty) response; it is done once both that and the feed's word
+that its tokens are done have come, in either order (they travel apart).
 
 The stream breaking (the node died or was started again) fails every request on
 it, and the next request opens a new one. Nothing on it is ever cancelled: a
@@ -33,7 +34,7 @@ from tritonclient.utils import InferenceServerException
 from orchestrator.control.auth import request_parameters
 from orchestrator.control.client import connect, raise_for_error, stop_stream, tensor
 from orchestrator.engine.log_probs import TokenLogProb
-from orchestrator.serving.feed import decode_rows
+from orchestrator.serving.feed import FeedListener, FeedRow
 
 log = logging.getLogger(__name__)
 
@@ -60,16 +61,20 @@ class _Tokens:
 class NodeStream:
     """One stream to a T-node's ``decode`` model and the token feed on it."""
 
-    def __init__(self, url: str, secret: bytes) -> None:
-        self.url, self.secret = url, secret
+    def __init__(self, url: str, secret: bytes, listener: FeedListener) -> None:
+        """``listener``: where the T-node pushes the feed's tokens (the frontend's one)."""
+        self.url, self.secret, self.listener = url, secret, listener
         self.feed_id = f"feed-{uuid.uuid4().hex}"
         self.broken: Exception | None = None
         self._queues: dict[str, queue.Queue] = {}
         self._lock = threading.Lock()
         self._feed_ended = threading.Event()
+        listener.subscribe(self.feed_id, self._deliver, lambda: self._break(
+            ConnectionError(f"decode node {url}: its token feed's connection dropped")))
         self._client = connect(url)  # its own channel: a node started again is reached at once
         self._client.start_stream(callback=self._dispatch)
-        self.send(self.feed_id, "feed", [])
+        self.send(self.feed_id, "feed", [
+            tensor("peers", np.array([listener.address.encode()], dtype=np.object_))])
 
     def open(self, request_id: str, timeout_s: float) -> RequestStream:
         with self._lock:
@@ -111,16 +116,17 @@ class NodeStream:
         if request_id != self.feed_id:
             self._put(request_id, result)
             return
-        rows = result.as_numpy("feed")
-        if rows is None:  # the feed refused, its own final response, or the ``end`` op's reply
-            try:
-                raise_for_error(result, f"decode node {self.url} (token feed)")
-            except Exception as exc:
-                self._break(exc)
-            if result.as_numpy("reply") is None:
-                self._feed_ended.set()
-            return
-        for rid, tokens, log_probs, done in decode_rows(rows.reshape(-1)[0]):
+        # The feed refused, its own final response, or the ``end`` op's reply.
+        try:
+            raise_for_error(result, f"decode node {self.url} (token feed)")
+        except Exception as exc:
+            self._break(exc)
+        if result.as_numpy("reply") is None:
+            self._feed_ended.set()
+
+    def _deliver(self, rows: list[FeedRow]) -> None:
+        """On the listener's thread: the feed's tokens of one step."""
+        for rid, tokens, log_probs, done in rows:
             self._put(rid, _Tokens(tokens, log_probs, done))
 
     def _put(self, request_id: str, item: object) -> None:
@@ -147,6 +153,7 @@ class NodeStream:
             except Exception:  # the node is gone: nothing left to end
                 log.debug("could not end the token feed to %s", self.url, exc_info=True)
         self._break(ConnectionError(f"stream to {self.url} closed"))
+        self.listener.unsubscribe(self.feed_id)
         try:
             stop_stream(self._client, cancel=True)
         finally:

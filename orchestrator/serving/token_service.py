@@ -20,10 +20,11 @@ Tokens leave through a sender thread, not the head's: answering a request costs
 a round trip to tritonserver, which would otherwise delay the next step. A
 stream whose tokens pile up while its responses go out gets them in one
 response. A request that names a *token feed* (a long-lived request of the
-frontend's, opened with the ``feed`` op) gets its tokens there instead: one
-feed response carries the new tokens of every request of that feed, so a step
-of B requests costs one response, not B. The request's own stream then carries
-its KV ticket, its failure, and an empty last response.
+frontend's, opened with the ``feed`` op, :mod:`orchestrator.serving.feed`)
+gets its tokens there instead: one feed message carries the new tokens of every
+request of that feed, so a step of B requests costs one message, not B Triton
+responses. The request's own stream then carries its KV ticket, its failure,
+and an empty last response.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from orchestrator.fault.stage_recovery import RecoveryOps
 from orchestrator.pipeline.head import PipelineHead
 from orchestrator.pipeline.node import StageNode
 from orchestrator.pipeline.sequence import FinishReason, Sequence
-from orchestrator.serving.feed import FeedRow
+from orchestrator.serving.feed import FeedRow, RowSink
 from orchestrator.serving.metrics import Metrics
 from orchestrator.serving.params import GenerationParams, RequestError, check_prompt
 
@@ -60,16 +61,17 @@ class ControlRequest:
 
 # new tokens, their log-probs (None: not asked for), is this the last response
 Emit = Callable[[list[int], list[TokenLogProb] | None, bool], None]
-FeedSend = Callable[[list[FeedRow]], None]  # one feed response
-
-
 @dataclass(eq=False)
 class _Feed:
     """Where the tokens of the requests naming this feed go."""
 
-    send: FeedSend
-    close: Callable[[], None]  # its final response: the feed ends
+    rows: RowSink
+    close_stream: Callable[[], None]  # the feed request's final response: Triton frees it
     is_cancelled: Callable[[], bool]
+
+    def close(self) -> None:
+        self.rows.close()
+        self.close_stream()
 
 
 @dataclass(eq=False)
@@ -183,16 +185,21 @@ class TokenService:
             return b"1"
         return b"1" if client is not None and self.head.cancel(request.request_id) else b"0"
 
-    def open_feed(self, feed_id: str, send: FeedSend, close: Callable[[], None],
+    def open_feed(self, feed_id: str, rows: RowSink, close_stream: Callable[[], None],
                   is_cancelled: Callable[[], bool]) -> None:
-        """A token feed: the requests that name it get their tokens through ``send``; it
-        ends (``close``) with an ``end`` op naming it, its cancellation or the node's stop."""
-        if self.head is None:
-            raise RequestError("op 'feed' goes to stage 0, where requests run")
-        with self.lock:
-            if feed_id in self.feeds or feed_id in self.clients:
-                raise RequestError(f"request id {feed_id!r} is already open here")
-            self.feeds[feed_id] = _Feed(send, close, is_cancelled)
+        """A token feed: the requests that name it get their tokens through ``rows``; it
+        ends (``close_stream``: the feed request's final response) with an ``end`` op naming
+        it, its cancellation or the node's stop."""
+        try:
+            if self.head is None:
+                raise RequestError("op 'feed' goes to stage 0, where requests run")
+            with self.lock:
+                if feed_id in self.feeds or feed_id in self.clients:
+                    raise RequestError(f"request id {feed_id!r} is already open here")
+                self.feeds[feed_id] = _Feed(rows, close_stream, is_cancelled)
+        except RequestError:
+            rows.close()
+            raise
 
     def _end_feed(self, feed: _Feed) -> None:
         """Its final response goes out from the sender, after what it already holds."""
@@ -305,8 +312,8 @@ class TokenService:
             self._outbox.notify()
 
     def _send_loop(self) -> None:
-        """Answer every client with something to send: all its tokens in one response, and
-        one response per token feed for all of its clients."""
+        """Answer every client with something to send: all its tokens in one response, or
+        one message per token feed for all of its clients."""
         while True:
             with self._outbox:
                 self._outbox.wait_for(lambda: self._ready or self._ended_feeds or self._closing)
@@ -326,7 +333,7 @@ class TokenService:
             with self.lock:
                 feeds = {name: self.feeds.get(name) for name in rows}
             for name, feed_rows in rows.items():
-                self._answer(feeds[name].send if feeds[name] else None, feed_rows)
+                self._answer(feeds[name].rows.send if feeds[name] else None, feed_rows)
             for client, tokens, log_probs, final, error in work:
                 if client.feed is None and (tokens or final):
                     self._answer(client.emit, tokens, log_probs, final)

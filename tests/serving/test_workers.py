@@ -215,15 +215,20 @@ def test_a_request_ended_by_the_end_op_closes_its_stream_with_a_final_response(
 
 
 class Feed:
-    """What the decode model's response sender of a token feed would see."""
+    """What a token feed's listener (its rows) and its request's stream (its final response)
+    would see."""
 
     def __init__(self) -> None:
-        self.responses: list[list] = []  # each response's rows
-        self.closed = threading.Event()
+        self.responses: list[list] = []  # each message's rows
+        self.closed = threading.Event()  # the feed request's final response went out
+        self.sink_closed = False
         self.cancelled = False
 
     def send(self, rows: list) -> None:
         self.responses.append(rows)
+
+    def close(self) -> None:
+        self.sink_closed = True
 
     def tokens(self, request_id: str) -> tuple[list[int], bool]:
         rows = [r for response in self.responses for r in response if r[0] == request_id]
@@ -231,7 +236,7 @@ class Feed:
 
 
 def open_feed(service: TokenService, feed: Feed, name: str = "feed") -> None:
-    service.open_feed(name, feed.send, feed.closed.set, lambda: feed.cancelled)
+    service.open_feed(name, feed, feed.closed.set, lambda: feed.cancelled)
 
 
 def test_a_token_feed_carries_every_requests_tokens_in_one_response_per_step(engine):
@@ -267,13 +272,15 @@ def test_a_cancelled_feed_is_closed_and_the_node_stop_closes_the_others(engine):
     try:
         open_feed(service, gone, "gone")
         open_feed(service, open_, "open")
+        refused = Feed()
         with pytest.raises(RequestError, match="already open"):
-            open_feed(service, Feed(), "open")
+            open_feed(service, refused, "open")
+        assert refused.sink_closed  # its socket is not left open
         gone.cancelled = True  # Triton cancelled it: its frontend went away
-        assert gone.closed.wait(5) and not open_.closed.is_set()
+        assert gone.closed.wait(5) and gone.sink_closed and not open_.closed.is_set()
     finally:
         service.stop()
-    assert open_.closed.is_set()  # its final response went out: Triton can release it
+    assert open_.closed.is_set() and open_.sink_closed  # final response out: Triton frees it
 
 
 def test_kv_that_never_comes_fails_the_request_and_frees_the_slot(model):

@@ -1,14 +1,15 @@
 """T-node, decoupled: one stage of a token pipeline. ``op`` absent (or ``generate``): admit a
 request and stream each token as it is made (stage 0), on its own stream or on the token
-feed it names (``feed``); ``feed``: open a token feed, one response per step for all the
-requests on it; else a control request (bootstrap, KV reservation, recovery, ``end`` of a
-request whose client left or of a feed) answered with one final ``reply``. Every request
-must be signed with the cluster secret; failures come back as ``error_code`` and ``error``."""
+feed it names (``feed``); ``feed``: open a token feed to the frontend's listener
+(``peers``), one message per step for all the requests on it; else a control request
+(bootstrap, KV reservation, recovery, ``end`` of a request whose client left or of a
+feed) answered with one final ``reply``. Every request must be signed with the cluster
+secret; failures come back as ``error_code`` and ``error``."""
 
 from orchestrator.control.errors import ErrorCode, code_of
 from orchestrator.engine.log_probs import encode as encode_log_probs
 from orchestrator.serving import pb
-from orchestrator.serving.feed import encode_rows
+from orchestrator.serving.feed import FeedSender
 from orchestrator.serving.node import connect_controller, load_token_service
 from orchestrator.serving.params import GenerationParams
 from orchestrator.serving.token_service import ControlRequest
@@ -33,12 +34,10 @@ class TritonPythonModel:
             try:
                 op = "generate" if tensors["op"] is None else pb.text(tensors["op"])
                 pb.check_signed(request, self.secret, "decode", op)
-                if op == "feed":
-
-                    def send_rows(rows, sender=sender):
-                        pb.send(sender, pb.response(feed=pb.strings(encode_rows(rows))))
-
-                    self.service.open_feed(request.request_id(), send_rows,
+                if op == "feed":  # peers: the frontend's feed listener
+                    rows = FeedSender(pb.text(tensors["peers"]), request.request_id(),
+                                      self.secret)
+                    self.service.open_feed(request.request_id(), rows,
                                            lambda sender=sender: pb.send_final(sender),
                                            pb.cancelled(request))
                     continue
