@@ -25,10 +25,8 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -371,23 +369,6 @@ class ControllerServer:
         self._stop.set()
         self._server.stop(grace_s).wait(grace_s + 1)
         self._sweeper.join(timeout=grace_s + 1)
-
-
-def spawn(timeout_s: float, secret: bytes, port: int = 0) -> tuple[subprocess.Popen, str]:
-    """Start the controller as its own process (``secret`` in its environment); returns it
-    and the address it bound."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "orchestrator.fault.controller",
-         "--port", str(port), "--timeout-s", str(timeout_s)],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-        env=os.environ | {ENV: secret.hex()},
-    )
-    line = proc.stdout.readline()  # printed once bound; empty if it exits first
-    if not line.startswith("controller listening on "):
-        proc.kill()
-        proc.wait(timeout=10)
-        raise RuntimeError(f"the controller did not start (port {port}): {line!r}")
-    return proc, line.split()[-1]
 
 
 def main(argv: list[str] | None = None) -> int:
