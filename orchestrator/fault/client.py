@@ -45,7 +45,6 @@ class NodeSpec:
     depth: int
     role: str = "token"
     address: str = ""  # where peers reach the node's service (Triton URL)
-    transport: str = ""  # replication transport metadata (base64)
 
 
 class ControllerClient:
@@ -182,7 +181,7 @@ class ControllerClient:
         reply = self._call("Register", {
             "node_id": self.node_id, "role": spec.role, "pipeline": spec.pipeline,
             "stage": spec.stage, "depth": spec.depth, "address": spec.address,
-            "transport": spec.transport, "rejoin": self._rejoin,
+            "rejoin": self._rejoin,
         })
         self.epoch, self.state = reply["epoch"], reply["state"]
         self._registered = True

@@ -180,7 +180,9 @@ def test_acks_pick_the_step_to_redo_and_a_replacement_gets_the_plan(controller: 
         assert plan["failed"] == [1] and not plan["recompute"]
         assert plan["restore"] == [[2, 1]] and plan["rereplicate"] == [[0, 1]]
         assert plan["resume"] == {"0": 7, "1": 4} and plan["first"] == [1, 4]
-        assert plan["nodes"]["1"]["node_id"] == spare.node_id
+        live = [n["node_id"] for n in query_status(controller, SECRET)["nodes"]
+                if (n["pipeline"], n["stage"], n["alive"]) == ("acks", 1, True)]
+        assert live == [spare.node_id]  # the replacement holds the lost stage
         for c in (nodes[0], spare, nodes[2]):
             again = wait_for_plan(controller, SECRET, "acks", 0, timeout_s=5)
             assert again["epoch"] == plan["epoch"]
