@@ -30,7 +30,6 @@ class ModelConfig:
     norm_eps: float
     activation: str  # HF name: gelu_new, relu, silu, ...
     tie_embeddings: bool
-    bos_id: int | None
     eos_id: int | None
     dtype: str  # the checkpoint's dtype
     rope_theta: float | None = None  # None: learned absolute positions
@@ -108,7 +107,6 @@ def _gpt2(hf: dict) -> ModelConfig:
         norm_eps=hf.get("layer_norm_epsilon", 1e-5),
         activation=hf.get("activation_function", "gelu_new"),
         tie_embeddings=hf.get("tie_word_embeddings", True),
-        bos_id=hf.get("bos_token_id"),
         eos_id=_eos(hf),
         dtype=_dtype(hf),
     )
@@ -133,7 +131,6 @@ def _opt(hf: dict) -> ModelConfig:
         norm_eps=1e-5,  # OPT uses nn.LayerNorm's default
         activation=hf.get("activation_function", "relu"),
         tie_embeddings=hf.get("tie_word_embeddings", True),
-        bos_id=hf.get("bos_token_id"),
         eos_id=_eos(hf),
         dtype=_dtype(hf),
     )
@@ -159,7 +156,6 @@ def _llama(hf: dict) -> ModelConfig:
         norm_eps=hf.get("rms_norm_eps", 1e-6),
         activation=hf.get("hidden_act", "silu"),
         tie_embeddings=hf.get("tie_word_embeddings", False),
-        bos_id=hf.get("bos_token_id"),
         eos_id=_eos(hf),
         dtype=_dtype(hf),
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),

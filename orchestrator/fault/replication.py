@@ -105,9 +105,6 @@ class ReplicaStore:
         with self._lock:
             return sorted(self._held)
 
-    def held_bytes(self) -> int:
-        return len(self.held) * self.layout.slot_bytes()
-
 
 def send_cache(sender: KVSender, request_id: str, cache: KVCache, ticket: bytes,
                timeout_s: float) -> None:
