@@ -19,6 +19,7 @@ from orchestrator.serving.batch import SequenceJob
 from orchestrator.serving.config import NodeConfig
 from orchestrator.serving.entry import EntryPoint, Replies
 from orchestrator.serving.metrics import Metrics
+from orchestrator.serving.params import as_text
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # Every call below talks to tritonserver through the stub's shared memory. Made from
@@ -92,8 +93,7 @@ def text(array: np.ndarray) -> str:
     """One string from a ``[1]`` or ``[1, 1]`` BYTES tensor."""
     if array.size != 1:
         raise ValueError(f"expected one string, got shape {list(array.shape)}")
-    value = array.reshape(-1)[0]
-    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+    return as_text(array.reshape(-1)[0])
 
 
 def response(**arrays: np.ndarray) -> pb_utils.InferenceResponse:
