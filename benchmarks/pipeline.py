@@ -20,9 +20,10 @@ from pathlib import Path
 
 import torch
 
+from orchestrator.engine.reference import load_stages
 from orchestrator.pipeline.local import LocalPipeline
 from orchestrator.pipeline.node import PipelineConfig
-from orchestrator.pipeline.pipeline import load_pipeline_engines, measure_step_time
+from orchestrator.pipeline.pipeline import measure_step_time
 from orchestrator.pipeline.sequence import FinishReason, Sequence
 from orchestrator.pipeline.stage import Interval
 from orchestrator.pipeline.swapper import measure_copy_bandwidth, should_swap
@@ -169,10 +170,10 @@ def main(argv: list[str]) -> int:
 
     # Engines keep no per-request state (the pipelines own the KV): every run shares them.
     try:
-        engines = load_pipeline_engines(model, args.stages, layers, max_seq_len=max_seq)
+        engines = load_stages(model, args.stages, layers=layers, max_seq_len=max_seq)
     except ValueError as e:
         parser.error(str(e))
-    prompt_engines = load_pipeline_engines(model, 1, max_seq_len=max_seq)
+    prompt_engines = load_stages(model, 1, max_seq_len=max_seq)
     prompts, limits, source = workload(args, engines[0].vocab_size)
     split = [e.stage.count for e in engines]
     print(f"model {model} ({args.arch}/{args.preset}), token stages of {split} layers, "

@@ -14,7 +14,9 @@ gather into one transfer (DejaVu §4.1).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from itertools import accumulate, pairwise
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -138,8 +140,16 @@ class StageSpec:
         return cls(0, num_layers, num_layers)
 
     @classmethod
-    def split(cls, num_layers: int, depth: int) -> list[StageSpec]:
-        """Split evenly; earlier stages take the remainder."""
+    def split(
+        cls, num_layers: int, depth: int, layers: Sequence[int] | None = None
+    ) -> list[StageSpec]:
+        """Split evenly (earlier stages take the remainder), or by explicit layer counts."""
+        if layers is not None:
+            if depth != len(layers):
+                raise ValueError(f"depth {depth} but {len(layers)} layer counts {list(layers)}")
+            if sum(layers) != num_layers or min(layers) < 1:
+                raise ValueError(f"layer counts {list(layers)} do not split {num_layers} layers")
+            return [cls(a, b, num_layers) for a, b in pairwise([0, *accumulate(layers)])]
         if not 1 <= depth <= num_layers:
             raise ValueError(f"cannot split {num_layers} layers into {depth} stages")
         base, extra = divmod(num_layers, depth)

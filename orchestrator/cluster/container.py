@@ -37,8 +37,14 @@ from pathlib import Path
 import grpc
 
 from orchestrator.cluster.devices import node_devices
-from orchestrator.cluster.launcher import connect_pipeline, device_params, topology_arguments
-from orchestrator.cluster.topology import Topology, node_configs, write_node_repo
+from orchestrator.cluster.launcher import (
+    connect_pipeline,
+    device_params,
+    settings_from,
+    topology_arguments,
+    topology_from,
+)
+from orchestrator.cluster.topology import node_configs, write_node_repo
 from orchestrator.cluster.tritonserver import TritonServer, is_ready, make_backend_dir
 from orchestrator.control.auth import load_secret
 from orchestrator.fault.client import query_status
@@ -75,11 +81,9 @@ def _host(args: argparse.Namespace, name: str) -> str:
 
 def _configs(args: argparse.Namespace) -> dict[str, NodeConfig]:
     return node_configs(
-        Topology(args.prefill, args.decode, args.prefill_depth, args.decode_depth,
-                 args.colocated),
-        lambda name: f"{_host(args, name)}:{GRPC_PORT}", lambda name: "/tmp/dejavu/replicas",
-        model_dir=args.model, controller=args.controller, max_seq_len=args.max_seq_len,
-        swap=args.swap, replicate=args.replicate, max_batch=args.max_batch)
+        topology_from(args), lambda name: f"{_host(args, name)}:{GRPC_PORT}",
+        lambda name: "/tmp/dejavu/replicas", model_dir=args.model, controller=args.controller,
+        **settings_from(args))
 
 
 def _node_config(args: argparse.Namespace) -> NodeConfig:

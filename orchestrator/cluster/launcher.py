@@ -439,12 +439,14 @@ def topology_arguments(parser: argparse.ArgumentParser) -> None:
                         "(pipelines deeper than 1)")
 
 
-def _topology(args: argparse.Namespace) -> Topology:
+def topology_from(args: argparse.Namespace) -> Topology:
+    """The cluster :func:`topology_arguments` parsed."""
     return Topology(args.prefill, args.decode, args.prefill_depth, args.decode_depth,
                     args.colocated)
 
 
-def _settings(args: argparse.Namespace) -> dict:
+def settings_from(args: argparse.Namespace) -> dict:
+    """The node settings :func:`topology_arguments` parsed, as NodeConfig fields."""
     return {"max_seq_len": args.max_seq_len, "swap": args.swap, "replicate": args.replicate,
             "max_batch": args.max_batch}
 
@@ -474,14 +476,14 @@ def up_main(argv: list[str]) -> int:
     try:
         common = dict(run_dir=args.dir, controller_timeout_s=args.controller_timeout,
                       devices=parse_assignments(args.devices), spares=args.spares,
-                      **_settings(args))
+                      **settings_from(args))
         if args.spec is not None:
             del common["max_batch"]  # the spec's
             cluster = Cluster.from_spec(json.loads(args.spec.read_text()), **common)
         elif args.model is None:
             raise ValueError("give --model DIR or --spec FILE")
         else:
-            t = _topology(args)
+            t = topology_from(args)
             cluster = Cluster(args.model, t.prefill, t.decode, t.colocated,
                               prefill_depth=t.prefill_depth, decode_depth=t.decode_depth,
                               **common)

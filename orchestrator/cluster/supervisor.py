@@ -46,7 +46,7 @@ from orchestrator.cluster.devices import node_devices
 from orchestrator.cluster.launcher import STATE_FILE, Controller, connect_pipeline, read_state
 from orchestrator.cluster.topology import write_node_repo
 from orchestrator.cluster.tritonserver import ServerError, TritonServer, alive, clean_shm
-from orchestrator.cluster.watchdog import keep, stopping
+from orchestrator.cluster.watchdog import keep, stopping, write_atomic
 from orchestrator.control.auth import load_secret
 from orchestrator.control.client import ControlClient
 from orchestrator.fault.client import query_status
@@ -313,9 +313,7 @@ class Supervisor:
         self.write_state(state)
 
     def write_state(self, state: dict) -> None:
-        path = self.run_dir / STATE_FILE
-        path.with_suffix(".tmp").write_text(json.dumps(state, indent=2) + "\n")
-        path.with_suffix(".tmp").replace(path)
+        write_atomic(self.run_dir / STATE_FILE, json.dumps(state, indent=2) + "\n")
 
     def plan(self, controller: str, pipeline: str) -> dict | None:
         return self.controller_stub(controller).call("Plan", {"pipeline": pipeline}, 2.0)["plan"]

@@ -94,7 +94,7 @@ def add_model(repo: Path, model: str, params: dict[str, str] | None = None) -> N
 
 @dataclass
 class TritonServer:
-    """A tritonserver on loopback ports; ``start`` returns once it is ready."""
+    """A tritonserver on loopback ports: ``launch`` starts it, ``wait_ready`` waits for it."""
 
     name: str
     repo: Path
@@ -103,7 +103,6 @@ class TritonServer:
     http_port: int = field(default_factory=free_port)
     grpc_port: int = field(default_factory=free_port)
     metrics_port: int = field(default_factory=free_port)
-    env: dict[str, str] = field(default_factory=dict)
     process: subprocess.Popen | None = None
     incarnation: int = 0  # started again after a failure this many times
     devices: Devices | None = None  # pinned to these cores / GPUs (None: anywhere)
@@ -151,13 +150,7 @@ class TritonServer:
         env.setdefault("UCX_TLS", "tcp,sm")
         if self.devices is not None:
             env.update(self.devices.environment())
-        env.update(self.env)
         return env
-
-    def start(self, timeout_s: float = 120.0) -> TritonServer:
-        self.launch()
-        self.wait_ready(timeout_s)
-        return self
 
     def launch(self) -> None:
         """Start the process without waiting: several nodes can start side by side."""

@@ -28,12 +28,17 @@ MODULES = {"supervisor": "orchestrator.cluster.supervisor",
            "watchdog": "orchestrator.cluster.watchdog"}
 
 
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``path`` through a file beside it: a reader never sees it half written."""
+    path.with_suffix(".tmp").write_text(text)
+    path.with_suffix(".tmp").replace(path)
+
+
 def write_pid(run_dir: Path, role: str, pid: int) -> None:
     """Record ``pid`` as the cluster's ``role``."""
     path = run_dir / "pids" / role
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.with_suffix(".tmp").write_text(f"{pid}\n")
-    path.with_suffix(".tmp").replace(path)
+    write_atomic(path, f"{pid}\n")
 
 
 def read_pid(run_dir: Path, role: str) -> int | None:

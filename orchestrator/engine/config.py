@@ -30,7 +30,6 @@ class ModelConfig:
     norm_eps: float
     activation: str  # HF name: gelu_new, relu, silu, ...
     tie_embeddings: bool
-    bos_id: int | None
     eos_id: int | None
     dtype: str  # the checkpoint's dtype
     rope_theta: float | None = None  # None: learned absolute positions
@@ -91,6 +90,12 @@ def _require(hf: dict, ok: bool, what: str) -> None:
         raise ValueError(f"unsupported {hf['model_type']} variant: {what}")
 
 
+def _common(hf: dict, hidden: int, heads: int) -> dict:
+    """The fields every family reads the same way (under its own names for the sizes)."""
+    return dict(hidden_size=hidden, num_heads=heads, vocab_size=hf["vocab_size"],
+                eos_id=_eos(hf), dtype=_dtype(hf))
+
+
 def _gpt2(hf: dict) -> ModelConfig:
     _require(hf, hf.get("scale_attn_weights", True), "scale_attn_weights=false")
     _require(hf, not hf.get("scale_attn_by_inverse_layer_idx"), "scale_attn_by_inverse_layer_idx")
@@ -98,19 +103,14 @@ def _gpt2(hf: dict) -> ModelConfig:
     return ModelConfig(
         family="gpt2",
         num_layers=hf["n_layer"],
-        num_heads=heads,
         num_kv_heads=heads,
         head_dim=hidden // heads,
-        hidden_size=hidden,
         intermediate_size=hf.get("n_inner") or 4 * hidden,
-        vocab_size=hf["vocab_size"],
         max_positions=hf["n_positions"],
         norm_eps=hf.get("layer_norm_epsilon", 1e-5),
         activation=hf.get("activation_function", "gelu_new"),
         tie_embeddings=hf.get("tie_word_embeddings", True),
-        bos_id=hf.get("bos_token_id"),
-        eos_id=_eos(hf),
-        dtype=_dtype(hf),
+        **_common(hf, hidden, heads),
     )
 
 
@@ -123,19 +123,14 @@ def _opt(hf: dict) -> ModelConfig:
     return ModelConfig(
         family="opt",
         num_layers=hf["num_hidden_layers"],
-        num_heads=heads,
         num_kv_heads=heads,
         head_dim=hidden // heads,
-        hidden_size=hidden,
         intermediate_size=hf["ffn_dim"],
-        vocab_size=hf["vocab_size"],
         max_positions=hf["max_position_embeddings"],
         norm_eps=1e-5,  # OPT uses nn.LayerNorm's default
         activation=hf.get("activation_function", "relu"),
         tie_embeddings=hf.get("tie_word_embeddings", True),
-        bos_id=hf.get("bos_token_id"),
-        eos_id=_eos(hf),
-        dtype=_dtype(hf),
+        **_common(hf, hidden, heads),
     )
 
 
@@ -149,18 +144,13 @@ def _llama(hf: dict) -> ModelConfig:
     return ModelConfig(
         family="llama",
         num_layers=hf["num_hidden_layers"],
-        num_heads=heads,
         num_kv_heads=hf.get("num_key_value_heads") or heads,
         head_dim=hf.get("head_dim") or hidden // heads,
-        hidden_size=hidden,
         intermediate_size=hf["intermediate_size"],
-        vocab_size=hf["vocab_size"],
         max_positions=hf["max_position_embeddings"],
         norm_eps=hf.get("rms_norm_eps", 1e-6),
         activation=hf.get("hidden_act", "silu"),
         tie_embeddings=hf.get("tie_word_embeddings", False),
-        bos_id=hf.get("bos_token_id"),
-        eos_id=_eos(hf),
-        dtype=_dtype(hf),
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        **_common(hf, hidden, heads),
     )

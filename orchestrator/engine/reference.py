@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -92,12 +93,19 @@ def log_softmax_along(
     return torch.log_softmax(torch.stack(rows).float(), dim=-1)
 
 
-def load_stages(model_dir: str, depth: int = 1, device: str = "cpu", **kwargs) -> list[TorchEngine]:
-    """The model split evenly into ``depth`` stages, each its own engine."""
+def load_stages(
+    model_dir: str | Path,
+    depth: int = 1,
+    device: str = "cpu",
+    layers: Sequence[int] | None = None,
+    **kwargs,
+) -> list[TorchEngine]:
+    """The model split into ``depth`` stages (evenly, or ``layers`` per stage), each its own
+    engine (``kwargs`` go to ``load_engine``)."""
     num_layers = ModelConfig.from_dir(model_dir).num_layers
     return [
         load_engine(model_dir, stage, device, **kwargs)
-        for stage in StageSpec.split(num_layers, depth)
+        for stage in StageSpec.split(num_layers, depth, layers)
     ]
 
 

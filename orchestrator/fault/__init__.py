@@ -1,7 +1,7 @@
 """Fault tolerance (DejaVu §4.3): a controller process, KV replicas on the next stage, recovery.
 
 - ``controller``: registration, heartbeats, acks, failure detection, recovery plans.
-- ``client``: the node side of the controller (heartbeat thread, acks, plans).
+- ``client``: the node side of the controller (heartbeat thread, acks, recovery reports).
 - ``replication``: stage x streams its KV to stage (x+1)%D's host memory.
 - ``node_replication``: the same replicas across processes, for a ``StageNode``
   (holder's control calls over gRPC, KV over the node's own NIXL endpoint).
@@ -9,8 +9,10 @@
 - ``stage_recovery``: the four recovery steps (DejaVu §4.3, Fig. 10) as a T-node's
   operations, and their order across nodes (a lost stage replaced; a dropped
   connection made again).
-- ``local``: the same nodes, replicas and steps on an in-process pipeline (tests, the
-  recovery benchmark), kill drills, the recompute fallback and the restart baseline.
+
+The same nodes, replicas and steps on an in-process pipeline, with kill drills, the
+recompute fallback and the restart baseline, are the tests' drill
+(``tests/fault/replicated_pipeline.py``).
 """
 
 

@@ -1,4 +1,4 @@
-"""The node side of the controller: registration, a heartbeat thread, acks, recovery plans.
+"""The node side of the controller: registration, a heartbeat thread, acks, recovery reports.
 
 Nothing on the serving path waits for the controller: ``ack`` only records the
 step, and the heartbeat thread sends the acks recorded since its last beat.
@@ -45,7 +45,6 @@ class NodeSpec:
     depth: int
     role: str = "token"
     address: str = ""  # where peers reach the node's service (Triton URL)
-    transport: str = ""  # replication transport metadata (base64)
 
 
 class ControllerClient:
@@ -72,7 +71,6 @@ class ControllerClient:
         self.ack_interval_s = min(ack_interval_s, heartbeat_s)
         self.epoch, self.state = 0, "unknown"  # of the pipeline, as of the last beat
         self.connected = False
-        self.fenced = threading.Event()  # the controller declared this node dead
         self._stub = Stub(controller, secret)
         self._registered = False
         self._rejoin = False  # registered before, with a controller that forgot it since
@@ -105,30 +103,6 @@ class ControllerClient:
                 self._acks[key] = step
                 self._unsent.add(key)
 
-    @property
-    def unsent_acks(self) -> int:
-        with self._lock:
-            return len(self._unsent)
-
-    def wait_for_recovery_plan(self, after_epoch: int, timeout_s: float,
-                               poll_s: float = 0.02) -> dict:
-        """Block until the controller has a plan newer than ``after_epoch``."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                reply = self._call("Plan", {"pipeline": self.spec.pipeline,
-                                            "after_epoch": after_epoch})
-                if reply["plan"] is not None:
-                    return reply["plan"]
-            except grpc.RpcError as e:
-                log.debug("plan poll failed: %s", e.code())
-            if time.monotonic() >= deadline:
-                raise TimeoutError(
-                    f"no recovery plan for pipeline {self.spec.pipeline!r} after epoch "
-                    f"{after_epoch} within {timeout_s} s"
-                )
-            time.sleep(poll_s)
-
     def recovered(self, epoch: int) -> None:
         """This node carried out plan ``epoch``; its replicas restart from the resume point."""
         with self._lock:  # the controller rolled the acks back; redone steps ack again
@@ -152,9 +126,6 @@ class ControllerClient:
                             self.node_id, stage)
         except grpc.RpcError as e:  # the heartbeat timeout still finds it
             log.warning("%s: could not report stage %d: %s", self.node_id, stage, e.code())
-
-    def status(self) -> dict:
-        return query_status(self._stub, timeout_s=self.rpc_timeout_s)
 
     # -- the heartbeat thread -------------------------------------------------
 
@@ -198,7 +169,6 @@ class ControllerClient:
                 log.debug("%s: %s; retrying", self.node_id, e.details())
             elif code == grpc.StatusCode.FAILED_PRECONDITION:
                 log.error("%s: the controller declared this node dead", self.node_id)
-                self.fenced.set()
                 self._stop.set()
             elif self.connected or not self._warned:
                 log.warning("%s: controller unreachable (%s); serving goes on, failures "
@@ -211,7 +181,7 @@ class ControllerClient:
         reply = self._call("Register", {
             "node_id": self.node_id, "role": spec.role, "pipeline": spec.pipeline,
             "stage": spec.stage, "depth": spec.depth, "address": spec.address,
-            "transport": spec.transport, "rejoin": self._rejoin,
+            "rejoin": self._rejoin,
         })
         self.epoch, self.state = reply["epoch"], reply["state"]
         self._registered = True

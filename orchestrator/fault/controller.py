@@ -1,6 +1,6 @@
 """The controller: a process of its own that watches the token pipelines (DejaVu §4.3).
 
-Nodes register (role, pipeline, stage, address, transport metadata) and
+Nodes register (role, pipeline, stage, address) and
 heartbeat. A node whose transport lost its connection to another stage says
 so (``Suspect``); the controller probes that node's address at once and
 declares it dead if nothing listens there any more, so detection need not
@@ -25,10 +25,8 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -55,7 +53,6 @@ class Node:
     stage: int
     depth: int
     address: str
-    transport: str  # the node's replication transport metadata (base64)
     last_seen: float
     alive: bool = True
 
@@ -125,7 +122,7 @@ class ControllerState:
                 )
             self.nodes[node_id] = Node(
                 node_id, role, pipeline_name, stage, depth,
-                str(req.get("address", "")), str(req.get("transport", "")), now,
+                str(req.get("address", "")), now,
             )
             pipeline.slots[stage] = node_id
             pipeline.rejoined |= bool(req.get("rejoin"))
@@ -221,10 +218,9 @@ class ControllerState:
     def _maybe_plan(self, name: str, pipeline: Pipeline) -> None:
         if not pipeline.failed or pipeline.plan is not None:
             return
-        live = {s: self.nodes[n] for s, n in pipeline.slots.items() if self.nodes[n].alive}
-        if len(live) < pipeline.depth:
+        if sum(self.nodes[n].alive for n in pipeline.slots.values()) < pipeline.depth:
             return  # wait for every lost stage to have a replacement
-        pipeline.plan = make_plan(name, pipeline, live)
+        pipeline.plan = make_plan(name, pipeline)
         # Every stage rolls back to the resume step and replicas are re-seeded from there.
         for j, t in pipeline.plan["resume"].items():
             for s in range(pipeline.depth):
@@ -294,7 +290,7 @@ def listening(address: str, timeout_s: float = 0.2) -> bool:
     return True
 
 
-def make_plan(name: str, pipeline: Pipeline, live: dict[int, Node]) -> dict:
+def make_plan(name: str, pipeline: Pipeline) -> dict:
     """Who restores whom, and the step of each microbatch to redo.
 
     Step 1: stage (x+1)%D holds x's replica and sends it to the new x.
@@ -319,10 +315,6 @@ def make_plan(name: str, pipeline: Pipeline, live: dict[int, Node]) -> dict:
         "pipeline": name,
         "depth": depth,
         "failed": sorted(failed),
-        "nodes": {
-            str(s): {"node_id": n.node_id, "address": n.address, "transport": n.transport}
-            for s, n in sorted(live.items())
-        },
         "restore": [] if recompute else [[(x + 1) % depth, x] for x in sorted(failed)],
         "rereplicate": [] if recompute else [[(x - 1) % depth, x] for x in sorted(failed)],
         "recompute": recompute,
@@ -371,23 +363,6 @@ class ControllerServer:
         self._stop.set()
         self._server.stop(grace_s).wait(grace_s + 1)
         self._sweeper.join(timeout=grace_s + 1)
-
-
-def spawn(timeout_s: float, secret: bytes, port: int = 0) -> tuple[subprocess.Popen, str]:
-    """Start the controller as its own process (``secret`` in its environment); returns it
-    and the address it bound."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "orchestrator.fault.controller",
-         "--port", str(port), "--timeout-s", str(timeout_s)],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-        env=os.environ | {ENV: secret.hex()},
-    )
-    line = proc.stdout.readline()  # printed once bound; empty if it exits first
-    if not line.startswith("controller listening on "):
-        proc.kill()
-        proc.wait(timeout=10)
-        raise RuntimeError(f"the controller did not start (port {port}): {line!r}")
-    return proc, line.split()[-1]
 
 
 def main(argv: list[str] | None = None) -> int:

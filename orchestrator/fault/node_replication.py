@@ -38,9 +38,7 @@ Across Triton nodes these calls are control requests, and
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
-import threading
 from collections.abc import Callable
 from concurrent import futures
 
@@ -123,12 +121,6 @@ class RemoteReplicaPeer:
         self._stub.close()
 
 
-def kv_digest(cache: KVCache, length: int | None = None) -> str:
-    """SHA-256 of a cache's first ``length`` positions (default: all it holds), every layer."""
-    length = cache.length if length is None else length
-    return hashlib.sha256(cache.data[:, :, :, :length].contiguous().numpy().tobytes()).hexdigest()
-
-
 class NodeReplication:
     """One stage node's replicas: its own KV streamed to its successor, its predecessor's held."""
 
@@ -156,9 +148,7 @@ class NodeReplication:
         self.node, self.secret, self.timeout_s = node, secret, timeout_s
         self.slots = slots or config.microbatches * config.batch_size + config.prompt_slots
         self.transport = make_transport(f"{node.name}-replica")
-        self.landed: dict[int, int] = {}  # microbatch -> last step of the predecessor landed
         self._ack = ack
-        self._lock = threading.Lock()
         # Where this stage's own KV lands when its holder restores it (recovery step 1).
         self.landing = ReplicaStore(self.transport, node.engine.kv_layout, self.slots, secret,
                                     timeout_s=timeout_s)
@@ -188,7 +178,7 @@ class NodeReplication:
         succ = self._endpoints_of("next", next, 1)
         pred = self._endpoints_of("previous", previous, -1)
         self.server.store = ReplicaStore(self.transport, KVLayout(**pred["layout"]), self.slots,
-                                         self.secret, self._on_landed, self.timeout_s)
+                                         self.secret, self._ack, self.timeout_s)
         self._replicate_to(succ)
         worker = self.node.worker
         assert worker is not None
@@ -291,12 +281,6 @@ class NodeReplication:
         assert self.replicator is not None
         self.replicator.remove(str(seq_id))
 
-    def _on_landed(self, source_stage: int, microbatch: int, step: int) -> None:
-        with self._lock:
-            self.landed[microbatch] = max(step, self.landed.get(microbatch, -1))
-        if self._ack is not None:
-            self._ack(source_stage, microbatch, step)
-
     # -- checks -------------------------------------------------------------------------
 
     def flush(self) -> None:
@@ -311,17 +295,6 @@ class NodeReplication:
     def held_counts(self) -> dict[str, int]:
         """Replicas held here, and restored KV not yet adopted."""
         return {"replicas": len(self.held()), "landing": len(self.landing.held)}
-
-    def replica_digests(self, lengths: dict[str, int]) -> dict[str, str]:
-        """Digests of the predecessor's replicas held here, ``lengths`` positions each."""
-        assert self.store is not None
-        self.store.progress()
-        return {rid: kv_digest(self.store.replica(rid, n), n) for rid, n in lengths.items()}
-
-    def own_digests(self) -> dict[str, tuple[int, str]]:
-        """This stage's own KV, per sequence: (positions, digest). Call it between steps
-        (a paused and drained pipeline)."""
-        return {str(s): (c.length, kv_digest(c)) for s, c in self.node.kv.held().items()}
 
     def close(self) -> None:
         if self.replicator is not None:

@@ -15,8 +15,10 @@ holder's memory: NIXL/UCX semantics), the source tells the holder, and the
 dead stage live on with its holder. An ack that is late or lost only makes
 recovery redo more steps, never fewer.
 
-The holder's side crosses nodes through :class:`ReplicaPeer` (``open`` a slot
-and get a ticket, ``free`` it); in one process it is the store itself.
+The source reaches the holder through a :class:`ReplicaPeer` (``open`` a slot
+and get a ticket, ``free`` it, ``landed``): in a deployment the holder is
+another process (:class:`~orchestrator.fault.node_replication.RemoteReplicaPeer`);
+a :class:`ReplicaStore` is one itself, which the unit tests use in one process.
 """
 
 from __future__ import annotations
@@ -104,9 +106,6 @@ class ReplicaStore:
     def held(self) -> list[str]:
         with self._lock:
             return sorted(self._held)
-
-    def held_bytes(self) -> int:
-        return len(self.held) * self.layout.slot_bytes()
 
 
 def send_cache(sender: KVSender, request_id: str, cache: KVCache, ticket: bytes,

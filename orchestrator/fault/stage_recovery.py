@@ -65,8 +65,7 @@ class RecoveryOps:
             "reconnect": self._reconnect, "pause": self._pause, "quiet": self._quiet,
             "rewind": self._rewind, "restore": self._restore, "adopt": self._adopt,
             "rollback": self._rollback, "reseed": self._reseed, "recovered": self._recovered,
-            "resume": self._resume, "held": self._held, "fault": self._fault,
-            "drop_link": self._drop_link,
+            "resume": self._resume, "fault": self._fault, "drop_link": self._drop_link,
         }
 
     def _head(self):  # noqa: ANN202  (a PipelineHead; only node 0 has one)
@@ -127,11 +126,6 @@ class RecoveryOps:
 
     def _drop_link(self) -> None:
         self.node.drop_link()
-
-    def _held(self) -> bytes:
-        """What the node holds: sequences' KV, replicas of its predecessor's, restored KV
-        not yet adopted (all 0 once every request ended)."""
-        return json.dumps({"kv": len(self.node.kv), **self.replication.held_counts()}).encode()
 
     def _resume(self) -> None:
         self.node.repaired()

@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 import torch
 
 from orchestrator.kv.errors import KVTransferError, NoFreeSlot
-from orchestrator.kv.primitives import kv_spans, pack, pair_spans, region_view, routes
+from orchestrator.kv.primitives import kv_spans, pack, region_view, scatter, stream_out
 from orchestrator.kv.transport.base import KVPoll, Region, TransferHandle, Transport
 from orchestrator.kv.wire import (
     BlockHeader,
@@ -506,7 +506,7 @@ class KVSender:
             self._check_ticket(request_id, ticket, decoded[0].prompt_len)
         stage_ranges = [t.layout.layer_range for t in decoded]
         mine = self.layout.layer_range
-        owner = {layer: r.dst for r in routes([mine], stage_ranges) for layer in r.layers}
+        owner = {layer: r.dst for r in stream_out(mine, stage_ranges) for layer in r.layers}
         nodes = ",".join(t.node for t in decoded)
         if sum(map(len, stage_ranges)) != len(set().union(*stage_ranges)):
             raise KVTransferError(
@@ -591,8 +591,8 @@ class KVSender:
         )
         remote = kv_spans(ticket.layout, ticket.slot_addr, layers, positions)
         local = self._staging_region(handle, offset, nbytes)
-        transfer = self.transport.write(
-            ticket.node, pair_spans([local], remote), encode_header(header, self.secret)
+        transfer = scatter(
+            self.transport, ticket.node, local, remote, encode_header(header, self.secret)
         )
         handle.transfers.append(transfer)
         handle.state = KVPoll.TRANSFERRING

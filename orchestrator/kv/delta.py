@@ -3,7 +3,7 @@
 A decode step writes one position of every layer, K/V and head of each
 sequence: ``layers * 2 * heads`` small slices per sequence. ``gather_step``
 packs them for a whole batch into one contiguous staging block (one copy
-instead of thousands), and ``scatter_step`` unpacks on the other side.
+instead of thousands).
 
 :class:`DeltaStreamer` ships each step's packed delta to the requests' slots
 on a :class:`~orchestrator.kv.connector.KVReceiver` (for replicas or a
@@ -56,24 +56,6 @@ def gather_step(caches: Sequence[KVCache], positions: Sequence[int], out: torch.
     return packed
 
 
-def scatter_step(packed: torch.Tensor, caches: Sequence[KVCache], positions: Sequence[int]):
-    """Inverse of :func:`gather_step`."""
-    for i, (cache, position) in enumerate(zip(caches, positions, strict=True)):
-        cache.data[:, :, :, position].copy_(packed[i])
-
-
-class DeltaBuffer:
-    """A registered ring of staging blocks, each holding one step of a batch."""
-
-    def __init__(self, transport: Transport, layout: KVLayout, max_batch: int, depth: int):
-        self.layout, self.max_batch = layout, max_batch
-        self.ring = torch.empty((depth, max_batch * layout.step_bytes()), dtype=torch.uint8)
-        self.base = transport.register(self.ring).addr
-
-    def region(self, index: int, nbytes: int) -> Region:
-        return Region(self.base + index * self.ring.shape[1], nbytes)
-
-
 class DeltaStreamer:
     """Streams token-step deltas into receivers' landing rings from a background thread."""
 
@@ -89,7 +71,10 @@ class DeltaStreamer:
     ) -> None:
         self.transport, self.layout, self.secret = transport, layout, secret
         self.checksum, self.timeout_s = checksum, timeout_s
-        self.buffer = DeltaBuffer(transport, layout, max_batch, depth)
+        self.max_batch = max_batch
+        # A registered ring of staging blocks, each holding one step of a batch.
+        self._ring = torch.empty((depth, max_batch * layout.step_bytes()), dtype=torch.uint8)
+        self._ring_base = transport.register(self._ring).addr
         # Landing of a receiver's consumed-positions counter (flow control).
         self._counter = torch.zeros(1, dtype=torch.int64)
         self._counter_region = transport.register(self._counter)
@@ -102,7 +87,6 @@ class DeltaStreamer:
         self._pending = 0
         self._done = threading.Condition()
         self.error: KVTransferError | None = None
-        self.bytes_sent = 0
         self._thread = threading.Thread(target=self._run, name="kv-delta-streamer", daemon=True)
         self._thread.start()
 
@@ -128,18 +112,19 @@ class DeltaStreamer:
     ) -> None:
         """Pack this step's delta now (one copy); it is sent in the background."""
         self._raise_if_failed()
-        if len(caches) > self.buffer.max_batch:
-            raise ValueError(f"batch of {len(caches)} exceeds max_batch {self.buffer.max_batch}")
+        if len(caches) > self.max_batch:
+            raise ValueError(f"batch of {len(caches)} exceeds max_batch {self.max_batch}")
         tickets = [self._targets[rid] for rid in request_ids]
         peer = tickets[0].node
         if any(t.node != peer for t in tickets):
             raise ValueError("one submit sends to one peer; split the batch by target node")
         index = self._free_block(peer)
-        packed = gather_step(caches, positions, self.buffer.ring[index])
+        packed = gather_step(caches, positions, self._ring[index])
         step = self.layout.step_bytes()
+        block = self._ring_base + index * self._ring.shape[1]
         pairs = [
             (
-                self.buffer.region(index, len(caches) * step).sub(i * step, step),
+                Region(block + i * step, step),
                 Region(t.landing_addr + (pos % t.landing_depth) * step, step),
             )
             for i, (t, pos) in enumerate(zip(tickets, positions, strict=True))
@@ -198,7 +183,7 @@ class DeltaStreamer:
         """Stop the thread (after ``flush``) and unregister the staging memory."""
         self._posts.put(None)
         self._thread.join(timeout=self.timeout_s)
-        self.transport.deregister(self.buffer.ring)
+        self.transport.deregister(self._ring)
         self.transport.deregister(self._counter)
 
     def _raise_if_failed(self) -> None:
@@ -256,7 +241,6 @@ class DeltaStreamer:
             time.sleep(0.00005)
         if state == KVPoll.FAILED:
             raise KVTransferError(handle.peer, handle.error or "transfer failed")
-        self.bytes_sent += handle.nbytes
 
 
 @dataclass

@@ -1,15 +1,13 @@
-"""DejaVuLib's three levels of KV movement (DejaVu §4.1).
+"""DejaVuLib's KV movement (DejaVu §4.1), as the P/T connector uses it.
 
-1. ``flush`` / ``fetch``: one contiguous block to / from a peer (or this node,
-   through the transport's loopback).
-2. ``scatter`` / ``gather``: a non-contiguous KV region (positions of some
-   layers of a slot) as the contiguous runs a transport can move, paired with a
-   contiguous staging block on the other side; ``pack`` / ``unpack`` do the
-   same between a cache tensor and a staging tensor in memory.
-3. ``stream_out`` / ``stream_in``: given the pipeline configuration, which
-   token stage each prompt stage's layers go to (split at the source when a
-   prompt stage spans several token stages, merged at the destination when a
-   token stage takes layers from several prompt stages).
+- ``scatter``: a non-contiguous KV region (positions of some layers of a slot,
+  as the contiguous runs :func:`kv_spans` lists) written from one contiguous
+  staging block in one transfer; :func:`pack` fills that block from a cache.
+- ``stream_out``: which token stage each of a prompt stage's layers go to
+  (split at the source when a prompt stage spans several token stages; a token
+  stage that takes layers from several prompt stages is filled by each of them).
+
+A contiguous block moves with the transport's own ``write`` / ``read``.
 """
 
 from __future__ import annotations
@@ -20,26 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from orchestrator.kv.transport.base import Pair, Region, TransferHandle, Transport
-from orchestrator.layout import KVCache, KVLayout, StageSpec
+from orchestrator.layout import KVCache, KVLayout
 
-# -- level 1: contiguous blocks ----------------------------------------------------------
-
-
-def flush(
-    transport: Transport, peer: str, local: Region, remote: Region, notify: bytes = b""
-) -> TransferHandle:
-    """Copy a local contiguous block to ``remote`` on ``peer``."""
-    return transport.write(peer, [(local, remote)], notify)
-
-
-def fetch(
-    transport: Transport, peer: str, local: Region, remote: Region, notify: bytes = b""
-) -> TransferHandle:
-    """Copy ``remote`` on ``peer`` into a local contiguous block."""
-    return transport.read(peer, [(local, remote)], notify)
-
-
-# -- level 2: non-contiguous KV regions ----------------------------------------------------
+# -- non-contiguous KV regions ----------------------------------------------------
 
 
 def kv_spans(layout: KVLayout, slot_addr: int, layers: range, positions: range) -> list[Region]:
@@ -90,17 +71,6 @@ def scatter(
     return transport.write(peer, pair_spans([local], remote_spans), notify)
 
 
-def gather(
-    transport: Transport,
-    peer: str,
-    local: Region,
-    remote_spans: Sequence[Region],
-    notify: bytes = b"",
-) -> TransferHandle:
-    """Read a non-contiguous remote region into a packed local block, as one transfer."""
-    return transport.read(peer, pair_spans([local], remote_spans), notify)
-
-
 def region_view(cache: KVCache, layers: range, positions: range) -> torch.Tensor:
     """``[layers, 2, heads, positions, head_dim]`` strided view of a cache."""
     first = layers.start - cache.layout.first_layer
@@ -115,13 +85,7 @@ def pack(cache: KVCache, layers: range, positions: range, out: torch.Tensor) -> 
     return packed
 
 
-def unpack(packed: torch.Tensor, cache: KVCache, layers: range, positions: range) -> None:
-    """Inverse of :func:`pack`."""
-    view = region_view(cache, layers, positions)
-    view.copy_(packed.view(view.dtype)[: view.numel()].view(view.shape))
-
-
-# -- level 3: pipeline regrouping ----------------------------------------------------------
+# -- pipeline regrouping ----------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -144,32 +108,6 @@ def routes(src: Sequence[range], dst: Sequence[range]) -> list[Route]:
     return out
 
 
-@dataclass(frozen=True)
-class PipelineConfig:
-    """Prompt and token pipelines over the same model."""
-
-    num_layers: int
-    prompt_depth: int
-    token_depth: int
-
-    def prompt_stages(self) -> list[range]:
-        return _ranges(StageSpec.split(self.num_layers, self.prompt_depth))
-
-    def token_stages(self) -> list[range]:
-        return _ranges(StageSpec.split(self.num_layers, self.token_depth))
-
-
-def _ranges(stages: Sequence[StageSpec]) -> list[range]:
-    return [range(s.first_layer, s.last_layer) for s in stages]
-
-
-def stream_out(config: PipelineConfig, prompt_stage: int) -> list[Route]:
-    """Where prompt stage ``prompt_stage`` sends its layers (split at the source)."""
-    all_routes = routes(config.prompt_stages(), config.token_stages())
-    return [r for r in all_routes if r.src == prompt_stage]
-
-
-def stream_in(config: PipelineConfig, token_stage: int) -> list[Route]:
-    """Which prompt stages fill token stage ``token_stage`` (merged at the destination)."""
-    all_routes = routes(config.prompt_stages(), config.token_stages())
-    return [r for r in all_routes if r.dst == token_stage]
+def stream_out(prompt_layers: range, token_stages: Sequence[range]) -> list[Route]:
+    """Where a prompt stage holding ``prompt_layers`` sends them (split at the source)."""
+    return routes([prompt_layers], token_stages)

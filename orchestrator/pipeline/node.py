@@ -66,11 +66,11 @@ from orchestrator.engine.torch_engine import load_engine
 from orchestrator.kv.connector import KVReceiver
 from orchestrator.kv.errors import KVTransferError
 from orchestrator.kv.transport.base import KVPoll, Transport
-from orchestrator.layout import KVCache
+from orchestrator.layout import KVCache, StageSpec
 from orchestrator.pipeline import DEAD_AFTER_S, HEARTBEAT_S, SwapMode
 from orchestrator.pipeline.head import PipelineHead
 from orchestrator.pipeline.link import Link, QueueLink
-from orchestrator.pipeline.pipeline import link_capacity, make_placement, resolve_swap, stage_specs
+from orchestrator.pipeline.pipeline import link_capacity, make_placement, resolve_swap
 from orchestrator.pipeline.prefill import decode_first_token
 from orchestrator.pipeline.stage import StageWorker
 from orchestrator.pipeline.transport_link import LinkTicket, TransportReceiver, TransportSender
@@ -178,7 +178,7 @@ class StageNode:
         self.name = name or f"tnode-{stage_index}-{os.getpid()}"
         num_layers = (ModelConfig.from_dir(model_dir).num_layers if engine is None
                       else engine.stage.num_layers)
-        spec = stage_specs(num_layers, config.depth, config.layers)[stage_index]
+        spec = StageSpec.split(num_layers, config.depth, config.layers)[stage_index]
         if engine is None:
             kwargs = {} if config.max_seq_len is None else {"max_seq_len": config.max_seq_len}
             engine = load_engine(model_dir, spec, device, **kwargs)

@@ -1,10 +1,10 @@
-"""What every stage of a token pipeline is built from: its layer range, its KV placement.
+"""What every stage of a token pipeline is built from: its link capacity, its KV placement.
 
 A pipeline's stages are :class:`~orchestrator.pipeline.node.StageNode` s, one
 per T-node, or all in one process
-(:class:`~orchestrator.pipeline.local.LocalPipeline`); each decides here
-which layers it holds (:func:`stage_specs`), whether its KV swaps
-(:func:`resolve_swap`, DejaVu Appendix E) and where it lives
+(:class:`~orchestrator.pipeline.local.LocalPipeline`); each holds the layers
+:meth:`~orchestrator.layout.StageSpec.split` gives it and decides here whether
+its KV swaps (:func:`resolve_swap`, DejaVu Appendix E) and where it lives
 (:func:`make_placement`).
 """
 
@@ -12,14 +12,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
 from orchestrator.engine.base import Engine
-from orchestrator.engine.config import ModelConfig
-from orchestrator.engine.torch_engine import TorchEngine, load_engine
-from orchestrator.layout import StageSpec
 from orchestrator.pipeline import SwapMode
 from orchestrator.pipeline.swapper import (
     DeviceArena,
@@ -29,32 +25,6 @@ from orchestrator.pipeline.swapper import (
     measure_copy_bandwidth,
     should_swap,
 )
-
-
-def stage_specs(
-    num_layers: int, depth: int | None = None, layers: Sequence[int] | None = None
-) -> list[StageSpec]:
-    """An even split into ``depth`` stages, or explicit layer counts per stage."""
-    if layers is None:
-        return StageSpec.split(num_layers, depth or 1)
-    if depth is not None and depth != len(layers):
-        raise ValueError(f"depth {depth} but {len(layers)} layer counts {list(layers)}")
-    if sum(layers) != num_layers or min(layers) < 1:
-        raise ValueError(f"layer counts {list(layers)} do not split {num_layers} layers")
-    bounds = [0, *torch.tensor(list(layers)).cumsum(0).tolist()]
-    return [StageSpec(a, b, num_layers) for a, b in zip(bounds, bounds[1:], strict=False)]
-
-
-def load_pipeline_engines(
-    model_dir: str | Path,
-    depth: int | None = None,
-    layers: Sequence[int] | None = None,
-    **engine_kwargs,
-) -> list[TorchEngine]:
-    """One engine per stage of :func:`stage_specs` (``engine_kwargs`` go to ``load_engine``)."""
-    num_layers = ModelConfig.from_dir(model_dir).num_layers
-    return [load_engine(model_dir, spec, **engine_kwargs)
-            for spec in stage_specs(num_layers, depth, layers)]
 
 
 def link_capacity(num_microbatches: int) -> int:

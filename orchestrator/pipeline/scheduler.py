@@ -54,16 +54,9 @@ class MicrobatchScheduler:
         self.steps = [0] * num_microbatches
         self.joined: dict[int, int] = {}  # seq id -> step it joined its microbatch at
 
-    @property
-    def num_microbatches(self) -> int:
-        return len(self.running)
-
     def add(self, seq: Sequence) -> None:
         """Queue a sequence: a prompt (colocated) or one whose prompt KV is in place."""
         self.waiting.append(seq)
-
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + sum(len(r) for r in self.running)
 
     def schedule(self, microbatch: int) -> Batch:
         """The next step of ``microbatch``: its running sequences plus refills."""

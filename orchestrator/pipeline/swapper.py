@@ -176,7 +176,6 @@ class SwappedKV(KVPlacement):
         self._open: set[int] = set()
         cuda = arena.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(arena.device) if cuda else None
-        self.swapped_in_bytes = 0
         self.written_back_bytes = 0
         self.prefetched = 0  # sequences already on the device when their step opened
         self.swapped_on_demand = 0
@@ -253,7 +252,7 @@ class SwappedKV(KVPlacement):
                     continue
                 host = self.host[seq_id]
                 dev = KVCache(self.layout, self.arena.acquire(), 0)
-                self.swapped_in_bytes += _copy_positions(host, dev, 0, host.length)
+                _copy_positions(host, dev, 0, host.length)
                 dev.length = host.length
                 with self._lock:
                     self.device[seq_id] = dev

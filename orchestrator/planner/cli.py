@@ -178,7 +178,7 @@ def _requests(args) -> list[wl.Request]:
 def best_per_policy(profile: Profile, requests: list[wl.Request], machines: int) -> dict:
     """The shortest makespan each policy reaches with ``machines``: {policy: (layout, result)}."""
     best: dict[str, tuple] = {}
-    for layout, result in exhaustive(profile, requests, machines).results:
+    for layout, result in exhaustive(profile, requests, machines):
         best.setdefault(result.policy, (layout, result))
     return best
 

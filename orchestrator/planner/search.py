@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from orchestrator.planner import formulas as F
 from orchestrator.planner.perf_model import Profile
 from orchestrator.planner.planner import Layout, layouts
@@ -21,25 +19,13 @@ def simulate_layout(
     )
 
 
-@dataclass(frozen=True)
-class SearchResult:
-    results: list[tuple[Layout, SimResult]]  # shortest makespan first
-
-    @property
-    def best(self) -> tuple[Layout, SimResult]:
-        return self.results[0]
-
-    def makespan_of(self, layout: Layout) -> float:
-        return next(r.makespan for lay, r in self.results if lay == layout)
-
-
 def exhaustive(
     profile: Profile, requests: list[Request], machines: int, batch: int | None = None
-) -> SearchResult:
+) -> list[tuple[Layout, SimResult]]:
     """Simulate every layout of ``machines`` that fits in memory, shortest makespan first."""
     p = profile
     dp_min = F.min_prompt_depth(p.L, p.W0, p.C0, p.M)
     dt_min = F.min_token_depth(p.L, p.W0, p.C0, p.K0, p.M)
     found = [(lay, simulate_layout(p, requests, lay, batch))
              for lay in layouts(machines, dp_min, dt_min)]
-    return SearchResult(sorted(found, key=lambda x: (x[1].makespan, x[0].machines)))
+    return sorted(found, key=lambda x: (x[1].makespan, x[0].machines))

@@ -80,7 +80,6 @@ class SimResult:
     makespan: float
     ttft: Percentiles
     tbt: Percentiles
-    e2e: Percentiles
     busy_machine_seconds: float
 
     @property
@@ -123,8 +122,6 @@ def summarize(
         makespan=end - start,
         ttft=Percentiles.of([r.first_token - r.request.arrival for r in times]),
         tbt=Percentiles.of(list(itertools.chain.from_iterable(r.tbts() for r in times))),
-        e2e=Percentiles.of([(r.tokens[-1] if r.tokens else r.first_token) - r.request.arrival
-                            for r in times]),
         busy_machine_seconds=busy,
     )
 

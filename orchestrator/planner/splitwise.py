@@ -254,10 +254,3 @@ def _mixed_load(machine: _Machine) -> float:
 
 def _shortest(pool: list[_Machine], load) -> _Machine | None:
     return min(pool, key=load) if pool else None
-
-
-def simulate_splitwise(
-    profile: Profile, requests: list[Request], pools: Pools, prompt_batch_tokens: int = 2048,
-    link: Link | None = None,
-) -> SimResult:
-    return SplitwiseCluster(profile, pools, prompt_batch_tokens, link).run(requests)

@@ -19,7 +19,7 @@ import numpy as np
 from orchestrator.engine.log_probs import TokenLogProb
 from orchestrator.serving.frontend import NodeBusy, PipelineLost, PrefillLost
 from orchestrator.serving.node_stream import Cancelled
-from orchestrator.serving.params import GenerationParams, RequestError
+from orchestrator.serving.params import GenerationParams, RequestError, as_text
 from orchestrator.serving.router import UNAVAILABLE, NoNodeError
 
 # (tokens, context tokens, meta, is this the request's last response); meta: batch_index,
@@ -54,7 +54,7 @@ def split(tensors: Mapping[str, np.ndarray | None], check: CheckRow) -> list[Seq
         signature = None if auth is None else auth[row].reshape(-1)[0]
         try:
             params = GenerationParams.from_tensors(tensors, row)
-            check(prompt, None if signature is None else _text(signature), params)
+            check(prompt, None if signature is None else as_text(signature), params)
         except RequestError as exc:
             raise RequestError(f"batch row {row}: {exc}" if ids.shape[0] > 1 else str(exc)
                                ) from None
@@ -62,10 +62,6 @@ def split(tensors: Mapping[str, np.ndarray | None], check: CheckRow) -> list[Seq
         jobs += [SequenceJob(row, i, prompt, params.for_sequence(i))
                  for i in range(params.num_return_sequences)]
     return jobs
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 class BatchReply:

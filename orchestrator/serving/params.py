@@ -256,6 +256,11 @@ def _words(name: str, array: np.ndarray) -> Words:
     return words
 
 
+def as_text(value: bytes | str) -> str:
+    """A BYTES tensor's element as a string (numpy holds bytes, or str when built from it)."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 def parse_words(values: Sequence[bytes | str]) -> list[str]:
     """The backend's string form of ``stop_words`` / ``bad_words``: each element one word,
     or several joined by commas (quote a word that holds a comma, as in CSV)."""
@@ -263,8 +268,7 @@ def parse_words(values: Sequence[bytes | str]) -> list[str]:
 
     words = []
     for value in values:
-        text = value.decode() if isinstance(value, bytes) else str(value)
-        for line in csv.reader([text], skipinitialspace=False):
+        for line in csv.reader([as_text(value)], skipinitialspace=False):
             words += [w for w in line if w]
     return words
 

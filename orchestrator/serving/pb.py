@@ -19,6 +19,7 @@ from orchestrator.serving.batch import SequenceJob
 from orchestrator.serving.config import NodeConfig
 from orchestrator.serving.entry import EntryPoint, Replies
 from orchestrator.serving.metrics import Metrics
+from orchestrator.serving.params import as_text
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # Every call below talks to tritonserver through the stub's shared memory. Made from
@@ -92,8 +93,7 @@ def text(array: np.ndarray) -> str:
     """One string from a ``[1]`` or ``[1, 1]`` BYTES tensor."""
     if array.size != 1:
         raise ValueError(f"expected one string, got shape {list(array.shape)}")
-    value = array.reshape(-1)[0]
-    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+    return as_text(array.reshape(-1)[0])
 
 
 def response(**arrays: np.ndarray) -> pb_utils.InferenceResponse:
@@ -155,19 +155,20 @@ class TritonMetrics(Metrics):
         self.by_outcome: dict[str, object] = {}
         self.by_rerun: dict[str, object] = {}
 
+    def _labelled(self, family, made: dict, label: str, value: str):  # noqa: ANN001, ANN202
+        """``family``'s (a pb_utils MetricFamily) metric with ``label=value`` besides the
+        node's labels, made on first use; call it under ``_ipc``."""
+        if value not in made:
+            made[value] = family.Metric(labels={**self.labels, label: value})
+        return made[value]
+
     def request_done(self, outcome: str) -> None:
         with _ipc:
-            if outcome not in self.by_outcome:
-                labels = {**self.labels, "outcome": outcome}
-                self.by_outcome[outcome] = self.requests.Metric(labels=labels)
-            self.by_outcome[outcome].increment(1)
+            self._labelled(self.requests, self.by_outcome, "outcome", outcome).increment(1)
 
     def rerun(self, what: str) -> None:
         with _ipc:
-            if what not in self.by_rerun:
-                labels = {**self.labels, "what": what}
-                self.by_rerun[what] = self.reruns.Metric(labels=labels)
-            self.by_rerun[what].increment(1)
+            self._labelled(self.reruns, self.by_rerun, "what", what).increment(1)
 
     def queue_length(self, requests: int) -> None:
         with _ipc:
@@ -180,7 +181,4 @@ class TritonMetrics(Metrics):
 
     def held(self, what: str, count: int) -> None:
         with _ipc:
-            if what not in self.held_metrics:
-                labels = {**self.labels, "what": what}
-                self.held_metrics[what] = self.held_family.Metric(labels=labels)
-            self.held_metrics[what].set(count)
+            self._labelled(self.held_family, self.held_metrics, "what", what).set(count)

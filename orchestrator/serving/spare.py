@@ -21,7 +21,7 @@ from orchestrator.engine.config import ModelConfig
 from orchestrator.engine.torch_engine import load_engine
 from orchestrator.fault.client import ControllerClient
 from orchestrator.kv.transport.base import Transport
-from orchestrator.pipeline.pipeline import stage_specs
+from orchestrator.layout import StageSpec
 from orchestrator.serving.config import NodeConfig, Role
 from orchestrator.serving.metrics import Metrics
 from orchestrator.serving.node import connect_controller, stage_service
@@ -38,7 +38,7 @@ class SpareService:
         from orchestrator.kv.transport.nixl import NixlTransport  # loads UCX: only here
 
         self.config, self.metrics = config, metrics or Metrics()
-        specs = stage_specs(ModelConfig.from_dir(config.model_dir).num_layers, config.depth)
+        specs = StageSpec.split(ModelConfig.from_dir(config.model_dir).num_layers, config.depth)
         self.engines = {x: load_engine(config.model_dir, specs[x], config.device,
                                        max_seq_len=config.max_seq_len)
                         for x in range(1, config.depth)}

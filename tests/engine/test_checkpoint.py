@@ -30,7 +30,8 @@ def test_tokenizer_loads_in_hf_and_tokenizers(tiny_model, arch):
     )
     assert hf.decode(hf(TEXT)["input_ids"]) == TEXT
     assert raw.get_vocab_size() <= config.vocab_size
-    assert (hf.eos_token_id, hf.bos_token_id) == (config.eos_id, config.bos_id) == (2, 1)
+    bos_id = json.loads((model_dir / "config.json").read_text())["bos_token_id"]
+    assert (hf.eos_token_id, hf.bos_token_id) == (config.eos_id, bos_id) == (2, 1)
 
 
 def test_same_seed_same_weights_other_seed_other_weights(tmp_path, tiny_model):

@@ -2,13 +2,32 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 
 import pytest
 from replicated_pipeline import SECRET  # the in-process pipelines' secret
 
-from orchestrator.fault.controller import spawn
+from orchestrator.control.auth import ENV
+
+
+def spawn(timeout_s: float, secret: bytes, port: int = 0) -> tuple[subprocess.Popen, str]:
+    """Start the controller as its own process (``secret`` in its environment); returns it
+    and the address it bound."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.fault.controller",
+         "--port", str(port), "--timeout-s", str(timeout_s)],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        env=os.environ | {ENV: secret.hex()},
+    )
+    line = proc.stdout.readline()  # printed once bound; empty if it exits first
+    if not line.startswith("controller listening on "):
+        proc.kill()
+        proc.wait(timeout=10)
+        raise RuntimeError(f"the controller did not start (port {port}): {line!r}")
+    return proc, line.split()[-1]
 
 
 def stop(proc: subprocess.Popen) -> None:

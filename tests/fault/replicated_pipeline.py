@@ -34,6 +34,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from controller_helpers import unsent_acks, wait_for_plan
+
 from orchestrator.fault.client import ControllerClient, NodeSpec, query_status
 from orchestrator.fault.node_replication import NodeReplication
 from orchestrator.fault.stage_recovery import RecoveryOps, recover_stage
@@ -238,7 +240,7 @@ class ReplicatedPipeline:
                 if replicator is not None and replicator.error is None:
                     replicator.flush()
         deadline = time.monotonic() + timeout_s
-        while any(m.client.unsent_acks for m in self.members if m.alive):
+        while any(unsent_acks(m.client) for m in self.members if m.alive):
             if time.monotonic() > deadline:
                 raise TimeoutError("acks did not reach the controller")
             time.sleep(0.005)
@@ -345,8 +347,8 @@ class ReplicatedPipeline:
             if undeclared:
                 time.sleep(self.heartbeat_s)
             else:
-                plan = self.members[min(failed)].client.wait_for_recovery_plan(
-                    plan["epoch"], max(0.0, deadline - time.monotonic()))
+                plan = wait_for_plan(self.controller, SECRET, self.name, plan["epoch"],
+                                     max(0.0, deadline - time.monotonic()))
             failed |= self._declared_failed()
 
     def _recover(self, failed: set[int]) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from controller_helpers import wait_for_plan
 from replicated_pipeline import SECRET
 
 from orchestrator.control.auth import ENV
@@ -50,7 +51,7 @@ def test_registration_heartbeats_and_status(controller: str) -> None:
     try:
         wait_until("registration", lambda: all(c.connected for c in nodes))
         time.sleep(0.3)  # several beats
-        status = nodes[0].status()
+        status = query_status(controller, SECRET)
         assert status["pipelines"]["reg"]["state"] == "serving"
         for c in nodes:
             seen = node(status, c.node_id)
@@ -175,17 +176,20 @@ def test_acks_pick_the_step_to_redo_and_a_replacement_gets_the_plan(controller: 
         time.sleep(0.1)
         nodes[1].stop()  # the crash of stage 1
         spare = ControllerClient(controller, NodeSpec("acks", 1, 3), SECRET, 0.05).start()
-        plan = spare.wait_for_recovery_plan(after_epoch=0, timeout_s=10)
+        plan = wait_for_plan(controller, SECRET, "acks", after_epoch=0, timeout_s=10)
         assert plan["failed"] == [1] and not plan["recompute"]
         assert plan["restore"] == [[2, 1]] and plan["rereplicate"] == [[0, 1]]
         assert plan["resume"] == {"0": 7, "1": 4} and plan["first"] == [1, 4]
-        assert plan["nodes"]["1"]["node_id"] == spare.node_id
+        live = [n["node_id"] for n in query_status(controller, SECRET)["nodes"]
+                if (n["pipeline"], n["stage"], n["alive"]) == ("acks", 1, True)]
+        assert live == [spare.node_id]  # the replacement holds the lost stage
         for c in (nodes[0], spare, nodes[2]):
-            assert c.wait_for_recovery_plan(0, timeout_s=5)["epoch"] == plan["epoch"]
+            again = wait_for_plan(controller, SECRET, "acks", 0, timeout_s=5)
+            assert again["epoch"] == plan["epoch"]
             c.recovered(plan["epoch"])
-        assert nodes[0].status()["pipelines"]["acks"]["state"] == "serving"
+        assert query_status(controller, SECRET)["pipelines"]["acks"]["state"] == "serving"
         # Everyone rolled back to step 6 of microbatch 0, step 3 of microbatch 1.
-        acks = nodes[0].status()["pipelines"]["acks"]["acks"]
+        acks = query_status(controller, SECRET)["pipelines"]["acks"]["acks"]
         assert sorted(acks) == [[0, 0, 6], [0, 1, 3], [1, 0, 6], [1, 1, 3], [2, 0, 6],
                                 [2, 1, 3]]
     finally:
@@ -205,9 +209,9 @@ def test_neighbour_dead_too_means_recompute(controller: str) -> None:
         nodes[2].stop()  # the holder of stage 1's replica
         spares = [ControllerClient(controller, NodeSpec("both", s, 3), SECRET, 0.05).start()
                   for s in (1, 2)]
-        plan = spares[0].wait_for_recovery_plan(0, timeout_s=10)
+        plan = wait_for_plan(controller, SECRET, "both", 0, timeout_s=10)
         while plan["failed"] != [1, 2]:  # both deaths may land in different sweeps
-            plan = spares[0].wait_for_recovery_plan(plan["epoch"], timeout_s=10)
+            plan = wait_for_plan(controller, SECRET, "both", plan["epoch"], timeout_s=10)
         assert plan["recompute"] and plan["restore"] == [] and plan["resume"] == {"0": 0}
     finally:
         for c in nodes + spares:
@@ -219,6 +223,7 @@ def test_controller_loss_and_return(controller_factory) -> None:
     proc, address = controller_factory(timeout_s)
     port = int(address.rsplit(":", 1)[1])
     nodes = clients(address, "gone", 3)
+    stub = Stub(address, SECRET)  # kept across the restart, as a polling caller keeps it
     try:
         wait_until("registration", lambda: all(c.connected for c in nodes))
         nodes[1].ack(0, 0, 3)
@@ -236,17 +241,18 @@ def test_controller_loss_and_return(controller_factory) -> None:
         _, again = controller_factory(timeout_s, port)
         assert again == address
         wait_until("re-registration", lambda: nodes[0].connected and nodes[1].connected)
-        assert nodes[0].status()["pipelines"]["gone"]["state"] == "serving"  # not yet
+        assert query_status(stub)["pipelines"]["gone"]["state"] == "serving"  # not yet
         detected = wait_until(
             "detection of the stage that died meanwhile",
-            lambda: nodes[0].status()["pipelines"]["gone"]["failed"] == [2],
+            lambda: query_status(stub)["pipelines"]["gone"]["failed"] == [2],
         )
         assert detected <= timeout_s + 1.0
         # The acks sent while it was away reached the new controller.
-        assert [0, 0, 39] in nodes[0].status()["pipelines"]["gone"]["acks"]
+        assert [0, 0, 39] in query_status(stub)["pipelines"]["gone"]["acks"]
     finally:
         for c in nodes:
             c.stop()
+        stub.close()
 
 
 def test_plan_rule_with_a_fake_clock() -> None:

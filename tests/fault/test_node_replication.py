@@ -15,7 +15,7 @@ from dataclasses import asdict
 
 import pytest
 import torch
-from replica_procs import SECRET, replicated_stage
+from replica_procs import SECRET, Landings, own_digests, replica_digests, replicated_stage
 from spawned import Child
 
 from orchestrator.engine.reference import generate, load_stages
@@ -72,7 +72,8 @@ class Pair:
         endpoints1 = self.child.answer()
         repl1 = self.child.call("connect", self.endpoints0, self.endpoints0)
         self.node0.connect(endpoints1, self.endpoints0)
-        self.replication0 = NodeReplication(self.node0, SECRET)
+        self.landed0 = Landings()
+        self.replication0 = NodeReplication(self.node0, SECRET, ack=self.landed0)
         self.child.call("replicate", self.replication0.endpoints(), self.replication0.endpoints())
         self.replication0.connect(repl1, repl1)
         self.child.call("start")
@@ -133,14 +134,14 @@ class Pair:
     def check_replicas(self) -> None:
         self.replication0.flush()
         self.child.call("flush")
-        own0, own1 = self.replication0.own_digests(), self.child.call("own")
+        own0, own1 = own_digests(self.replication0), self.child.call("own")
         assert own0 and own0.keys() == own1.keys()
         held_by_1 = self.child.call("replicas", {rid: n for rid, (n, _) in own0.items()})
-        held_by_0 = self.replication0.replica_digests({rid: n for rid, (n, _) in own1.items()})
+        held_by_0 = replica_digests(self.replication0, {rid: n for rid, (n, _) in own1.items()})
         assert held_by_1 == {rid: d for rid, (_, d) in own0.items()}
         assert held_by_0 == {rid: d for rid, (_, d) in own1.items()}
         # each holder acked steps of both microbatches
-        assert set(self.replication0.landed) == set(self.child.call("landed")) == {0, 1}
+        assert set(self.landed0.steps) == set(self.child.call("landed")) == {0, 1}
 
     def close(self) -> None:
         self.node0.close(timeout_s=5)

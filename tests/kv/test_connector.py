@@ -11,11 +11,10 @@ import torch
 
 from orchestrator.kv.connector import KVReceiver, KVSender
 from orchestrator.kv.errors import KVTransferError
-from orchestrator.kv.primitives import PipelineConfig
 from orchestrator.kv.transport.base import KVPoll, Pair, TransferHandle
 from orchestrator.kv.transport.local import LocalFabric, LocalTransport
 from orchestrator.kv.wire import BlockHeader, BlockKind, encode_header
-from orchestrator.layout import KVCache, KVLayout
+from orchestrator.layout import KVCache, KVLayout, StageSpec
 
 SECRET = b"s3cret"
 MODEL = KVLayout(num_layers=6, num_kv_heads=2, head_dim=4, max_seq_len=16)
@@ -26,8 +25,10 @@ class Cluster:
 
     def __init__(self, depth_p: int, depth_t: int, checksum: bool = False, **overrides) -> None:
         self.fabric = LocalFabric()
-        config = PipelineConfig(MODEL.num_layers, depth_p, depth_t)
-        self.p_ranges, self.t_ranges = config.prompt_stages(), config.token_stages()
+        self.p_ranges, self.t_ranges = (
+            [range(s.first_layer, s.last_layer) for s in StageSpec.split(MODEL.num_layers, depth)]
+            for depth in (depth_p, depth_t)
+        )
         self.receivers = [
             KVReceiver(self.node(f"t{i}"), MODEL.layers(r.start, len(r)), 2, SECRET,
                        timeout_s=0.5, checksum=checksum)

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from orchestrator.kv.connector import KVReceiver, KVSender
-from orchestrator.kv.delta import DeltaStreamer, gather_step, scatter_step
+from orchestrator.kv.delta import DeltaStreamer, gather_step
 from orchestrator.kv.errors import KVTransferError
-from orchestrator.kv.transport.base import KVPoll
+from orchestrator.kv.transport.base import KVPoll, Pair, TransferHandle
 from orchestrator.kv.transport.local import LocalFabric, LocalTransport
 from orchestrator.layout import KVCache, KVLayout
 
@@ -25,7 +25,8 @@ def test_gather_then_scatter_moves_exactly_one_position() -> None:
     packed = gather_step(caches, positions, staging)
     assert packed.shape == (3, 3, 2, 2, 4)
     targets = [KVCache(LAYOUT, torch.zeros(LAYOUT.shape)) for _ in range(3)]
-    scatter_step(packed, targets, positions)
+    for i, (target, position) in enumerate(zip(targets, positions, strict=True)):
+        target.data[:, :, :, position].copy_(packed[i])
     for src, dst, pos in zip(caches, targets, positions, strict=True):
         assert torch.equal(dst.data[:, :, :, pos], src.data[:, :, :, pos])
         dst.data[:, :, :, pos] = 0
@@ -63,7 +64,9 @@ def send_prompt(receiver, sender, rid: str, cache: KVCache, finish: bool = True)
 
 
 @pytest.mark.parametrize("checksum", [False, True])
-def test_deltas_stream_into_reserved_slots_in_the_background(checksum: bool) -> None:
+def test_deltas_stream_into_reserved_slots_in_the_background(
+    checksum: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     receiver, sender, streamer = stream_setup(checksum)
     caches = [KVCache(LAYOUT, torch.randn(LAYOUT.shape), n) for n in (4, 6)]
     rids = ["a", "b"]
@@ -71,6 +74,14 @@ def test_deltas_stream_into_reserved_slots_in_the_background(checksum: bool) -> 
         ticket, _ = send_prompt(receiver, sender, rid, cache)
         receiver.wait(rid)
         streamer.add_target(rid, ticket)
+    sent: list[int] = []  # bytes of each transfer posted from here on: the streamer's
+    write = streamer.transport.write
+
+    def counting_write(peer: str, pairs: list[Pair], notify: bytes = b"") -> TransferHandle:
+        sent.append(sum(local.nbytes for local, _ in pairs))
+        return write(peer, pairs, notify)
+
+    monkeypatch.setattr(streamer.transport, "write", counting_write)
     for _ in range(5):  # five decode steps of the batch
         positions = [c.length for c in caches]
         streamer.submit(rids, caches, positions)
@@ -83,7 +94,7 @@ def test_deltas_stream_into_reserved_slots_in_the_background(checksum: bool) -> 
         n = cache.length
         assert torch.equal(replica.data[:, :, :, :n], cache.data[:, :, :, :n])
         assert replica.data[:, :, :, n:].abs().sum() == 0
-    assert streamer.bytes_sent == 5 * 2 * LAYOUT.step_bytes()
+    assert sum(sent) == 5 * 2 * LAYOUT.step_bytes()
     streamer.close()
 
 

@@ -1,4 +1,4 @@
-"""The three levels of DejaVuLib over the in-process transport."""
+"""DejaVuLib's KV movement over the in-process transport."""
 
 from __future__ import annotations
 
@@ -6,25 +6,24 @@ import pytest
 import torch
 
 from orchestrator.kv.primitives import (
-    PipelineConfig,
     Route,
-    fetch,
-    flush,
-    gather,
     kv_spans,
     pack,
     pair_spans,
+    region_view,
     routes,
     scatter,
-    stream_in,
     stream_out,
-    unpack,
 )
 from orchestrator.kv.transport.base import KVPoll, Region, tensor_region
 from orchestrator.kv.transport.local import LocalFabric, LocalTransport
-from orchestrator.layout import KVCache, KVLayout
+from orchestrator.layout import KVCache, KVLayout, StageSpec
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, max_seq_len=8, first_layer=2)
+
+
+def stages(num_layers: int, depth: int) -> list[range]:
+    return [range(s.first_layer, s.last_layer) for s in StageSpec.split(num_layers, depth)]
 
 
 def random_cache(layout: KVLayout = LAYOUT) -> KVCache:
@@ -40,14 +39,15 @@ def pair():
     return a, b
 
 
-def test_flush_and_fetch_contiguous_blocks(pair) -> None:
+def test_write_and_read_contiguous_blocks(pair) -> None:
     a, b = pair
     src, dst, back = torch.randn(64), torch.zeros(64), torch.zeros(16)
     a.register(src), b.register(dst), a.register(back)
-    assert a.poll(flush(a, "b", tensor_region(src), tensor_region(dst), b"done")) == KVPoll.SUCCESS
+    handle = a.write("b", [(tensor_region(src), tensor_region(dst))], b"done")
+    assert a.poll(handle) == KVPoll.SUCCESS
     assert torch.equal(src, dst)
     assert b.drain_notifications() == [("a", b"done")]
-    handle = fetch(a, "b", tensor_region(back), tensor_region(dst).sub(16, 64))
+    handle = a.read("b", [(tensor_region(back), tensor_region(dst).sub(16, 64))])
     assert a.poll(handle) == KVPoll.SUCCESS and torch.equal(back, src[4:20])
 
 
@@ -62,7 +62,8 @@ def test_spans_follow_pack_order() -> None:
     pieces = [flat[(s.addr - cache.data.data_ptr()) // 4 :][: s.nbytes // 4] for s in spans]
     assert torch.equal(torch.cat(pieces), packed)
     other = KVCache(LAYOUT, torch.zeros(LAYOUT.shape))
-    unpack(staging, other, layers, positions)
+    view = region_view(other, layers, positions)
+    view.copy_(staging.view(view.dtype)[: view.numel()].view(view.shape))
     assert torch.equal(other.data[1:3, :, :, 2:7], cache.data[1:3, :, :, 2:7])
     assert other.data[0].abs().sum() == 0 and other.data[:, :, :, 7].abs().sum() == 0
 
@@ -85,7 +86,7 @@ def test_pair_spans_cuts_at_both_sides_boundaries() -> None:
         pair_spans([Region(0, 4)], [Region(0, 5)])
 
 
-def test_scatter_and_gather_a_kv_region(pair) -> None:
+def test_scatter_and_read_back_a_kv_region(pair) -> None:
     a, b = pair
     source, remote = random_cache(), KVCache(LAYOUT, torch.zeros(LAYOUT.shape))
     staging = torch.zeros(LAYOUT.slot_bytes(), dtype=torch.uint8)
@@ -99,7 +100,7 @@ def test_scatter_and_gather_a_kv_region(pair) -> None:
     assert torch.equal(remote.data[:, :, :, :6], source.data[:, :, :, :6])
     assert remote.data[:, :, :, 6:].abs().sum() == 0
     staging.zero_()
-    assert a.poll(gather(a, "b", local, spans)) == KVPoll.SUCCESS
+    assert a.poll(a.read("b", pair_spans([local], spans))) == KVPoll.SUCCESS
     assert torch.equal(packed, source.data[:, :, :, :6])
 
 
@@ -107,31 +108,33 @@ def test_unregistered_memory_and_departed_peers_fail_the_transfer(pair) -> None:
     a, b = pair
     src, dst = torch.randn(8), torch.zeros(8)
     a.register(src)
-    handle = flush(a, "b", tensor_region(src), tensor_region(dst))
+    handle = a.write("b", [(tensor_region(src), tensor_region(dst))])
     assert a.poll(handle) == KVPoll.FAILED and "not registered on peer 'b'" in handle.error
     b.register(dst)
     b.close()
-    handle = flush(a, "b", tensor_region(src), tensor_region(dst))
+    handle = a.write("b", [(tensor_region(src), tensor_region(dst))])
     assert a.poll(handle) == KVPoll.FAILED and "'b'" in handle.error
 
 
 def test_routes_one_prompt_stage_to_two_token_stages() -> None:
-    config = PipelineConfig(num_layers=12, prompt_depth=1, token_depth=2)
-    assert stream_out(config, 0) == [Route(0, 0, range(0, 6)), Route(0, 1, range(6, 12))]
-    assert stream_in(config, 1) == [Route(0, 1, range(6, 12))]
+    prompt, token = stages(12, 1), stages(12, 2)
+    assert stream_out(prompt[0], token) == [Route(0, 0, range(0, 6)), Route(0, 1, range(6, 12))]
+    assert [r for r in routes(prompt, token) if r.dst == 1] == [Route(0, 1, range(6, 12))]
 
 
 def test_routes_two_prompt_stages_to_three_token_stages() -> None:
-    config = PipelineConfig(num_layers=12, prompt_depth=2, token_depth=3)
+    prompt, token = stages(12, 2), stages(12, 3)
     # prompt stages [0,6) [6,12); token stages [0,4) [4,8) [8,12)
-    assert stream_out(config, 0) == [Route(0, 0, range(0, 4)), Route(0, 1, range(4, 6))]
-    assert stream_out(config, 1) == [Route(1, 1, range(6, 8)), Route(1, 2, range(8, 12))]
-    assert stream_in(config, 1) == [Route(0, 1, range(4, 6)), Route(1, 1, range(6, 8))]
+    assert stream_out(prompt[0], token) == [Route(0, 0, range(0, 4)), Route(0, 1, range(4, 6))]
+    by_src = [r for r in routes(prompt, token) if r.src == 1]
+    assert by_src == [Route(1, 1, range(6, 8)), Route(1, 2, range(8, 12))]
+    by_dst = [r for r in routes(prompt, token) if r.dst == 1]
+    assert by_dst == [Route(0, 1, range(4, 6)), Route(1, 1, range(6, 8))]
 
 
 @pytest.mark.parametrize(("depth_p", "depth_t"), [(1, 1), (1, 3), (3, 1), (2, 3), (3, 2), (4, 7)])
 def test_routes_cover_every_layer_once(depth_p: int, depth_t: int) -> None:
-    config = PipelineConfig(num_layers=7, prompt_depth=depth_p, token_depth=depth_t)
-    covered = [layer for p in range(depth_p) for r in stream_out(config, p) for layer in r.layers]
+    prompt, token = stages(7, depth_p), stages(7, depth_t)
+    covered = [layer for p in prompt for r in stream_out(p, token) for layer in r.layers]
     assert sorted(covered) == list(range(7))
     assert routes([range(0, 3)], [range(5, 9)]) == []

@@ -11,9 +11,9 @@ import torch
 
 from orchestrator.engine.reference import generate, load_stages
 from orchestrator.engine.torch_engine import load_engine
+from orchestrator.layout import StageSpec
 from orchestrator.pipeline.local import LocalPipeline
 from orchestrator.pipeline.node import PipelineConfig
-from orchestrator.pipeline.pipeline import stage_specs
 from orchestrator.pipeline.sequence import FinishReason, Sequence
 
 MAX_SEQ = 96
@@ -110,13 +110,13 @@ def test_resident_batch_that_does_not_fit_the_budget_is_refused(model):
 
 
 def test_explicit_layer_map(model, prompts, reference):
-    specs = stage_specs(4, layers=[1, 3])
+    specs = StageSpec.split(4, 2, [1, 3])
     assert [(s.first_layer, s.last_layer) for s in specs] == [(0, 1), (1, 4)]
     engines = [load_engine(model, s, max_seq_len=MAX_SEQ) for s in specs]
     with pipeline_of(engines, 3, mode="colocated") as pipeline:
         assert pipeline.generate(prompts, LIMITS, timeout_s=60) == reference
     with pytest.raises(ValueError, match="do not split"):
-        stage_specs(4, layers=[1, 2])
+        StageSpec.split(4, 2, [1, 2])
 
 
 def test_llama_gqa_disaggregated_prompt_stages_differ_from_token_stages(tiny_model):
@@ -126,9 +126,8 @@ def test_llama_gqa_disaggregated_prompt_stages_differ_from_token_stages(tiny_mod
     ref_engines = load_stages(model, 1, max_seq_len=MAX_SEQ)
     expected = [generate(ref_engines, [p], m)[0] for p, m in zip(prompts, limits, strict=True)]
     # prompt pipeline split 1+3, token pipeline 2+1+1: KV regrouped on the way
-    prompt_engines = [load_engine(model, s, max_seq_len=MAX_SEQ)
-                      for s in stage_specs(4, layers=[1, 3])]
-    engines = [load_engine(model, s, max_seq_len=MAX_SEQ) for s in stage_specs(4, layers=[2, 1, 1])]
+    prompt_engines = load_stages(model, 2, layers=[1, 3], max_seq_len=MAX_SEQ)
+    engines = load_stages(model, 3, layers=[2, 1, 1], max_seq_len=MAX_SEQ)
     with pipeline_of(engines, 1, prompt_engines, swap="on") as pipeline:
         assert pipeline.generate(prompts, limits, timeout_s=60) == expected
 

@@ -12,7 +12,6 @@ from orchestrator.planner.splitwise import (
     layerwise_exposed_time,
     layerwise_threshold,
     serialized_transfer_time,
-    simulate_splitwise,
 )
 from orchestrator.planner.workload import Request, load_trace, poisson, sample
 
@@ -69,15 +68,15 @@ def test_mixed_pool_absorbs_a_load_shift():
     """Pools sized for long outputs (3 prompt, 5 token) meet the prompt-heavy code trace:
     turning token machines into mixed ones cuts TTFT."""
     reqs = code_requests(400)
-    rigid = simulate_splitwise(PROFILE, reqs, Pools(3, 5, 0))
-    mixed = simulate_splitwise(PROFILE, reqs, Pools(3, 4, 1))
+    rigid = SplitwiseCluster(PROFILE, Pools(3, 5, 0)).run(reqs)
+    mixed = SplitwiseCluster(PROFILE, Pools(3, 4, 1)).run(reqs)
     print(f"TTFT p99: rigid {rigid.ttft.p99:.2f}s, with a mixed machine {mixed.ttft.p99:.2f}s")
     assert mixed.ttft.p99 < 0.75 * rigid.ttft.p99
     assert mixed.ttft.p50 < 0.5 * rigid.ttft.p50
 
 
 def test_all_mixed_is_the_baseline_and_reports_metrics():
-    r = simulate_splitwise(PROFILE, code_requests(100), Pools(0, 0, 4))
+    r = SplitwiseCluster(PROFILE, Pools(0, 0, 4)).run(code_requests(100))
     assert r.requests == 100 and r.makespan > 0
     assert r.ttft.p50 <= r.ttft.p90 <= r.ttft.p99
     assert r.tbt.p50 >= PROFILE.t - 1e-12
@@ -89,4 +88,4 @@ def test_bad_pools_and_oversized_requests_are_rejected():
         Pools(2, 0, 0)
     tiny = Profile(**{**PROFILE.__dict__, "M": 80 * 1.75e9 + 1000 * KV_PER_TOKEN})
     with pytest.raises(ValueError, match="more KV than a machine holds"):
-        simulate_splitwise(tiny, [Request(0, 0.0, 900, 200)], Pools(1, 1))
+        SplitwiseCluster(tiny, Pools(1, 1)).run([Request(0, 0.0, 900, 200)])

@@ -114,12 +114,6 @@ class Transport(ABC):
     @abstractmethod
     def close(self) -> None: ...
 
-    def __enter__(self) -> Transport:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
 
 def check_pairs(pairs: Sequence[Pair]) -> int:
     """Total bytes of ``pairs``; each local and remote piece must match in size."""
