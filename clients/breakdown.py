@@ -70,10 +70,12 @@ class Layer:
 Arrivals = list[tuple[float, int]]
 
 
-def ms_per_token(arrivals: Arrivals) -> float:
-    """The request's time per token after its first response."""
+def ms_per_token(arrivals: Arrivals) -> float | None:
+    """The request's time per token after its first response (None: none came after it,
+    all its tokens fell behind into the first)."""
     (first, head), (last, _) = arrivals[1], arrivals[-1]
-    return (last - first) * 1e3 / (sum(n for _, n in arrivals) - head)
+    after = sum(n for _, n in arrivals) - head
+    return (last - first) * 1e3 / after if after else None
 
 
 def time_engine(engine, prompt_ids: list[int], tokens: int) -> Arrivals:
@@ -189,9 +191,12 @@ def measure_layers(runs: dict[str, Callable[[], Arrivals]], repeats: int) -> lis
         run()  # warm-up
     for _ in range(repeats):
         for name, run in runs.items():
-            figures[name].append(ms_per_token(run()))
+            if (figure := ms_per_token(run())) is not None:
+                figures[name].append(figure)
     layers, inner = [], 0.0
     for name in runs:
+        if not figures[name]:
+            raise RuntimeError(f"{name}: every request's tokens came in one response")
         ms = statistics.median(figures[name])
         layers.append(Layer(name, ms, ms - inner, COSTS[name]))
         inner = ms

@@ -34,7 +34,7 @@ def test_a_stage_hop_and_nixls_round_trip_are_both_timed():
 @pytest.mark.slow
 def test_breakdown_against_a_real_cluster(tiny_model, tmp_path):
     model = tiny_model("llama")
-    assert main(["--breakdown", "--model", str(model), "--max-tokens", "8",
+    assert main(["--breakdown", "--model", str(model), "--max-tokens", "16",
                  "--breakdown-requests", "2", "--out", str(tmp_path)]) == 0
     with (tmp_path / "breakdown.csv").open() as f:
         rows = {row["what"]: float(row["ms"]) for row in csv.DictReader(f)}
