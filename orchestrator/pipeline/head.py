@@ -109,6 +109,9 @@ class PipelineHead:
         # A pipeline of one stage in this process: runs that stage's pending steps on the
         # head's thread, outside its lock (None: the stages run on threads of their own).
         self.run_stage: Callable[[], None] | None = None
+        # After each step's tokens were handed out and its microbatch's next step issued,
+        # on the head's thread (a T-node sends the step's tokens on in one message).
+        self.on_step: Callable[[], None] | None = None
 
         self._lock = threading.RLock()
         self._done = threading.Condition(self._lock)
@@ -437,6 +440,8 @@ class PipelineHead:
             self.scheduler.postprocess(mb, message.tokens, message.log_probs)
         if not self._paused:
             self._issue(mb)
+        if self.on_step is not None:
+            self.on_step()
 
     # -- admission of requests prefilled elsewhere ------------------------------------------
 

@@ -113,6 +113,8 @@ class TokenService:
         self.clients: dict[str, _Client] = {}
         self.feeds: dict[str, _Feed] = {}
         self.lock = threading.Lock()
+        self._feed_rows: dict[str, list[FeedRow]] = {}  # made, not yet sent, per feed
+        self._feed_lock = threading.Lock()  # one sender at a time: a feed's rows in order
         self.stopped = threading.Event()
         self._outbox = threading.Condition()
         self._ready: dict[_Client, None] = {}  # clients with something to send, in order
@@ -125,6 +127,8 @@ class TokenService:
             target=self._watch, args=(cancel_poll_s,), name="cancel-watch", daemon=True
         )
         self.watcher.start()
+        if self.head is not None:  # a step's tokens go out in one message per feed
+            self.head.on_step = self._flush_feeds
 
     @property
     def colocated(self) -> bool:
@@ -289,11 +293,17 @@ class TokenService:
                     self._send(client, [], seq.error or
                                f"ended ({seq.finish_reason.value}) without a token")
                 elif client.ended:  # else Triton cancelled it: its stream is gone
+                    self._feed_row(client, [], None, True)
                     self._send(client, [], finished=True)
             elif finished or len(seq.output_ids) > client.sent:
-                self._send(client, seq.output_ids[client.sent :], finished=finished,
-                           log_probs=seq.log_probs[client.sent :])
+                tokens, log_probs = seq.output_ids[client.sent :], seq.log_probs[client.sent :]
                 client.sent = len(seq.output_ids)
+                if client.feed is None:
+                    self._send(client, tokens, finished=finished, log_probs=log_probs)
+                else:  # sent with the step's others; its own stream's last response after
+                    self._feed_row(client, tokens, log_probs, finished)
+                    if finished:
+                        self._send(client, [], finished=True)
         except Exception:
             log.exception("could not answer request %s", seq.request_id)
         if finished:
@@ -311,9 +321,31 @@ class TokenService:
             self._ready[client] = None
             self._outbox.notify()
 
+    def _feed_row(self, client: _Client, tokens: list[int],
+                  log_probs: list[TokenLogProb | None], done: bool) -> None:
+        if client.feed is None:
+            return
+        with self._feed_lock:
+            asked = client.log_probs is not None
+            self._feed_rows.setdefault(client.feed, []).append(
+                (client.request_id, tokens, log_probs if asked else None, done))
+
+    def _flush_feeds(self) -> None:
+        """Send each feed's rows made so far as one message: on the head's thread after
+        each step, and on the sender's before it answers (a request's own last response
+        goes after its rows)."""
+        with self._feed_lock:
+            rows, self._feed_rows = self._feed_rows, {}
+            if not rows:
+                return
+            with self.lock:
+                feeds = {name: self.feeds.get(name) for name in rows}
+            for name, feed_rows in rows.items():
+                self._answer(feeds[name].rows.send if feeds[name] else None, feed_rows)
+
     def _send_loop(self) -> None:
-        """Answer every client with something to send: all its tokens in one response, or
-        one message per token feed for all of its clients."""
+        """Answer every client with something to send: all its tokens in one response (its
+        feed's rows, if it has one, are sent first)."""
         while True:
             with self._outbox:
                 self._outbox.wait_for(lambda: self._ready or self._ended_feeds or self._closing)
@@ -325,15 +357,7 @@ class TokenService:
                     client.log_probs = None if client.log_probs is None else []
                 self._ready.clear()
                 ended, self._ended_feeds = self._ended_feeds, []
-            rows: dict[str, list[FeedRow]] = {}
-            for client, tokens, log_probs, final, _ in work:
-                if client.feed is not None and (tokens or final):
-                    rows.setdefault(client.feed, []).append(
-                        (client.request_id, tokens, log_probs, final))
-            with self.lock:
-                feeds = {name: self.feeds.get(name) for name in rows}
-            for name, feed_rows in rows.items():
-                self._answer(feeds[name].rows.send if feeds[name] else None, feed_rows)
+            self._flush_feeds()
             for client, tokens, log_probs, final, error in work:
                 if client.feed is None and (tokens or final):
                     self._answer(client.emit, tokens, log_probs, final)
