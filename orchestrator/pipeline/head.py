@@ -83,7 +83,7 @@ class PipelineHead:
         mode: str = "disaggregated",
         step_timeout_s: float = 60.0,
         kv_timeout_s: float = 30.0,
-        probe_interval_s: float = 0.005,
+        probe_interval_s: float = 0.001,
         poll_s: float = 0.005,
         health: Callable[[], str | None] | None = None,
         recover_timeout_s: float | None = None,
@@ -394,7 +394,7 @@ class PipelineHead:
                     self._probe()
             if self.run_stage is not None:
                 self.run_stage()
-            message = self.from_last.recv(self.poll_s)
+            message = self.from_last.recv(self._wait_s())
             with self._lock:
                 if self.broken is None:
                     if isinstance(message, TokenMessage):
@@ -409,6 +409,16 @@ class PipelineHead:
                         self._fail_stalled()
                     self._expire_pending_kv()
                 self._prune()
+
+    def _wait_s(self) -> float:
+        """How long to wait for an answer: until the next KV probe is due while prompts
+        wait for their KV (a second token then waits for its admission ~0.5 ms, not
+        ~``poll_s`` / 2), else ``poll_s``."""
+        with self._lock:
+            if not (self._pending_kv or self._unreleased) or self._probe_sent_at is not None:
+                return self.poll_s
+            due = self._last_probe + self.probe_interval_s - time.monotonic()
+        return min(self.poll_s, max(0.0, due))
 
     def _issue(self, mb: int) -> None:
         batch = self.scheduler.schedule(mb)
