@@ -28,7 +28,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -115,6 +115,8 @@ class LoadPoint:
     bare_tokens_per_s: float = math.nan
     served_over_bare: float = math.nan  # time per token, served / bare engine
     overhead_ms_per_token: float = math.nan
+    rounds: int = 1  # this is the median one of them (by served_over_bare)
+    served_over_bare_range: str = ""  # lowest-highest over the rounds
 
 
 def run_perf_analyzer(tools: Tools, grpc_url: str, mode: str, concurrency: int, requests: int,
@@ -289,6 +291,15 @@ class BareEngine:
             return runs * batch * self.max_tokens / (time.perf_counter() - begin)
 
 
+def median_round(rounds: list[LoadPoint]) -> LoadPoint:
+    """The round whose served/bare ratio is the median (a measured point, not a blend of
+    several), with the spread of the ratio over all rounds."""
+    ordered = sorted(rounds, key=lambda p: p.served_over_bare)
+    ratios = [p.served_over_bare for p in ordered]
+    return replace(ordered[(len(ordered) - 1) // 2], rounds=len(rounds),
+                   served_over_bare_range=f"{ratios[0]:.2f}-{ratios[-1]:.2f}")
+
+
 def compare_to_bare(point: LoadPoint, before: float, after: float) -> None:
     """``before``/``after``: the bare engine's tokens/s around the point; their mean time
     per token is the point's bare figure."""
@@ -306,6 +317,7 @@ LOAD_COLUMNS = {
     "ttft_p99_ms": "TTFT p99 ms",
     "itl_ms": "ITL ms", "bare_tokens_per_s": "bare tok/s",
     "served_over_bare": "served/bare time per token",
+    "served_over_bare_range": "over rounds",
     "overhead_ms_per_token": "overhead ms/token",
 }
 GENAI_COLUMNS = {
@@ -373,6 +385,9 @@ def main(argv: list[str]) -> int:
                         "pipeline, T-node, frontend, ensemble) and one stage hop vs NIXL")
     parser.add_argument("--breakdown-requests", type=int, default=20,
                         help="requests per layer in the breakdown")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="rounds of (bare, served, bare) per point; the median round "
+                        "is reported, with the ratio's spread")
     parser.add_argument("--pin", action="store_true",
                         help="the T-node alone on the last core, the rest (frontend, P-node, "
                         "perf_analyzer) on the others; the bare engine on the T-node's core")
@@ -383,8 +398,9 @@ def main(argv: list[str]) -> int:
         parser.error("--url and --http-url go together (perf_analyzer: gRPC, genai-perf: HTTP)")
     if args.url and not args.model:
         parser.error("--url needs --model: the served model's folder (tokenizer, bare engine)")
-    if min(args.concurrency) < 1 or args.requests < 1 or args.max_tokens < 2:
-        parser.error("need --concurrency >= 1, --requests >= 1 and --max-tokens >= 2")
+    if min(args.concurrency) < 1 or args.requests < 1 or args.max_tokens < 2 or args.rounds < 1:
+        parser.error("need --concurrency >= 1, --requests >= 1, --rounds >= 1 and "
+                     "--max-tokens >= 2")
     modes = ["external"] if args.url else args.modes
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -400,13 +416,15 @@ def main(argv: list[str]) -> int:
         for mode in modes:
             with _frontend(args, mode, model_dir, machines) as (grpc_url, http_url):
                 for c in args.concurrency:
-                    before = bare.tokens_per_s(c)
-                    point = run_perf_analyzer(tools, grpc_url, mode, c, args.requests * c,
-                                              args.max_tokens, args.prompt,
-                                              args.out / mode / f"c{c}")
-                    compare_to_bare(point, before, bare.tokens_per_s(c))
-                    points.append(point)
-                    print(f"{mode} c={c}: {point.tokens_per_s:.0f} tok/s", flush=True)
+                    rounds = []
+                    for r in range(args.rounds):  # bare, served, bare: a ratio per round
+                        before = bare.tokens_per_s(c)
+                        rounds.append(run_perf_analyzer(
+                            tools, grpc_url, mode, c, args.requests * c, args.max_tokens,
+                            args.prompt, args.out / mode / f"c{c}" / f"round{r}"))
+                        compare_to_bare(rounds[-1], before, bare.tokens_per_s(c))
+                    points.append(median_round(rounds))
+                    print(f"{mode} c={c}: {points[-1].tokens_per_s:.0f} tok/s", flush=True)
                 if args.genai_concurrency:
                     c = args.genai_concurrency
                     genai.append(run_genai_perf(tools, http_url, model_dir, mode, c,

@@ -79,7 +79,7 @@ def test_bench_serving_against_a_real_cluster(tiny_model, tmp_path):
     out = tmp_path / "bench"
     argv = ["--model", str(model), "--modes", "disaggregated", "--max-tokens", str(MAX_TOKENS),
             "--requests", str(REQUESTS), "--genai-concurrency", "2", "--out", str(out),
-            "--concurrency", *map(str, CONCURRENCY)]
+            "--rounds", "2", "--concurrency", *map(str, CONCURRENCY)]
     assert main(argv) == 0
 
     with (out / "perf_analyzer.csv").open() as f:
@@ -89,7 +89,11 @@ def test_bench_serving_against_a_real_cluster(tiny_model, tmp_path):
         requests, tokens = int(row["requests"]), int(row["tokens"])
         assert requests == REQUESTS * int(row["concurrency"])  # every request completed
         assert tokens == requests * MAX_TOKENS
+        low, high = map(float, row.pop("served_over_bare_range").split("-"))
         numbers = {k: float(v) for k, v in row.items() if k not in ("mode", "concurrency")}
+        # the reported round is the median one of the two (the lower), in their range
+        assert numbers["rounds"] == 2 and low == pytest.approx(
+            numbers["served_over_bare"], abs=0.006) and high >= low
         assert all(v > 0 and math.isfinite(v) for k, v in numbers.items()
                    if k != "overhead_ms_per_token"), numbers
         assert numbers["tokens_per_s"] == pytest.approx(numbers["requests_per_s"] * MAX_TOKENS)
@@ -100,8 +104,10 @@ def test_bench_serving_against_a_real_cluster(tiny_model, tmp_path):
 
     # What perf_analyzer streamed are the reference's greedy tokens, in order.
     expected = reference(model, [PROMPT], MAX_TOKENS)[0]
-    for c in CONCURRENCY:
-        export = json.loads((out / "disaggregated" / f"c{c}" / "export.json").read_text())
+    exports = sorted((out / "disaggregated").glob("c*/round*/export.json"))
+    assert len(exports) == 2 * len(CONCURRENCY)  # every round of every point
+    for export_file in exports:
+        export = json.loads(export_file.read_text())
         for request in export["experiments"][0]["requests"]:
             # a token per response, or several for a stream that fell behind; none empty
             streamed = [np.ravel(r["output_ids"]).tolist() for r in request["response_outputs"]]
