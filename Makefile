@@ -18,7 +18,7 @@ demo: install
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH bash scripts/demo.sh
 
 test: lint
-	$(VENV)/bin/pytest -q -rs
+	$(VENV)/bin/pytest -q -rs --durations=15
 
 # Everyday tier: unit and in-process tests, no tritonserver.
 test-fast: lint

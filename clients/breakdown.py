@@ -31,6 +31,7 @@ process.
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import re
@@ -272,6 +273,27 @@ def cpu_per_token(run: Callable[[], Arrivals], requests: int, min_s: float = 3.0
                   key=lambda p: -p.us_per_token)
 
 
+# -- the engine's step where it runs -------------------------------------------------------
+
+
+@dataclass
+class Step:
+    in_process_ms: float  # median decode step of the in-process pipeline's stage
+    in_node_ms: float  # median decode step inside the T-node's Python stub
+
+    @property
+    def ratio(self) -> float:
+        return self.in_node_ms / self.in_process_ms
+
+
+def decode_step_ms(intervals) -> float:
+    """The median length of the decode steps among a stage's busy ``intervals``."""
+    steps = [(i.end - i.start) * 1e3 for i in intervals if i.kind == "decode"]
+    if not steps:
+        raise RuntimeError("the stage ran no decode step")
+    return statistics.median(steps)
+
+
 # -- one stage-to-stage hop against NIXL's own round trip ----------------------------------
 
 
@@ -343,12 +365,13 @@ def _interleaved_medians_us(runs: list[Callable[[], None]], rounds: int) -> list
 
 def run_breakdown(model_dir, prompt: str, tokens: int, repeats: int, out_dir,
                   machines: Machines | None = None
-                  ) -> tuple[list[Layer], list[ProcessCpu], Hop]:
+                  ) -> tuple[list[Layer], list[ProcessCpu], Hop, Step]:
     """``machines`` (``--pin``): the T-node, the engine and the in-process pipeline on the
     token core, the frontend and this client on the others."""
     from clients.generate import stream_grpc
     from orchestrator.cluster.launcher import Cluster
     from orchestrator.control.auth import load_secret
+    from orchestrator.control.client import ControlClient
     from orchestrator.engine.tokenizer import load_tokenizer
     from orchestrator.engine.torch_engine import load_engine
     from orchestrator.pipeline.local import LocalPipeline
@@ -392,9 +415,11 @@ def run_breakdown(model_dir, prompt: str, tokens: int, repeats: int, out_dir,
             finally:
                 node.close()
                 listener.close()
+            in_node = json.loads(ControlClient(secret, 30.0).call(tnode, "steps"))
+            step = Step(decode_step_ms(pipeline.timelines[0]), in_node["decode"]["median_ms"])
     finally:
         pipeline.stop()
-    return layers, cpu, hop
+    return layers, cpu, hop, step
 
 
 def _on(machine: Devices | None, run: Callable[..., Arrivals], *args: object) -> Arrivals:
@@ -409,8 +434,8 @@ def _ensemble_times(stream_grpc, url: str, prompt: str, tokens: int) -> Arrivals
     return arrivals
 
 
-def report(layers: list[Layer], cpu: list[ProcessCpu], hop: Hop, tokens: int, repeats: int
-           ) -> str:
+def report(layers: list[Layer], cpu: list[ProcessCpu], hop: Hop, step: Step, tokens: int,
+           repeats: int) -> str:
     lines = [f"per-token breakdown, concurrency 1, {repeats} requests of {tokens} tokens per "
              "layer (median of each request's time per token after its first):", "",
              "| layer | ms/token | adds ms | what it adds |", "|---|---:|---:|---|"]
@@ -422,16 +447,21 @@ def report(layers: list[Layer], cpu: list[ProcessCpu], hop: Hop, tokens: int, re
     lines += [f"| {p.process} | {p.us_per_token:.0f} |" for p in cpu if p.us_per_token >= 1]
     lines += [f"| **all** | **{sum(p.us_per_token for p in cpu):.0f}** |"]
     lines += ["", f"served (ensemble) / bare engine time per token: {served / bare:.2f}",
+              f"engine decode step: {step.in_process_ms:.3f} ms in this process, "
+              f"{step.in_node_ms:.3f} ms inside the T-node's Python stub ({step.ratio:.2f}x); "
+              f"served / bare at the node's step: {served / (bare * step.ratio):.2f}",
               f"stage-to-stage hop: link round trip {hop.link_rtt_us:.0f} us, NIXL's own "
               f"small-message round trip {hop.nixl_rtt_us:.0f} us: {hop.ratio:.2f}x"]
     return "\n".join(lines)
 
 
-def as_rows(layers: list[Layer], cpu: list[ProcessCpu], hop: Hop) -> list[dict]:
+def as_rows(layers: list[Layer], cpu: list[ProcessCpu], hop: Hop, step: Step) -> list[dict]:
     rows = [{"what": x.name, "ms": round(x.ms_per_token, 4), "adds_ms": round(x.adds_ms, 4)}
             for x in layers]
     rows += [{"what": f"CPU: {p.process}", "ms": round(p.us_per_token / 1e3, 4),
               "adds_ms": np.nan} for p in cpu]
     rows += [{"what": "link round trip", "ms": hop.link_rtt_us / 1e3, "adds_ms": np.nan},
-             {"what": "nixl round trip", "ms": hop.nixl_rtt_us / 1e3, "adds_ms": np.nan}]
+             {"what": "nixl round trip", "ms": hop.nixl_rtt_us / 1e3, "adds_ms": np.nan},
+             {"what": "decode step in process", "ms": step.in_process_ms, "adds_ms": np.nan},
+             {"what": "decode step in T-node", "ms": step.in_node_ms, "adds_ms": np.nan}]
     return rows

@@ -14,7 +14,8 @@ request whose client left (``end``, stage 0: the request's stream then closes wi
 an empty final response, so the frontend never cancels a gRPC call, whose
 cancellation races with a response in Triton 2.51, issues 7368 and 8034); with
 KV replication on, the fault layer's operations (``RecoveryOps.ops``) wire the
-replicas and replace a lost stage.
+replicas and replace a lost stage. ``held`` counts what requests hold on the node,
+``steps`` times its latest engine steps.
 
 Tokens leave through a sender thread, not the head's: answering a request costs
 a round trip to tritonserver, which would otherwise delay the next step. A
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -137,7 +139,8 @@ class TokenService:
     # -- control requests --------------------------------------------------------------
 
     def _control_ops(self) -> dict[str, Callable[[ControlRequest], bytes | None]]:
-        requests = {"held": lambda _: json.dumps(self.held()).encode(), "end": self._end}
+        requests = {"held": lambda _: json.dumps(self.held()).encode(), "end": self._end,
+                    "steps": lambda _: json.dumps(self.steps()).encode()}
         node = self.node
         ops: dict[str, Callable[[ControlRequest], bytes | None]] = {}
         if node.config.depth > 1:
@@ -222,6 +225,16 @@ class TokenService:
         if self.recovery is not None:
             counts |= self.recovery.replication.held_counts()
         return counts
+
+    def steps(self) -> dict[str, dict[str, float]]:
+        """This stage's latest engine steps (its worker's busy intervals), per kind: how many
+        and their median in ms: what a step costs inside this node's process."""
+        worker = self.node.worker
+        by_kind: dict[str, list[float]] = {}
+        for interval in list(worker.timeline) if worker is not None else []:
+            by_kind.setdefault(interval.kind, []).append((interval.end - interval.start) * 1e3)
+        return {kind: {"count": len(ms), "median_ms": statistics.median(ms)}
+                for kind, ms in by_kind.items()}
 
     # -- generation (stage 0) ----------------------------------------------------------
 

@@ -6,6 +6,7 @@ between real tritonservers is tested in test_cluster.py and test_pipeline_cluste
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -91,9 +92,14 @@ def test_colocated_batch_matches_reference(engine):
         for i, (prompt, client) in enumerate(zip(PROMPTS, clients, strict=True)):
             admit(service, f"r{i}", prompt, GenerationParams(max_tokens=6), client)
         got = [c.wait().tokens for c in clients]
+        steps = json.loads(service.control("steps", ControlRequest()))
     finally:
         service.stop()
     assert got == generate([engine], PROMPTS, max_tokens=6)
+    # Every token after a prompt's first came from a step that decoded it.
+    decoding = sum(s["count"] for kind, s in steps.items() if "decode" in kind)
+    assert 5 <= decoding <= 5 * len(PROMPTS)
+    assert all(s["median_ms"] > 0 for s in steps.values())
 
 
 def test_colocated_log_probs_are_the_reference_log_softmax(engine):
