@@ -6,8 +6,10 @@ of this host). Colocated: one T-node per machine, each prefilling its own
 prompts (data parallel, Splitwise's baseline). Colocated pipeline: one token
 pipeline with a stage on every machine, its prompts running in its microbatch
 steps stage by stage (DejaVu's baseline: pipeline parallel with the bubbles
-prompts make). Disaggregated: the planner's split of the same machines into P-
-and T-nodes (1P+1T on two). Every node is pinned to its machine's cores; the
+prompts make). Disaggregated: the planner's split of the same machines into P-nodes
+and token pipelines (1P+1T on two machines; on three, unless the planner picks
+otherwise, a P-node feeding a depth-2 token pipeline: DejaVu's comparison with the
+colocated pipeline at equal depth). Every node is pinned to its machine's cores; the
 frontend (router, the clients' end) is not. Both modes serve the same requests:
 prompt and output lengths from the Azure trace scaled to the model's context,
 random prompt tokens (seeded), sent to the frontend's orchestrator model over
@@ -155,29 +157,30 @@ def summarize(mode: str, layout: str, rate: float, jobs: list[Job], times: list[
 
 
 def cluster_for(mode: str, model_dir: Path, machines: list, run_dir: Path, batch: int,
-                max_seq_len: int, prefill: int):
-    """The cluster of ``mode`` on ``machines`` (core sets): colocated one T-node each,
-    or one stage each of one pipeline; disaggregated ``prefill`` P-nodes, the rest
-    T-nodes."""
-    from orchestrator.cluster.launcher import Cluster
+                max_seq_len: int, split):
+    """The cluster of ``mode`` on ``machines`` (core sets): colocated one T-node each, or
+    one stage each of one pipeline; disaggregated the planner's ``split`` (a
+    :class:`~orchestrator.planner.planner.Layout`): its P-nodes, each on its D_p machines,
+    and its token pipelines, a stage per machine. No mode replicates its KV."""
+    from orchestrator.cluster.launcher import Cluster, spread_devices
     from orchestrator.cluster.topology import decode_name
     from orchestrator.fault import ReplicateMode
 
     if mode == "colocated":
-        names = [f"decode{i}" for i in range(len(machines))]
+        devices = {f"decode{i}": m for i, m in enumerate(machines)}
         kwargs = dict(prefill=0, decode=len(machines), colocated=True)
     elif mode == "colocated-pipeline":
-        names = [decode_name(0, i, len(machines)) for i in range(len(machines))]
-        # No KV replicas: the baseline pipeline, as the other modes, runs without them.
-        kwargs = dict(prefill=0, decode=1, decode_depth=len(machines), colocated=True,
-                      replicate=ReplicateMode.OFF)
+        devices = {decode_name(0, i, len(machines)): m for i, m in enumerate(machines)}
+        kwargs = dict(prefill=0, decode=1, decode_depth=len(machines), colocated=True)
     else:
-        decode = len(machines) - prefill
-        names = [f"prefill{i}" for i in range(prefill)] + [f"decode{i}" for i in range(decode)]
-        kwargs = dict(prefill=prefill, decode=decode)
+        spec = {"prefill": {"pipelines": split.replicas, "depth": split.prompt_depth},
+                "decode": {"pipelines": split.replicas, "depth": split.token_depth}}
+        devices = {name: Devices.parse(d) for name, d in spread_devices(spec, machines).items()}
+        kwargs = dict(prefill=split.replicas, prefill_depth=split.prompt_depth,
+                      decode=split.replicas, decode_depth=split.token_depth)
     return Cluster.up(model_dir, run_dir=run_dir / mode, max_batch=batch,
-                      max_seq_len=max_seq_len, devices=dict(zip(names, machines, strict=True)),
-                      **kwargs)
+                      max_seq_len=max_seq_len, devices=devices,
+                      replicate=ReplicateMode.OFF, **kwargs)
 
 
 def predictions(model_dir: Path, lengths: list[tuple[int, int]], batch: int,
@@ -296,7 +299,6 @@ def main(argv: list[str]) -> int:
               flush=True)
         pred = predictions(model_dir, lengths, args.batch, machines[0], len(machines))
         rates = args.rates or [f * pred["colocated_rps"] for f in (0.25, 0.5, 1.0, 1.5)]
-        prefill = pred["split"].prompt_depth
         print(f"planner: Y/t {pred['Y/t']:.1f}, picks {pred['pick']}; predicted colocated "
               f"{pred['colocated_rps']:.2f} req/s, colocated pipeline "
               f"{pred['colocated-pipeline_rps']:.2f} req/s, {pred['split']} "
@@ -314,10 +316,10 @@ def main(argv: list[str]) -> int:
 
             for mode in args.modes:
                 with cluster_for(mode, model_dir, machines, args.out / "cluster", args.batch,
-                                 max_seq_len, prefill) as cluster:
+                                 max_seq_len, pred["split"]) as cluster:
                     layout = {"colocated": f"{len(machines)}x colocated",
                               "colocated-pipeline": f"colocated depth {len(machines)}",
-                              }.get(mode, f"{prefill}P+{len(machines) - prefill}T")
+                              }.get(mode, str(pred["split"]))
                     url = cluster.frontend.grpc_url
                     secret = load_secret(cluster.secret_file)
                     warm = make_jobs(lengths[:2], 100.0, vocab, args.seed + 1)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import csv
 import math
+import os
+import re
 
 import pytest
 
@@ -23,13 +25,22 @@ def test_scaled_trace_requests_fit_and_repeat():
 
 @pytest.mark.slow
 def test_bench_disagg_smallest_run(tiny_model, tmp_path, capsys):
+    """Three machines (two of them on one core here: no speed is read): the colocated
+    modes are 3 T-nodes and a depth-3 pipeline, the disaggregated one the planner's split
+    of the three (a P-node feeding a depth-2 token pipeline unless it picks otherwise)."""
     out = tmp_path / "out"
+    cores = sorted(os.sched_getaffinity(0))
+    machines = [f"cpu:{cores[i % len(cores)]}" for i in range(3)]
     argv = ["--model", str(tiny_model("gpt2")), "--requests", "3", "--rates", "4",
-            "--max-prompt", "24", "--max-new", "4", "--batch", "2", "--out", str(out)]
+            "--max-prompt", "24", "--max-new", "4", "--batch", "2", "--out", str(out),
+            "--machines", *machines]
     assert main(argv) == 0, capsys.readouterr().err
     with (out / "disagg.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert [r["mode"] for r in rows] == ["colocated", "colocated-pipeline", "disaggregated"]
+    assert [r["layout"] for r in rows[:2]] == ["3x colocated", "colocated depth 3"]
+    split = re.fullmatch(r"1x \(P(\d)\+T(\d)\)", rows[2]["layout"])
+    assert split and int(split[1]) + int(split[2]) == 3, rows[2]["layout"]
     for row in rows:
         assert set(COLUMNS) <= set(row)
         assert int(row["requests"]) == 3 and float(row["rate_rps"]) == 4
