@@ -1,17 +1,18 @@
-"""``dejavu bench serving``: perf_analyzer and genai-perf against the ensemble, vs the bare engine.
+"""``dejavu bench serving``: perf_analyzer, genai-perf and aiperf on a cluster, vs the bare engine.
 
 For each mode (disaggregated 1P+1T, colocated 1T) a local cluster comes up
-(or ``--url``/``--http-url`` name a running one) and perf_analyzer 2.51 streams
+(or ``--url``/``--http-url``/``--openai-url`` name a running one) and perf_analyzer 2.51 streams
 requests over gRPC (``--streaming``, a fixed prompt and ``max_tokens``) at each
 concurrency; its per-request profile export gives tokens/s, time to first
 token (TTFT) and inter-token latency (ITL). The bare engine loop
 (``orchestrator.engine.reference.generate`` in this process, same weights,
 batch = concurrency) runs right before and after each point: the ratio of time per token,
-served over bare, is the serving overhead. genai-perf runs once per mode at one
-concurrency for its own TTFT/ITL, over Triton's HTTP ``generate_stream`` (its
-``kserve`` endpoint sends ``exclude_input_in_output``, an input the ensemble
-lacks). The tools come from ``scripts/perf_tools.sh`` (run here; a no-op when
-installed). With ``--pin`` the T-node runs on the last core alone (its "machine") and
+served over bare, is the serving overhead. genai-perf then runs once per mode and
+API at one concurrency for its own TTFT/ITL, unchanged, over each API a user has:
+Triton's HTTP ``generate_stream``, gRPC ``kserve`` (the ensemble's TensorRT-LLM
+contract), and the OpenAI-compatible ``completions`` and ``chat``; aiperf (``--aiperf``)
+over ``completions``. The tools come from ``scripts/perf_tools.sh`` (run here; a no-op
+when installed). With ``--pin`` the T-node runs on the last core alone (its "machine") and
 everything else (frontend, P-node, perf_analyzer) on the others, and the bare engine on
 the T-node's core: the engine has the same core served and bare.
 """
@@ -26,7 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -44,6 +45,8 @@ PROMPT = "The prompt phase reads the whole prompt, then the token phase writes o
 PA_TIMEOUT_S = 300.0
 PA_ATTEMPTS = 3  # perf_analyzer runs per point until one writes a readable export
 GENAI_TIMEOUT_S = 300.0
+GENAI_APIS = ("generate", "kserve", "completions", "chat")
+OPENAI_APIS = ("completions", "chat")  # served by the cluster's OpenAI-compatible API
 
 
 class BenchError(RuntimeError):
@@ -55,6 +58,7 @@ class Tools:
     perf_analyzer: Path
     ld_library_path: str  # libcudart.so.12 for perf_analyzer
     genai_perf: Path
+    aiperf: Path
 
     def env(self) -> dict[str, str]:
         """perf_analyzer 2.51 first on PATH: genai-perf runs whichever it finds."""
@@ -77,7 +81,7 @@ def install_tools() -> Tools:
     found = dict(line.split("=", 1) for line in done.stdout.splitlines() if "=" in line)
     try:
         return Tools(Path(found["PERF_ANALYZER"]), found["PERF_LD_LIBRARY_PATH"],
-                     Path(found["GENAI_PERF"]))
+                     Path(found["GENAI_PERF"]), Path(found["AIPERF"]))
     except KeyError as exc:
         raise BenchError(f"{TOOLS_SCRIPT} did not print {exc.args[0]}=...") from None
 
@@ -196,48 +200,103 @@ def _percentile(ordered: list[float], p: float) -> float:
     return ordered[min(len(ordered) - 1, math.ceil(p / 100 * len(ordered)) - 1)]
 
 
-# -- genai-perf ------------------------------------------------------------------------------
+# -- genai-perf and aiperf -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """Where a cluster serves: Triton gRPC and HTTP (host:port), the OpenAI API (its base URL
+    without ``/v1``; None: not running) and the model name that API serves."""
+
+    grpc: str
+    http: str
+    openai: str | None
+    served_model: str
 
 
 @dataclass
 class GenaiPoint:
-    """genai-perf's summary (it counts tokens by re-tokenizing the streamed text)."""
+    """A genai-perf or aiperf summary at one concurrency, over one API."""
 
+    tool: str
+    api: str
     mode: str
     concurrency: int
     requests: int
-    tokens_streamed: int  # output_ids in its raw export's data events
+    # From the tool's raw export: the tokens streamed (generate, kserve: output_ids; aiperf:
+    # the server's usage count), or for genai-perf over completions/chat, which exports only
+    # text, the chunks with text (a chunk may carry several tokens, or none of a partial
+    # character).
+    streamed: int
     requests_per_s: float
-    tokens_per_s: float
+    tokens_per_s: float  # as the tool counts tokens: by re-tokenizing the text it received
     ttft_avg_ms: float
     ttft_p99_ms: float
     itl_avg_ms: float
     output_len_avg: float  # retokenized, so it need not equal max_tokens
 
 
-def run_genai_perf(tools: Tools, http_url: str, model_dir: Path, mode: str, concurrency: int,
-                   requests: int, max_tokens: int, out_dir: Path) -> GenaiPoint:
+def _tool_target(api: str, where: Endpoints) -> list[str]:
+    """The model, endpoint and URL arguments genai-perf and aiperf share for ``api``."""
+    if api == "kserve":
+        return ["-m", MODEL, "--endpoint-type", "kserve", "-u", where.grpc]
+    if api == "generate":
+        return ["-m", MODEL, "--endpoint-type", "generate", "-u", where.http,
+                "--endpoint", f"v2/models/{MODEL}/generate_stream"]
+    if where.openai is None:
+        raise BenchError(f"the {api} API needs the cluster's OpenAI-compatible server")
+    return ["-m", where.served_model, "--endpoint-type", api, "-u", where.openai]
+
+
+def _load_args(model_dir: Path, concurrency: int, requests: int, max_tokens: int) -> list[str]:
+    """The load arguments genai-perf and aiperf share."""
+    return ["--streaming", "--tokenizer", str(model_dir), "--concurrency", str(concurrency),
+            # perf_analyzer 2.51 hangs when fewer warm-up requests than streams are asked for
+            "--request-count", str(requests), "--warmup-request-count", str(concurrency),
+            "--synthetic-input-tokens-mean", "16", "--synthetic-input-tokens-stddev", "0",
+            "--output-tokens-mean", str(max_tokens), "--random-seed", "0"]
+
+
+def run_genai_perf(tools: Tools, where: Endpoints, model_dir: Path, mode: str, api: str,
+                   concurrency: int, requests: int, max_tokens: int, out_dir: Path) -> GenaiPoint:
     out_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        str(tools.genai_perf), "profile", "-m", MODEL, "--endpoint-type", "generate",
-        "--endpoint", f"v2/models/{MODEL}/generate_stream", "--streaming", "-u", http_url,
-        "--tokenizer", str(model_dir), "--concurrency", str(concurrency),
-        "--request-count", str(requests), "--warmup-request-count", str(concurrency),
-        "--synthetic-input-tokens-mean", "16", "--synthetic-input-tokens-stddev", "0",
-        "--output-tokens-mean", str(max_tokens), "--num-dataset-entries", "8",
-        "--random-seed", "0", "--artifact-dir", str(out_dir / "artifacts"),
-    ]
+    cmd = [str(tools.genai_perf), "profile", *_tool_target(api, where),
+           *_load_args(model_dir, concurrency, requests, max_tokens),
+           "--num-dataset-entries", "8", "--artifact-dir", str(out_dir / "artifacts")]
     _run(cmd, tools, out_dir / "genai_perf.log", GENAI_TIMEOUT_S, out_dir)
     summaries = list((out_dir / "artifacts").glob("*/profile_export_genai_perf.json"))
     if len(summaries) != 1:
         raise BenchError(f"expected one genai-perf summary under {out_dir}, found {summaries}")
-    summary = json.loads(summaries[0].read_text())
     raw = json.loads((summaries[0].parent / "profile_export.json").read_text())
     streamed = sum(_streamed(out) for r in raw["experiments"][0]["requests"]
                    for out in r["response_outputs"])
+    return _point("genai-perf", api, mode, concurrency, streamed,
+                  json.loads(summaries[0].read_text()))
+
+
+def run_aiperf(tools: Tools, where: Endpoints, model_dir: Path, mode: str, api: str,
+               concurrency: int, requests: int, max_tokens: int, out_dir: Path) -> GenaiPoint:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [str(tools.aiperf), "profile", *_tool_target(api, where),
+           *_load_args(model_dir, concurrency, requests, max_tokens),
+           "--ui-type", "none", "--artifact-dir", str(out_dir / "artifacts")]
+    _run(cmd, tools, out_dir / "aiperf.log", GENAI_TIMEOUT_S, out_dir)
+    artifacts = out_dir / "artifacts"
+    records = [json.loads(line) for line in
+               (artifacts / "profile_export.jsonl").read_text().splitlines() if line.strip()]
+    # aiperf keeps the server's own count (usage) next to its re-tokenized one
+    streamed = sum(int(r["metrics"]["usage_completion_tokens"]["value"]) for r in records
+                   if r["metadata"]["benchmark_phase"] == "profiling")
+    return _point("aiperf", api, mode, concurrency, streamed,
+                  json.loads((artifacts / "profile_export_aiperf.json").read_text()))
+
+
+def _point(tool: str, api: str, mode: str, concurrency: int, streamed: int,
+           summary: dict) -> GenaiPoint:
     return GenaiPoint(
-        mode=mode, concurrency=concurrency, requests=int(summary["request_count"]["avg"]),
-        tokens_streamed=streamed, requests_per_s=summary["request_throughput"]["avg"],
+        tool=tool, api=api, mode=mode, concurrency=concurrency,
+        requests=int(summary["request_count"]["avg"]), streamed=streamed,
+        requests_per_s=summary["request_throughput"]["avg"],
         tokens_per_s=summary["output_token_throughput"]["avg"],
         ttft_avg_ms=summary["time_to_first_token"]["avg"],
         ttft_p99_ms=summary["time_to_first_token"]["p99"],
@@ -247,14 +306,17 @@ def run_genai_perf(tools: Tools, http_url: str, model_dir: Path, mode: str, conc
 
 
 def _streamed(output: dict) -> int:
-    """Tokens in one exported response: kserve, its output_ids; server-sent events
-    (generate: each event's output_ids; completions: one per event with a choice's text)."""
+    """What one exported response streamed: kserve, its output_ids; server-sent events:
+    generate, each event's output_ids; completions and chat, one per event with a choice's
+    text (or delta content)."""
     if "response" not in output:
         return int(np.size(output.get("output_ids", [])))
     events = [json.loads(line.removeprefix("data:")) for line in output["response"].splitlines()
               if line.removeprefix("data:").strip().startswith("{")]
     return sum(int(np.size(e["output_ids"])) if "output_ids" in e
-               else any(c.get("text") for c in e.get("choices", [])) for e in events)
+               else any(c.get("text") or (c.get("delta") or {}).get("content")
+                        for c in e.get("choices", []))
+               for e in events)
 
 
 # -- the bare engine ---------------------------------------------------------------------------
@@ -321,7 +383,8 @@ LOAD_COLUMNS = {
     "overhead_ms_per_token": "overhead ms/token",
 }
 GENAI_COLUMNS = {
-    "mode": "mode", "concurrency": "conc", "requests": "requests", "tokens_per_s": "tok/s",
+    "tool": "tool", "api": "API", "mode": "mode", "concurrency": "conc", "requests": "requests",
+    "tokens_per_s": "tok/s",
     "ttft_avg_ms": "TTFT avg ms", "ttft_p99_ms": "TTFT p99 ms", "itl_avg_ms": "ITL avg ms",
     "output_len_avg": "output len (retokenized)",
 }
@@ -344,10 +407,11 @@ def print_table(title: str, rows: list, columns: dict[str, str]) -> None:
 
 @contextmanager
 def _frontend(args, mode: str, model_dir: Path, machines: Machines | None
-              ) -> Iterator[tuple[str, str]]:
-    """(gRPC, HTTP) of a fresh local cluster for ``mode``, or of the one ``--url`` names."""
+              ) -> Iterator[Endpoints]:
+    """Where a fresh local cluster for ``mode`` serves (its OpenAI API only if a run needs
+    it), or the one ``--url`` names."""
     if args.url:
-        yield args.url, args.http_url
+        yield Endpoints(args.url, args.http_url, args.openai_url, model_dir.name)
         return
     from orchestrator.cluster.launcher import Cluster
 
@@ -358,8 +422,22 @@ def _frontend(args, mode: str, model_dir: Path, machines: Machines | None
             devices["prefill0"] = machines.host
     run_dir = args.out / "cluster" / mode
     with Cluster.up(model_dir, colocated=mode == "colocated", run_dir=run_dir,
-                    devices=devices) as cluster:
-        yield cluster.frontend.grpc_url, cluster.frontend.http_url
+                    devices=devices, openai=_needs_openai(args)) as cluster:
+        yield Endpoints(cluster.frontend.grpc_url, cluster.frontend.http_url,
+                        cluster.openai.url.removesuffix("/v1") if cluster.openai else None,
+                        model_dir.name)
+
+
+def _tool_runs(args) -> list[tuple[Callable[..., GenaiPoint], str]]:
+    """(run_genai_perf or run_aiperf, API): each tool run per mode, none at concurrency 0."""
+    if not args.genai_concurrency:
+        return []
+    return ([(run_genai_perf, api) for api in args.genai_apis]
+            + ([(run_aiperf, "completions")] if args.aiperf else []))
+
+
+def _needs_openai(args) -> bool:
+    return any(api in OPENAI_APIS for _, api in _tool_runs(args))
 
 
 def main(argv: list[str]) -> int:
@@ -370,6 +448,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--preset", default="tiny", help="dummy model's size")
     parser.add_argument("--url", help="gRPC host:port of a running frontend (no local cluster)")
     parser.add_argument("--http-url", help="its HTTP host:port (genai-perf), with --url")
+    parser.add_argument("--openai-url", help="its OpenAI-compatible API, http://host:port "
+                        "(genai-perf completions/chat, aiperf), with --url")
     parser.add_argument("--modes", nargs="+", choices=["disaggregated", "colocated"],
                         default=["disaggregated", "colocated"])
     parser.add_argument("--concurrency", type=int, nargs="+", default=list(range(1, 9)))
@@ -378,7 +458,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--prompt", default=PROMPT)
     parser.add_argument("--genai-concurrency", type=int, default=4,
-                        help="genai-perf's one concurrency (0: skip genai-perf)")
+                        help="genai-perf's one concurrency (0: skip genai-perf and aiperf)")
+    parser.add_argument("--genai-apis", nargs="+", choices=GENAI_APIS, default=list(GENAI_APIS),
+                        help="the APIs genai-perf loads, one run each")
+    parser.add_argument("--aiperf", action="store_true",
+                        help="also run aiperf over the OpenAI completions API")
     parser.add_argument("--out", type=Path, default=Path("bench_out/serving"))
     parser.add_argument("--breakdown", action="store_true",
                         help="instead: where one token's time goes at concurrency 1 (engine, "
@@ -396,6 +480,9 @@ def main(argv: list[str]) -> int:
         return _breakdown(args)
     if bool(args.url) != bool(args.http_url):
         parser.error("--url and --http-url go together (perf_analyzer: gRPC, genai-perf: HTTP)")
+    if args.url and _needs_openai(args) and not args.openai_url:
+        parser.error("--url with the OpenAI APIs (completions, chat, --aiperf) needs "
+                     "--openai-url; or --genai-apis generate kserve")
     if args.url and not args.model:
         parser.error("--url needs --model: the served model's folder (tokenizer, bare engine)")
     if min(args.concurrency) < 1 or args.requests < 1 or args.max_tokens < 2 or args.rounds < 1:
@@ -414,22 +501,22 @@ def main(argv: list[str]) -> int:
                           machines.token if machines else None)
         points, genai = [], []
         for mode in modes:
-            with _frontend(args, mode, model_dir, machines) as (grpc_url, http_url):
+            with _frontend(args, mode, model_dir, machines) as where:
                 for c in args.concurrency:
                     rounds = []
                     for r in range(args.rounds):  # bare, served, bare: a ratio per round
                         before = bare.tokens_per_s(c)
                         rounds.append(run_perf_analyzer(
-                            tools, grpc_url, mode, c, args.requests * c, args.max_tokens,
+                            tools, where.grpc, mode, c, args.requests * c, args.max_tokens,
                             args.prompt, args.out / mode / f"c{c}" / f"round{r}"))
                         compare_to_bare(rounds[-1], before, bare.tokens_per_s(c))
                     points.append(median_round(rounds))
                     print(f"{mode} c={c}: {points[-1].tokens_per_s:.0f} tok/s", flush=True)
-                if args.genai_concurrency:
-                    c = args.genai_concurrency
-                    genai.append(run_genai_perf(tools, http_url, model_dir, mode, c,
-                                                args.requests * c, args.max_tokens,
-                                                args.out / mode / "genai"))
+                c = args.genai_concurrency
+                for run, api in _tool_runs(args):
+                    tool = run.__name__.removeprefix("run_")
+                    genai.append(run(tools, where, model_dir, mode, api, c, args.requests * c,
+                                     args.max_tokens, args.out / mode / f"{tool}-{api}"))
     except (BenchError, ServerError, ValueError, OSError) as exc:
         print(f"dejavu bench serving: {exc}", file=sys.stderr)
         return 1
@@ -461,7 +548,7 @@ def report(args, points: list[LoadPoint], genai: list[GenaiPoint]) -> None:
     print_table("perf_analyzer (gRPC streaming) vs the bare engine", points, LOAD_COLUMNS)
     write_csv(args.out / "perf_analyzer.csv", points)
     if genai:
-        print_table("genai-perf (HTTP generate_stream)", genai, GENAI_COLUMNS)
+        print_table("genai-perf and aiperf, unchanged, over each API", genai, GENAI_COLUMNS)
         write_csv(args.out / "genai_perf.csv", genai)
     print(f"wrote {args.out}/perf_analyzer.csv" + (", genai_perf.csv" if genai else ""))
     print(f"\nprompt {args.prompt!r}, max_tokens {args.max_tokens}, "
@@ -469,8 +556,9 @@ def report(args, points: list[LoadPoint], genai: list[GenaiPoint]) -> None:
           "batch = concurrency, one thread.\n")
     print(markdown(points, LOAD_COLUMNS))
     if genai:
-        print("\ngenai-perf counts tokens by re-tokenizing the streamed text (output len), "
-              f"not the {args.max_tokens} tokens streamed: its tok/s and ITL scale with that.\n")
+        print("\ngenai-perf and aiperf count tokens by re-tokenizing the streamed text (output "
+              f"len), not the {args.max_tokens} tokens streamed: their tok/s and ITL scale with "
+              "that.\n")
         print(markdown(genai, GENAI_COLUMNS))
 
 

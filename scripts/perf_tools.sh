@@ -4,7 +4,8 @@
 #     newest build that runs on Debian 12's glibc 2.36; it needs libb64 (apt) and
 #     libcudart.so.12 (nvidia-cuda-runtime-cu12, found through LD_LIBRARY_PATH);
 #   - genai-perf 0.0.16 in .venv-genai: it pulls numpy 2, which must stay out of
-#     .venv (the Triton Python backend returns empty tensors with numpy 2).
+#     .venv (the Triton Python backend returns empty tensors with numpy 2);
+#   - aiperf 0.13 in .venv-aiperf (genai-perf's successor; its own pins again).
 # Prints `KEY=value` lines saying where things are (clients/perf.py reads them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,9 +13,11 @@ cd "$(dirname "$0")/.."
 BASE_PYTHON=${BASE_PYTHON:-/usr/bin/python3}
 PERF_VENV=${PERF_VENV:-$PWD/.venv-perf}
 GENAI_VENV=${GENAI_VENV:-$PWD/.venv-genai}
+AIPERF_VENV=${AIPERF_VENV:-$PWD/.venv-aiperf}
 TRITONCLIENT=tritonclient[all]==2.51.0
 CUDART=nvidia-cuda-runtime-cu12==12.9.79  # libcudart.so.12
 GENAI_PERF=genai-perf==0.0.16
+AIPERF=aiperf==0.13.0
 
 log() { echo "perf_tools: $*" >&2; }
 
@@ -43,12 +46,13 @@ venv_with() {
 install_libb64
 venv_with "$PERF_VENV" "$TRITONCLIENT" "$CUDART"
 venv_with "$GENAI_VENV" "$GENAI_PERF"
+venv_with "$AIPERF_VENV" "$AIPERF"
 
 PERF_ANALYZER=$PERF_VENV/bin/perf_analyzer
 CUDART_LIB=$("$PERF_VENV/bin/python" -c \
   'import nvidia.cuda_runtime, os; print(os.path.join(nvidia.cuda_runtime.__path__[0], "lib"))')
 # A smoke run proves the binary finds its libraries (a missing one fails here, not mid-bench).
-for tool in "$PERF_ANALYZER" "$GENAI_VENV/bin/genai-perf"; do
+for tool in "$PERF_ANALYZER" "$GENAI_VENV/bin/genai-perf" "$AIPERF_VENV/bin/aiperf"; do
   LD_LIBRARY_PATH=$CUDART_LIB "$tool" --version >/dev/null 2>&1 ||
     { log "$tool does not run:"; LD_LIBRARY_PATH=$CUDART_LIB "$tool" --version; exit 1; }
 done
@@ -56,3 +60,4 @@ done
 echo "PERF_ANALYZER=$PERF_ANALYZER"
 echo "PERF_LD_LIBRARY_PATH=$CUDART_LIB"
 echo "GENAI_PERF=$GENAI_VENV/bin/genai-perf"
+echo "AIPERF=$AIPERF_VENV/bin/aiperf"

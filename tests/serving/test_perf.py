@@ -1,4 +1,4 @@
-"""``dejavu bench serving``: perf_analyzer and genai-perf against a real cluster, briefly.
+"""``dejavu bench serving``: perf_analyzer, genai-perf and aiperf against a real cluster, briefly.
 
 The tools are installed by ``scripts/perf_tools.sh`` when missing (CI starts
 from a fresh machine); a failed install fails the test, it is never skipped.
@@ -15,6 +15,7 @@ import pytest
 from cluster_helpers import reference
 
 from clients.perf import (
+    GENAI_APIS,
     PROMPT,
     BenchError,
     Tools,
@@ -67,7 +68,7 @@ def test_a_cut_short_export_is_measured_again(tmp_path):
 if [ -e ran ]; then echo '{good}' > export.json; else touch ran; echo '{{"exp' > export.json; fi
 """)
     tool.chmod(0o755)
-    point = run_perf_analyzer(Tools(tool, "", tool), "127.0.0.1:1", "colocated", 1, 1, 2,
+    point = run_perf_analyzer(Tools(tool, "", tool, tool), "127.0.0.1:1", "colocated", 1, 1, 2,
                               "hi", tmp_path)
     assert (point.requests, point.tokens) == (1, 2)
 
@@ -79,6 +80,7 @@ def test_bench_serving_against_a_real_cluster(tiny_model, tmp_path):
     out = tmp_path / "bench"
     argv = ["--model", str(model), "--modes", "disaggregated", "--max-tokens", str(MAX_TOKENS),
             "--requests", str(REQUESTS), "--genai-concurrency", "2", "--out", str(out),
+            "--genai-apis", *GENAI_APIS, "--aiperf",
             "--rounds", "2", "--concurrency", *map(str, CONCURRENCY)]
     assert main(argv) == 0
 
@@ -113,10 +115,19 @@ def test_bench_serving_against_a_real_cluster(tiny_model, tmp_path):
             streamed = [np.ravel(r["output_ids"]).tolist() for r in request["response_outputs"]]
             assert all(streamed) and [t for ids in streamed for t in ids] == expected
 
+    # genai-perf over every API, and aiperf over completions: unchanged tools, every request
+    # answered (each tool exits non-zero on a failed request).
     with (out / "genai_perf.csv").open() as f:
-        (genai,) = list(csv.DictReader(f))
-    assert int(genai["requests"]) == REQUESTS * 2
-    assert int(genai["tokens_streamed"]) == REQUESTS * 2 * MAX_TOKENS
-    for key in ("requests_per_s", "tokens_per_s", "ttft_avg_ms", "itl_avg_ms", "output_len_avg"):
-        assert float(genai[key]) > 0, key
-    assert float(genai["ttft_avg_ms"]) <= float(genai["ttft_p99_ms"])
+        runs = {(r["tool"], r["api"]): r for r in csv.DictReader(f)}
+    assert set(runs) == {("genai-perf", api) for api in GENAI_APIS} | {("aiperf", "completions")}
+    for (tool, api), run in runs.items():
+        assert int(run["requests"]) == REQUESTS * 2, (tool, api)
+        streamed = int(run["streamed"])
+        if api in ("generate", "kserve") or tool == "aiperf":
+            # every token of every request (output_ids; aiperf: the server's usage count)
+            assert streamed == REQUESTS * 2 * MAX_TOKENS, (tool, api, streamed)
+        else:  # chunks with text: one may carry several tokens, or none (a partial character)
+            assert REQUESTS * 2 <= streamed <= REQUESTS * 2 * MAX_TOKENS, (tool, api, streamed)
+        for key in ("requests_per_s", "tokens_per_s", "ttft_avg_ms", "output_len_avg"):
+            assert float(run[key]) > 0, (tool, api, key)
+        assert float(run["ttft_avg_ms"]) <= float(run["ttft_p99_ms"]), (tool, api)
