@@ -29,7 +29,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "recovery"): ("benchmarks.recovery:main", "failure recovery (Fig. 14, 15)"),
     ("bench", "pipeline"): ("benchmarks.pipeline:main", "pipeline bubbles and swapping"),
     ("bench", "soak"): ("benchmarks.soak:main", "mixed load while every role is killed in turn"),
-    ("bench", "serving"): ("clients.perf:main", "perf_analyzer against the ensemble"),
+    ("bench", "serving"): ("clients.perf:main",
+                          "perf_analyzer, genai-perf and aiperf vs the bare engine"),
     ("bench", "disagg"): ("clients.disagg:main", "disaggregated vs colocated, equal devices"),
 }
 
