@@ -174,10 +174,11 @@ class PipelineHead:
         deadline = time.monotonic() + wait_s
         try:
             self.to_first.send(Shutdown(), wait_s)
-            while time.monotonic() < deadline:  # drain answers until the shutdown comes out
+            # Drain answers until the shutdown comes out, never waiting past the deadline.
+            while (left := deadline - time.monotonic()) > 0:
                 if self.run_stage is not None and not self._thread.is_alive():
                     self.run_stage()
-                if isinstance(self.from_last.recv(self.poll_s), Shutdown):
+                if isinstance(self.from_last.recv(min(self.poll_s, left)), Shutdown):
                     break
         except (LinkTimeout, ConnectionError) as exc:
             log.warning("pipeline stop: %s", exc)
