@@ -18,7 +18,7 @@ from orchestrator.control.errors import ErrorCode
 from orchestrator.serving.batch import SequenceJob
 from orchestrator.serving.config import NodeConfig
 from orchestrator.serving.entry import EntryPoint, Replies
-from orchestrator.serving.metrics import Metrics
+from orchestrator.serving.metrics import PublishedMetrics, Series
 from orchestrator.serving.params import as_text
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -131,54 +131,39 @@ def strings(*values: str | bytes) -> np.ndarray:
     return np.array([v.encode() if isinstance(v, str) else v for v in values], dtype=np.object_)
 
 
-class TritonMetrics(Metrics):
+class TritonMetrics(PublishedMetrics):
     """The project's counters as Triton custom metrics, labelled by node (and by ``model``
     where two models of one node count the same thing: the frontend's entry points)."""
 
+    # what is counted -> (family name, help, gauge?, its label's name or "")
+    FAMILIES = {
+        "requests": ("dejavu_requests", "requests by outcome", False, "outcome"),
+        "queue_length": ("dejavu_queue_length", "requests held", True, ""),
+        "kv_bytes": ("dejavu_kv_bytes", "KV bytes streamed", False, ""),
+        "kv_seconds": ("dejavu_kv_transfer_seconds", "time KV transfers were open", False, ""),
+        "held": ("dejavu_held", "request resources held", True, "what"),
+        "reruns": ("dejavu_reruns", "prompts or requests run again", False, "what"),
+    }
+
     def __init__(self, node: str, model: str = "") -> None:
-        counter, gauge = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE
-        self.node = node
         self.labels = {"node": node, **({"model": model} if model else {})}
-        self.requests = pb_utils.MetricFamily("dejavu_requests", "requests by outcome", counter)
-        self.queue = pb_utils.MetricFamily("dejavu_queue_length", "requests held", gauge)
-        self.kv_bytes = pb_utils.MetricFamily("dejavu_kv_bytes", "KV bytes streamed", counter)
-        self.kv_seconds = pb_utils.MetricFamily(
-            "dejavu_kv_transfer_seconds", "time KV transfers were open", counter
-        )
-        self.held_family = pb_utils.MetricFamily("dejavu_held", "request resources held", gauge)
-        self.held_metrics: dict[str, object] = {}
-        self.queue_metric = self.queue.Metric(labels=self.labels)
-        self.kv_bytes_metric = self.kv_bytes.Metric(labels=self.labels)
-        self.kv_seconds_metric = self.kv_seconds.Metric(labels=self.labels)
-        self.reruns = pb_utils.MetricFamily("dejavu_reruns", "prompts or requests run again",
-                                            counter)
-        self.by_outcome: dict[str, object] = {}
-        self.by_rerun: dict[str, object] = {}
+        kinds = pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.COUNTER
+        self.families = {what: pb_utils.MetricFamily(name, text, kinds[0] if gauge else kinds[1])
+                         for what, (name, text, gauge, _) in self.FAMILIES.items()}
+        self.series: dict[Series, object] = {}  # made on first use
+        super().__init__()
 
-    def _labelled(self, family, made: dict, label: str, value: str):  # noqa: ANN001, ANN202
-        """``family``'s (a pb_utils MetricFamily) metric with ``label=value`` besides the
-        node's labels, made on first use; call it under ``_ipc``."""
-        if value not in made:
-            made[value] = family.Metric(labels={**self.labels, label: value})
-        return made[value]
-
-    def request_done(self, outcome: str) -> None:
+    def publish(self, added: dict[Series, float], gauges: dict[Series, float]) -> None:
         with _ipc:
-            self._labelled(self.requests, self.by_outcome, "outcome", outcome).increment(1)
+            for series, amount in added.items():
+                self._metric(series).increment(amount)
+            for series, value in gauges.items():
+                self._metric(series).set(value)
 
-    def rerun(self, what: str) -> None:
-        with _ipc:
-            self._labelled(self.reruns, self.by_rerun, "what", what).increment(1)
-
-    def queue_length(self, requests: int) -> None:
-        with _ipc:
-            self.queue_metric.set(requests)
-
-    def kv_streamed(self, nbytes: int, seconds: float) -> None:
-        with _ipc:
-            self.kv_bytes_metric.increment(nbytes)
-            self.kv_seconds_metric.increment(seconds)
-
-    def held(self, what: str, count: int) -> None:
-        with _ipc:
-            self._labelled(self.held_family, self.held_metrics, "what", what).set(count)
+    def _metric(self, series: Series):  # noqa: ANN202  (a pb_utils Metric)
+        if series not in self.series:
+            what, value = series
+            label = self.FAMILIES[what][3]
+            self.series[series] = self.families[what].Metric(
+                labels={**self.labels, **({label: value} if label else {})})
+        return self.series[series]

@@ -73,6 +73,17 @@ def metric(server, name: str, **labels: str) -> float:
     return common.metric(f"127.0.0.1:{server.metrics_port}", name, **labels)
 
 
+def eventually(read: Callable[[], float], done: Callable[[float], bool],
+               timeout_s: float = 10.0) -> float:
+    """``read()`` (a metric) once ``done`` holds for it: a node publishes its metrics from a
+    thread of its own, so an update shows a moment late. Fails at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while not done(value := read()):
+        assert time.monotonic() < deadline, f"still {value}"
+        time.sleep(0.02)
+    return value
+
+
 def assert_log_probs_match_reference(url: str, model_dir: Path, prompt: str, max_tokens: int,
                                      top: int = 3) -> None:
     """gRPC, streaming and not: greedy tokens with ``return_log_probs`` equal the
@@ -135,8 +146,9 @@ def cancel_rounds(cluster, start, leave, rounds: int, timeout_s: float = 2.0) ->
                 seconds.append(time.monotonic() - left)
     finally:
         control.close()
-    cancelled = sum(metric(s, "dejavu_requests", outcome="cancelled") for s in stage0)
-    assert not seconds or cancelled > cancelled_before, "no T-node saw a cancellation"
+    if seconds:  # some T-node counted a cancellation
+        eventually(lambda: sum(metric(s, "dejavu_requests", outcome="cancelled")
+                               for s in stage0), lambda n: n > cancelled_before)
     return seconds
 
 

@@ -23,6 +23,7 @@ from cluster_helpers import (
     assert_log_probs_match_reference,
     cancel_rounds,
     cluster_up,
+    eventually,
     first_tokens,
     ids_of,
     metric,
@@ -191,7 +192,8 @@ def test_client_that_leaves_mid_stream_cancels_downstream(cluster, model, expect
         assert time.monotonic() < deadline, "the frontend never counted the cancellation"
         time.sleep(0.05)
     good_request_works(cluster, expected)
-    assert metric(cluster.role("decode")[0].server, "dejavu_queue_length") == 0
+    eventually(lambda: metric(cluster.role("decode")[0].server, "dejavu_queue_length"),
+               lambda n: n == 0)
 
 
 def test_client_that_leaves_an_ensemble_stream_does_not_hurt_the_cluster(cluster, expected):
@@ -211,8 +213,8 @@ def test_kv_bytes_streamed_agree_on_both_sides(cluster, model, expected):
     prompt_len = len(load_tokenizer(model).encode(PROMPTS[0]).ids)
     layout = load_engine(model, max_seq_len=MAX_SEQ_LEN).kv_layout
     nbytes = prompt_len * layout.token_bytes_per_layer() * layout.num_layers
-    assert metric(prefill, "dejavu_kv_bytes") - sent == nbytes
-    assert metric(decode, "dejavu_kv_bytes") - received == nbytes
+    assert eventually(lambda: metric(prefill, "dejavu_kv_bytes") - sent, bool) == nbytes
+    assert eventually(lambda: metric(decode, "dejavu_kv_bytes") - received, bool) == nbytes
     assert metric(decode, "dejavu_kv_transfer_seconds") > 0
 
 

@@ -15,6 +15,7 @@ import pytest
 from cluster_helpers import (
     PROMPTS,
     cluster_up,
+    eventually,
     ids_of,
     metric,
     reference,
@@ -116,7 +117,8 @@ def test_a_killed_prefill_node_costs_a_pause_not_an_error(cluster, expected, cap
     results = run_concurrently("grpc", cluster.frontend.grpc_url, prompts,
                                max_tokens=MAX_TOKENS)
     assert [ids_of(chunks) for chunks in results] == expected
-    assert metric(dead, "dejavu_requests", outcome="finished") > finished
+    eventually(lambda: metric(dead, "dejavu_requests", outcome="finished"),
+               lambda n: n > finished)
     assert metric(dead, "dejavu_requests", outcome="failed") == 0
     assert reruns(cluster) == retried
 

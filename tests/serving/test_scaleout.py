@@ -4,7 +4,15 @@
 from __future__ import annotations
 
 import pytest
-from cluster_helpers import PROMPTS, cluster_up, ids_of, metric, reference, run_concurrently
+from cluster_helpers import (
+    PROMPTS,
+    cluster_up,
+    eventually,
+    ids_of,
+    metric,
+    reference,
+    run_concurrently,
+)
 
 from clients.generate import stream_grpc
 
@@ -28,7 +36,8 @@ def test_two_by_two_then_a_decode_node_dies(tiny_model, tmp_path):
         chunks = list(stream_grpc(url, prompts[0], max_tokens=MAX_TOKENS))
         assert ids_of(chunks) == expected[0]
         # it met the dead node, and ran again from its prompt on the other one
-        assert metric(cluster.frontend, "dejavu_reruns", what="request") > rerun
+        eventually(lambda: metric(cluster.frontend, "dejavu_reruns", what="request"),
+                   lambda n: n > rerun)
         # The router leaves the dead node out; the survivors serve every request.
         results = run_concurrently("grpc", url, prompts[:4], max_tokens=MAX_TOKENS)
         assert [ids_of(chunks) for chunks in results] == expected[:4]
