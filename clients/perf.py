@@ -245,7 +245,10 @@ def _tool_target(api: str, where: Endpoints) -> list[str]:
                 "--endpoint", f"v2/models/{MODEL}/generate_stream"]
     if where.openai is None:
         raise BenchError(f"the {api} API needs the cluster's OpenAI-compatible server")
-    return ["-m", where.served_model, "--endpoint-type", api, "-u", where.openai]
+    # every request runs to max_tokens, as the bare engine's do (vLLM's extension; a random
+    # prompt may otherwise draw the end id at once, and the tools drop an empty request)
+    return ["-m", where.served_model, "--endpoint-type", api, "-u", where.openai,
+            "--extra-inputs", "ignore_eos:true"]
 
 
 def _load_args(model_dir: Path, concurrency: int, requests: int, max_tokens: int) -> list[str]:

@@ -81,6 +81,7 @@ class _Sampling(BaseModel):
     logprobs: bool | int | None = None
     top_logprobs: int | None = None
     user: str | None = None
+    ignore_eos: bool = False  # vLLM's extension: run to max_tokens (what benchmarks ask)
 
 
 class CompletionRequest(_Sampling):
@@ -213,7 +214,8 @@ class OpenAIServer:
         try:
             params = GenerationParams(
                 return_log_probs=return_log_probs, top_log_probs=top,
-                max_tokens=16 if max_tokens is None else max_tokens, end_id=self.eos_id,
+                max_tokens=16 if max_tokens is None else max_tokens,
+                end_id=None if body.ignore_eos else self.eos_id,
                 temperature=body.temperature, top_p=body.top_p, seed=body.seed,
                 presence_penalty=body.presence_penalty,
                 frequency_penalty=body.frequency_penalty, num_return_sequences=body.n,

@@ -51,6 +51,23 @@ def test_log_probs_map_to_the_ensemble_inputs(server):
     assert not plain.params.return_log_probs
 
 
+def test_ignore_eos_runs_to_max_tokens(server):
+    """vLLM's ``ignore_eos`` (benchmarks send it): no end id reaches the ensemble."""
+
+    def sent(call) -> list[str]:  # the ensemble's inputs the call fills
+        return [tensor.name() for tensor in server._inputs(call)]
+
+    assert server.eos_id is not None
+    plain = server.call(CompletionRequest(model="tiny", prompt="a"), ["a"], 4)
+    assert plain.params.end_id == server.eos_id and "end_id" in sent(plain)
+    ignored = server.call(ChatRequest(model="tiny", messages=[], ignore_eos=True), ["a"], 4)
+    assert ignored.params.end_id is None and "end_id" not in sent(ignored)
+    choice = Choice(stops=[])
+    choice.add("abc", [5, 2, 7])  # the eos id as any other token
+    choice.finish(max_tokens=3, end_id=ignored.params.end_id)
+    assert choice.finish_reason == "length"
+
+
 @pytest.mark.parametrize(("ids", "reason"), [
     ([5, 6, 7], "length"),  # max_tokens ran out
     ([5, 6, 2], "stop"),  # end_id as the last allowed token: it stopped, it was not cut
