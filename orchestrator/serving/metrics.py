@@ -54,24 +54,25 @@ class PublishedMetrics(Metrics):
         raise NotImplementedError
 
     def request_done(self, outcome: str) -> None:
-        self._add(("requests", outcome), 1)
+        self._add({("requests", outcome): 1})
 
     def rerun(self, what: str) -> None:
-        self._add(("reruns", what), 1)
+        self._add({("reruns", what): 1})
 
     def queue_length(self, requests: int) -> None:
         self._set(("queue_length", ""), requests)
 
     def kv_streamed(self, nbytes: int, seconds: float) -> None:
-        self._add(("kv_bytes", ""), nbytes)
-        self._add(("kv_seconds", ""), seconds)
+        self._add({("kv_bytes", ""): nbytes, ("kv_seconds", ""): seconds})
 
     def held(self, what: str, count: int) -> None:
         self._set(("held", what), count)
 
-    def _add(self, series: Series, amount: float) -> None:
+    def _add(self, amounts: dict[Series, float]) -> None:
+        """Counter increments, published together."""
         with self._lock:
-            self._added[series] = self._added.get(series, 0) + amount
+            for series, amount in amounts.items():
+                self._added[series] = self._added.get(series, 0) + amount
         self._due.set()
 
     def _set(self, series: Series, value: float) -> None:

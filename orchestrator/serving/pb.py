@@ -147,9 +147,9 @@ class TritonMetrics(PublishedMetrics):
 
     def __init__(self, node: str, model: str = "") -> None:
         self.labels = {"node": node, **({"model": model} if model else {})}
-        kinds = pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.COUNTER
-        self.families = {what: pb_utils.MetricFamily(name, text, kinds[0] if gauge else kinds[1])
-                         for what, (name, text, gauge, _) in self.FAMILIES.items()}
+        gauge, counter = pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.COUNTER
+        self.families = {what: pb_utils.MetricFamily(name, text, gauge if is_gauge else counter)
+                         for what, (name, text, is_gauge, _) in self.FAMILIES.items()}
         self.series: dict[Series, object] = {}  # made on first use
         super().__init__()
 
