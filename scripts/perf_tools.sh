@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
 # Install the load tools for `dejavu bench serving` (idempotent, fast when done):
-#   - perf_analyzer 2.51 from the tritonclient 2.51.0 wheel, in .venv-perf: the
+#   - perf_analyzer 2.51 from the tritonclient 2.51.0 wheel (venv perf): the
 #     newest build that runs on Debian 12's glibc 2.36; it needs libb64 (apt) and
 #     libcudart.so.12 (nvidia-cuda-runtime-cu12, found through LD_LIBRARY_PATH);
-#   - genai-perf 0.0.16 in .venv-genai: it pulls numpy 2, which must stay out of
+#   - genai-perf 0.0.16 (venv genai-perf): it pulls numpy 2, which must stay out of
 #     .venv (the Triton Python backend returns empty tensors with numpy 2);
-#   - aiperf 0.13 in .venv-aiperf (genai-perf's successor; its own pins again).
+#   - aiperf 0.13 (venv aiperf; genai-perf's successor; its own pins again).
 # Prints `KEY=value` lines saying where things are (clients/perf.py reads them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 BASE_PYTHON=${BASE_PYTHON:-/usr/bin/python3}
-PERF_VENV=${PERF_VENV:-$PWD/.venv-perf}
-GENAI_VENV=${GENAI_VENV:-$PWD/.venv-genai}
-AIPERF_VENV=${AIPERF_VENV:-$PWD/.venv-aiperf}
+# Outside the checkout, as podman's storage is (scripts/podman_env.sh): a fresh clone on
+# a machine that has them does not install them again.
+TOOLS_DIR=${DEJAVU_TOOLS_DIR:-/var/tmp/dejavu-tools}
+PERF_VENV=${PERF_VENV:-$TOOLS_DIR/perf}
+GENAI_VENV=${GENAI_VENV:-$TOOLS_DIR/genai-perf}
+AIPERF_VENV=${AIPERF_VENV:-$TOOLS_DIR/aiperf}
 TRITONCLIENT=tritonclient[all]==2.51.0
 CUDART=nvidia-cuda-runtime-cu12==12.9.79  # libcudart.so.12
 GENAI_PERF=genai-perf==0.0.16
@@ -44,9 +47,12 @@ venv_with() {
 }
 
 install_libb64
-venv_with "$PERF_VENV" "$TRITONCLIENT" "$CUDART"
-venv_with "$GENAI_VENV" "$GENAI_PERF"
-venv_with "$AIPERF_VENV" "$AIPERF"
+# Three independent installs, side by side (on a fresh machine ~3 min one after another).
+pids=()
+venv_with "$PERF_VENV" "$TRITONCLIENT" "$CUDART" & pids+=($!)
+venv_with "$GENAI_VENV" "$GENAI_PERF" & pids+=($!)
+venv_with "$AIPERF_VENV" "$AIPERF" & pids+=($!)
+for pid in "${pids[@]}"; do wait "$pid" || { log "an install failed"; exit 1; }; done
 
 PERF_ANALYZER=$PERF_VENV/bin/perf_analyzer
 CUDART_LIB=$("$PERF_VENV/bin/python" -c \
