@@ -47,6 +47,11 @@ venv_with() {
 }
 
 install_libb64
+# Shared by every checkout on the machine: one installs at a time, the others then find
+# the venvs made.
+mkdir -p "$TOOLS_DIR"
+exec 9>"$TOOLS_DIR/.lock"
+flock 9
 # Three independent installs, side by side (on a fresh machine ~3 min one after another).
 pids=()
 venv_with "$PERF_VENV" "$TRITONCLIENT" "$CUDART" & pids+=($!)
