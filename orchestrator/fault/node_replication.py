@@ -21,18 +21,9 @@ replicate, then take in the deltas that landed here; ``on_release``: free the
 replica). Acks ``(x, j, t)`` come out of the holder's ``ack`` callback (a
 :class:`~orchestrator.fault.client.ControllerClient`'s ``ack`` in a deployment).
 
-Replacing a lost stage x (x > 0: node 0 holds the head), between steps::
-
-    new = NodeReplication(new_node, secret)          # after new_node.connect(...)
-    new.connect(next=..., previous=...)
-    node[x-1].reconnect(new_node.endpoints()); repl[x-1].reconnect(new.endpoints())
-    repl[x+1].restore(new.endpoints(), lengths)     # step 1: x's KV from its replicas
-    new.adopt(lengths, sampling)                    # into the stage (samplers: last stage)
-    new_node.start()                                # its replicas are seeded at its next step
-
-Across Triton nodes these calls are control requests, and
-:func:`orchestrator.fault.stage_recovery.recover_stage` puts them in order
-(with the head's rewind, every stage's ``rollback`` and ``reseed``).
+Replacing a lost stage uses ``reconnect``, ``restore`` (on the holder: step 1),
+``adopt``, ``rollback`` and ``reseed``, as control requests across Triton nodes; their
+order is :mod:`orchestrator.fault.stage_recovery`'s.
 """
 
 from __future__ import annotations

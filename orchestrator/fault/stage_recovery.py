@@ -55,29 +55,22 @@ class RecoveryOps:
                  controller: ControllerClient | None = None) -> None:
         self.node, self.replication, self.controller = node, replication, controller
 
-    def close(self) -> None:
-        self.replication.close()
-
     def ops(self) -> dict[str, Callable[..., bytes | None]]:
         """Each operation by name; its arguments are the request's ``peers``."""
+        replication = self.replication
         return {
-            "replica_endpoints": self._replica_endpoints, "replicate": self._replicate,
+            "replica_endpoints": replication.endpoints, "replicate": replication.connect,
             "reconnect": self._reconnect, "pause": self._pause, "quiet": self._quiet,
             "rewind": self._rewind, "restore": self._restore, "adopt": self._adopt,
-            "rollback": self._rollback, "reseed": self._reseed, "recovered": self._recovered,
-            "resume": self._resume, "fault": self._fault, "drop_link": self._drop_link,
+            "rollback": self._rollback, "reseed": replication.reseed,
+            "recovered": self._recovered, "resume": self._resume, "fault": self._fault,
+            "drop_link": self.node.drop_link,
         }
 
     def _head(self):  # noqa: ANN202  (a PipelineHead; only node 0 has one)
         if self.node.head is None:
             raise ValueError(f"stage {self.node.index} holds no head (stage 0 does)")
         return self.node.head
-
-    def _replica_endpoints(self) -> bytes:
-        return self.replication.endpoints()
-
-    def _replicate(self, next_: bytes, previous: bytes) -> None:
-        self.replication.connect(next_, previous)
 
     def _reconnect(self, ring: bytes, replication: bytes) -> None:
         self.node.reconnect(ring)
@@ -113,9 +106,6 @@ class RecoveryOps:
     def _rollback(self, lengths: bytes) -> None:
         self.replication.rollback({int(s): n for s, n in json.loads(lengths).items()})
 
-    def _reseed(self) -> None:
-        self.replication.reseed()
-
     def _recovered(self, epoch: bytes) -> None:
         if self.controller is not None:
             self.controller.recovered(int(epoch))
@@ -123,9 +113,6 @@ class RecoveryOps:
     def _fault(self) -> bytes:
         """The head's: why it is paused waiting for a repair (empty: it is not)."""
         return (self._head().fault or "").encode()
-
-    def _drop_link(self) -> None:
-        self.node.drop_link()
 
     def _resume(self) -> None:
         self.node.repaired()
@@ -202,9 +189,8 @@ def _settle(call: Call, urls: list[str], survivors: list[int], timeout_s: float
 
 def _resume(call: Call, urls: list[str], survivors: list[int], lengths: bytes,
             new: list[int], epoch: int | None = None) -> None:
-    """Step 4 (survivors cut their KV back), step 2 (every stage seeds its replicas again),
-    the new stages start, every node closes the controller's plan ``epoch`` (its acks
-    start over from the rollback), and the head goes on."""
+    """The order's last two rows (module docstring); with ``epoch``, every node closes the
+    controller's plan (its acks start over from the rollback)."""
     for i in survivors:
         call(urls[i], "rollback", [lengths])
     for url in urls:

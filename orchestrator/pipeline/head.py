@@ -22,11 +22,9 @@ released on every stage by the next probe.
 Faults (:class:`HeadState`): a stage that reports it cannot send on, or that
 ``health()`` finds dead, *breaks* the pipeline: every request in it ends with
 that error, and new submissions are refused; with ``recover_timeout_s`` the
-head is *faulted* instead, its requests wait for a repair. Repairing it is the
-fault-tolerance layer's job (:func:`orchestrator.fault.stage_recovery.recover_stage`):
-it ``pause`` s the head, waits until the stages are quiet, repairs them,
-``rewind`` s the head to the step of each microbatch its controller picked and
-``resume`` s it.
+head is *faulted* instead, its requests wait for a repair: the fault-tolerance layer
+calls the head's ``pause``, ``rewind`` and ``resume`` in the order that
+:mod:`orchestrator.fault.stage_recovery` describes.
 """
 
 from __future__ import annotations

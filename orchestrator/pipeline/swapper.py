@@ -63,7 +63,8 @@ class DeviceArena:
 
 
 class KVPlacement(ABC):
-    """A stage's KV per sequence; ``open`` hands the engine device caches for one step."""
+    """A stage's KV per sequence; ``open`` hands the engine device caches for one step.
+    ``close``, ``prefetch`` and ``shutdown`` do nothing unless the KV moves (swapping)."""
 
     def __init__(self, arena: DeviceArena) -> None:
         self.arena = arena
@@ -81,16 +82,14 @@ class KVPlacement(ABC):
     def open(self, microbatch: int, seq_ids: list[int]) -> list[KVCache]:
         """Device caches of ``seq_ids`` for the step about to run."""
 
-    @abstractmethod
-    def close(self, microbatch: int, seq_ids: list[int]) -> None:
+    def close(self, microbatch: int, seq_ids: list[int]) -> None:  # noqa: B027 (a no-op)
         """The step is done (its caches grew)."""
 
-    @abstractmethod
-    def prefetch(self, microbatch: int, seq_ids: list[int]) -> None:
+    def prefetch(self, microbatch: int, seq_ids: list[int]) -> None:  # noqa: B027 (a no-op)
         """Hint: ``microbatch`` with these sequences runs next."""
 
-    @abstractmethod
-    def shutdown(self) -> None: ...
+    def shutdown(self) -> None:  # noqa: B027 (a no-op)
+        """Stop any background copies."""
 
     @abstractmethod
     def held(self) -> dict[int, KVCache]:
@@ -139,16 +138,6 @@ class ResidentKV(KVPlacement):
 
     def open(self, microbatch: int, seq_ids: list[int]) -> list[KVCache]:
         return [self.caches[s] for s in seq_ids]
-
-    # Resident KV never moves: nothing to write back, fetch or stop.
-    def close(self, microbatch: int, seq_ids: list[int]) -> None:
-        return None
-
-    def prefetch(self, microbatch: int, seq_ids: list[int]) -> None:
-        return None
-
-    def shutdown(self) -> None:
-        return None
 
     def held(self) -> dict[int, KVCache]:
         return dict(self.caches)

@@ -387,8 +387,9 @@ class Frontend:
                 if not done:  # the client left, or it failed here: the node drops it
                     stream.end()
                 stream.close()
-            for stage_url in reserved:
-                self._release(stage_url, request_id)
+            for stage_url in reserved:  # a stage gone took its slot along
+                with contextlib.suppress(InferenceServerException, ControlError, TimeoutError):
+                    self.control.call(stage_url, "release", request_id=request_id)
 
     def _admit(
         self, url: str, request_id: str, prompt_ids: list[int], params: GenerationParams,
@@ -423,11 +424,6 @@ class Frontend:
         except (InferenceServerException, ControlError, TimeoutError) as exc:
             raise _decode_error(exc, f"decode node {url} (a later stage)", admitted=False
                                 ) from exc
-
-    def _release(self, url: str, request_id: str) -> None:
-        # A stage gone took its slot along.
-        with contextlib.suppress(InferenceServerException, ControlError, TimeoutError):
-            self.control.call(url, "release", request_id=request_id)
 
     def _prefill(
         self, request_id: str, prompt_ids: list[int], params: GenerationParams,

@@ -419,7 +419,7 @@ class TokenService:
         self.stopped.set()
         self.node.close(timeout_s)
         if self.recovery is not None:
-            self.recovery.close()
+            self.recovery.replication.close()
         with self.lock:
             ended, self.feeds = list(self.feeds.values()), {}
         with self._outbox:  # the answers the stop made (errors) still go out
