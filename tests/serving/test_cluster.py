@@ -8,6 +8,7 @@ and the cluster serves the next one.
 
 from __future__ import annotations
 
+import concurrent.futures
 import glob
 import json
 import socket
@@ -31,13 +32,14 @@ from cluster_helpers import (
     report_cancels,
     run_concurrently,
     stream_orchestrator,
+    t_nodes_held,
     text_of,
 )
 from tritonclient.utils import InferenceServerException
 
 from clients.generate import GenerateError, generate_batch, stream_grpc, stream_http
 from orchestrator.control.auth import load_secret, request_parameters
-from orchestrator.control.client import tensor
+from orchestrator.control.client import ControlClient, tensor
 from orchestrator.control.errors import ErrorCode
 from orchestrator.engine.reference import generate, log_softmax_along
 from orchestrator.engine.sampling import SamplingParams
@@ -712,12 +714,25 @@ def test_openai_clients_that_leave_free_the_t_node(cluster, model, openai_client
                                      temperature=0)
     impatient = openai_client.with_options(timeout=(time.perf_counter() - started) / 3)
 
-    def start_and_give_up():
-        with pytest.raises(openai.APITimeoutError):
-            impatient.completions.create(model=model.name, prompt=PROMPTS[0], max_tokens=LONG,
-                                         temperature=0)
+    control = ControlClient(load_secret(cluster.secret_file), 30.0)
 
-    seconds = cancel_rounds(cluster, start_and_give_up, lambda _: None, rounds=5)
+    def start_impatient() -> concurrent.futures.Future:
+        # In a thread: the round must see the T-node generating before the client gives
+        # up, not after (by then the cancellation may have freed it already).
+        future = pool.submit(impatient.completions.create, model=model.name,
+                             prompt=PROMPTS[0], max_tokens=LONG, temperature=0)
+        eventually(lambda: t_nodes_held(cluster, control)["clients"], lambda n: n == 1)
+        return future
+
+    def give_up(future: concurrent.futures.Future) -> None:
+        with pytest.raises(openai.APITimeoutError):
+            future.result(timeout=30)
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        try:
+            seconds = cancel_rounds(cluster, start_impatient, give_up, rounds=5)
+        finally:
+            control.close()
     report_cancels("OpenAI SDK non-streaming client timed out", seconds, 5)
     good_request_works(cluster, expected)
 
