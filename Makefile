@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 # Debian's interpreter: the Triton Python-backend stub links its libpython.
 BASE_PYTHON := /usr/bin/python3
 
-.PHONY: install demo test test-fast lint
+.PHONY: install demo test test-deps test-fast lint
 
 install: $(VENV)/.installed
 
@@ -17,7 +17,14 @@ $(VENV)/.installed: pyproject.toml
 demo: install
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH bash scripts/demo.sh
 
-test: lint
+# What the slow tests need once per machine, kept outside (the tests also call these, and
+# they return at once when done): the load tools (test_perf) and, where podman is, the
+# compose test's image, built from this checkout.
+test-deps: install
+	bash scripts/perf_tools.sh >/dev/null
+	if command -v podman >/dev/null; then bash scripts/build_image.sh; fi
+
+test: lint test-deps
 	$(VENV)/bin/pytest -q -rs --durations=15
 
 # Everyday tier: unit and in-process tests, no tritonserver.
