@@ -184,24 +184,28 @@ def time_node_stream(stream, prompt_ids: list[int], params, timeout_s: float = 6
         request.close()
 
 
-def measure_layers(runs: dict[str, Callable[[], Arrivals]], repeats: int) -> list[Layer]:
+def measure_layers(runs: dict[str, Callable[[], Arrivals]], repeats: int
+                   ) -> tuple[list[Layer], list[float]]:
     """Each run ``repeats`` times, round robin; a layer's figure is the median of its runs'
-    times per token."""
-    figures: dict[str, list[float]] = {name: [] for name in runs}
+    times per token. Also each round's outermost layer over its innermost (served / bare
+    in the same ~0.2 s: this machine's speed drifts over seconds)."""
+    figures: dict[str, list[float | None]] = {name: [] for name in runs}
     for run in runs.values():
         run()  # warm-up
     for _ in range(repeats):
         for name, run in runs.items():
-            if (figure := ms_per_token(run())) is not None:
-                figures[name].append(figure)
+            figures[name].append(ms_per_token(run()))
     layers, inner = [], 0.0
     for name in runs:
-        if not figures[name]:
+        timed = [x for x in figures[name] if x is not None]
+        if not timed:
             raise RuntimeError(f"{name}: every request's tokens came in one response")
-        ms = statistics.median(figures[name])
+        ms = statistics.median(timed)
         layers.append(Layer(name, ms, ms - inner, COSTS[name]))
         inner = ms
-    return layers
+    first, last = figures[next(iter(runs))], figures[list(runs)[-1]]
+    rounds = [out / bare for bare, out in zip(first, last, strict=True) if bare and out]
+    return layers, rounds
 
 
 # -- CPU per token, by process ------------------------------------------------------------
@@ -239,7 +243,10 @@ def _label(pid: int) -> str:
     if repo := re.search(r"--model-repository=\S*/repos/(\S+)", command):
         return f"{repo.group(1)} tritonserver"
     if "-m" in argv:
-        return argv[argv.index("-m") + 1].rsplit(".", 1)[-1]
+        module = argv[argv.index("-m") + 1].rsplit(".", 1)[-1]
+        if module == "service_process":  # a T-node's: named after its stub's node
+            return f"{_label(int(proc_stat(pid)[1])).split()[0]} token service"
+        return module
     return "client" if pid == os.getpid() else os.path.basename(argv[0])
 
 
@@ -279,7 +286,7 @@ def cpu_per_token(run: Callable[[], Arrivals], requests: int, min_s: float = 3.0
 @dataclass
 class Step:
     in_process_ms: float  # median decode step of the in-process pipeline's stage
-    in_node_ms: float  # median decode step inside the T-node's Python stub
+    in_node_ms: float  # median decode step inside the T-node's token service process
 
     @property
     def ratio(self) -> float:
@@ -364,8 +371,7 @@ def _interleaved_medians_us(runs: list[Callable[[], None]], rounds: int) -> list
 
 
 def run_breakdown(model_dir, prompt: str, tokens: int, repeats: int, out_dir,
-                  machines: Machines | None = None
-                  ) -> tuple[list[Layer], list[ProcessCpu], Hop, Step]:
+                  machines: Machines | None = None) -> Breakdown:
     """``machines`` (``--pin``): the T-node, the engine and the in-process pipeline on the
     token core, the frontend and this client on the others."""
     from clients.generate import stream_grpc
@@ -410,7 +416,7 @@ def run_breakdown(model_dir, prompt: str, tokens: int, repeats: int, out_dir,
                 "ensemble": lambda: _ensemble_times(stream_grpc, frontend, prompt, tokens),
             }
             try:
-                layers = measure_layers(runs, repeats)
+                layers, rounds = measure_layers(runs, repeats)
                 cpu = cpu_per_token(runs["ensemble"], repeats)
             finally:
                 node.close()
@@ -419,7 +425,7 @@ def run_breakdown(model_dir, prompt: str, tokens: int, repeats: int, out_dir,
             step = Step(decode_step_ms(pipeline.timelines[0]), in_node["decode"]["median_ms"])
     finally:
         pipeline.stop()
-    return layers, cpu, hop, step
+    return Breakdown(layers, rounds, cpu, hop, step)
 
 
 def _on(machine: Devices | None, run: Callable[..., Arrivals], *args: object) -> Arrivals:
@@ -434,34 +440,50 @@ def _ensemble_times(stream_grpc, url: str, prompt: str, tokens: int) -> Arrivals
     return arrivals
 
 
-def report(layers: list[Layer], cpu: list[ProcessCpu], hop: Hop, step: Step, tokens: int,
-           repeats: int) -> str:
-    lines = [f"per-token breakdown, concurrency 1, {repeats} requests of {tokens} tokens per "
-             "layer (median of each request's time per token after its first):", "",
-             "| layer | ms/token | adds ms | what it adds |", "|---|---:|---:|---|"]
-    lines += [f"| {x.name} | {x.ms_per_token:.3f} | {x.adds_ms:+.3f} | {x.adds} |"
-              for x in layers]
-    served, bare = layers[-1].ms_per_token, layers[0].ms_per_token
-    lines += ["", "CPU time per token through the ensemble, by process:",
-              "", "| process | CPU us/token |", "|---|---:|"]
-    lines += [f"| {p.process} | {p.us_per_token:.0f} |" for p in cpu if p.us_per_token >= 1]
-    lines += [f"| **all** | **{sum(p.us_per_token for p in cpu):.0f}** |"]
-    lines += ["", f"served (ensemble) / bare engine time per token: {served / bare:.2f}",
-              f"engine decode step: {step.in_process_ms:.3f} ms in this process, "
-              f"{step.in_node_ms:.3f} ms inside the T-node's Python stub ({step.ratio:.2f}x); "
-              f"served / bare at the node's step: {served / (bare * step.ratio):.2f}",
-              f"stage-to-stage hop: link round trip {hop.link_rtt_us:.0f} us, NIXL's own "
-              f"small-message round trip {hop.nixl_rtt_us:.0f} us: {hop.ratio:.2f}x"]
-    return "\n".join(lines)
+@dataclass
+class Breakdown:
+    layers: list[Layer]
+    rounds: list[float]  # served / bare per round
+    cpu: list[ProcessCpu]
+    hop: Hop
+    step: Step
 
+    def report(self, tokens: int, repeats: int) -> str:
+        layers, cpu, hop, step = self.layers, self.cpu, self.hop, self.step
+        lines = [f"per-token breakdown, concurrency 1, {repeats} requests of {tokens} tokens "
+                 "per layer (median of each request's time per token after its first):", "",
+                 "| layer | ms/token | adds ms | what it adds |", "|---|---:|---:|---|"]
+        lines += [f"| {x.name} | {x.ms_per_token:.3f} | {x.adds_ms:+.3f} | {x.adds} |"
+                  for x in layers]
+        served, bare = layers[-1].ms_per_token, layers[0].ms_per_token
+        lines += ["", "CPU time per token through the ensemble, by process:",
+                  "", "| process | CPU us/token |", "|---|---:|"]
+        lines += [f"| {p.process} | {p.us_per_token:.0f} |" for p in cpu if p.us_per_token >= 1]
+        lines += [f"| **all** | **{sum(p.us_per_token for p in cpu):.0f}** |", ""]
+        lines += [f"served (ensemble) / bare engine time per token: {served / bare:.2f} "
+                  "(medians)"]
+        if self.rounds:
+            q = np.quantile(self.rounds, [0.25, 0.5, 0.75])
+            lines += [f"served / bare, round by round: median {q[1]:.2f} (quartiles "
+                      f"{q[0]:.2f}-{q[2]:.2f}, {len(self.rounds)} rounds)"]
+        lines += [f"engine decode step: {step.in_process_ms:.3f} ms in this process, "
+                  f"{step.in_node_ms:.3f} ms in the T-node's token service ({step.ratio:.2f}x); "
+                  f"served / bare at the node's step: {served / (bare * step.ratio):.2f}",
+                  f"stage-to-stage hop: link round trip {hop.link_rtt_us:.0f} us, NIXL's own "
+                  f"small-message round trip {hop.nixl_rtt_us:.0f} us: {hop.ratio:.2f}x"]
+        return "\n".join(lines)
 
-def as_rows(layers: list[Layer], cpu: list[ProcessCpu], hop: Hop, step: Step) -> list[dict]:
-    rows = [{"what": x.name, "ms": round(x.ms_per_token, 4), "adds_ms": round(x.adds_ms, 4)}
-            for x in layers]
-    rows += [{"what": f"CPU: {p.process}", "ms": round(p.us_per_token / 1e3, 4),
-              "adds_ms": np.nan} for p in cpu]
-    rows += [{"what": "link round trip", "ms": hop.link_rtt_us / 1e3, "adds_ms": np.nan},
-             {"what": "nixl round trip", "ms": hop.nixl_rtt_us / 1e3, "adds_ms": np.nan},
-             {"what": "decode step in process", "ms": step.in_process_ms, "adds_ms": np.nan},
-             {"what": "decode step in T-node", "ms": step.in_node_ms, "adds_ms": np.nan}]
-    return rows
+    def rows(self) -> list[dict]:
+        hop, step = self.hop, self.step
+        rows = [{"what": x.name, "ms": round(x.ms_per_token, 4), "adds_ms": round(x.adds_ms, 4)}
+                for x in self.layers]
+        rows += [{"what": f"CPU: {p.process}", "ms": round(p.us_per_token / 1e3, 4),
+                  "adds_ms": np.nan} for p in self.cpu]
+        rows += [{"what": "link round trip", "ms": hop.link_rtt_us / 1e3, "adds_ms": np.nan},
+                 {"what": "nixl round trip", "ms": hop.nixl_rtt_us / 1e3, "adds_ms": np.nan},
+                 {"what": "decode step in process", "ms": step.in_process_ms,
+                  "adds_ms": np.nan},
+                 {"what": "decode step in T-node", "ms": step.in_node_ms, "adds_ms": np.nan}]
+        rows += [{"what": f"served / bare, round {i}", "ms": round(r, 4), "adds_ms": np.nan}
+                 for i, r in enumerate(self.rounds)]
+        return rows

@@ -528,21 +528,20 @@ def main(argv: list[str]) -> int:
 
 
 def _breakdown(args) -> int:
-    from clients.breakdown import as_rows, report, run_breakdown
+    from clients.breakdown import run_breakdown
 
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     try:
         model_dir = (args.model or dummy_model(args.out, args.arch, args.preset)).resolve()
         machines = Machines.of_this_host() if args.pin else None
-        layers, cpu, hop, step = run_breakdown(model_dir, args.prompt, args.max_tokens,
-                                         args.breakdown_requests, out, machines)
+        breakdown = run_breakdown(model_dir, args.prompt, args.max_tokens,
+                                  args.breakdown_requests, out, machines)
     except (ServerError, RuntimeError, ValueError, OSError) as exc:
         print(f"dejavu bench serving --breakdown: {exc}", file=sys.stderr)
         return 1
-    rows = as_rows(layers, cpu, hop, step)
-    write_csv(out / "breakdown.csv", rows)
-    print(report(layers, cpu, hop, step, args.max_tokens, args.breakdown_requests))
+    write_csv(out / "breakdown.csv", breakdown.rows())
+    print(breakdown.report(args.max_tokens, args.breakdown_requests))
     print(f"wrote {out}/breakdown.csv")
     return 0
 

@@ -14,7 +14,6 @@ and its body); a signature older or newer than ``max_age_s`` is refused.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import json
 import os
@@ -31,8 +30,9 @@ class Unauthenticated(PermissionError):
 
 
 def mac(secret: bytes, body: bytes) -> bytes:
-    """HMAC-SHA256 of ``body`` keyed by the cluster secret."""
-    return hmac.new(secret, body, hashlib.sha256).digest()
+    """HMAC-SHA256 of ``body`` keyed by the cluster secret (one-shot: a few microseconds
+    less than a ``hmac.new`` object, on every token feed message)."""
+    return hmac.digest(secret, body, "sha256")
 
 
 def new_secret() -> bytes:

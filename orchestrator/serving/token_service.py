@@ -18,7 +18,9 @@ replicas and replace a lost stage. ``held`` counts what requests hold on the nod
 ``steps`` times its latest engine steps.
 
 Tokens leave through a sender thread, not the head's: answering a request costs
-a round trip to tritonserver, which would otherwise delay the next step. A
+a round trip to tritonserver (relayed by the node's Triton stub: the service runs in
+a process of its own, :mod:`orchestrator.serving.service_process`), which would
+otherwise delay the next step. A
 stream whose tokens pile up while its responses go out gets them in one
 response. A request that names a *token feed* (a long-lived request of the
 frontend's, opened with the ``feed`` op, :mod:`orchestrator.serving.feed`)
@@ -145,7 +147,7 @@ class TokenService:
         ops: dict[str, Callable[[ControlRequest], bytes | None]] = {}
         if node.config.depth > 1:
             ops |= {"endpoints": lambda _: node.endpoints(), "connect": self._connect,
-                    "start": lambda _: node.start()}
+                    "start": lambda _: node.start() and None}
         if not self.colocated:
             ops |= {"reserve": self._reserve,
                     "release": lambda r: node.release_prompt(r.request_id)}

@@ -1,17 +1,17 @@
-"""T-node, decoupled: one stage of a token pipeline. ``op`` absent (or ``generate``): admit a
-request and stream each token as it is made (stage 0), on its own stream or on the token
-feed it names (``feed``); ``feed``: open a token feed to the frontend's listener
-(``peers``), one message per step for all the requests on it; else a control request
-(bootstrap, KV reservation, recovery, ``end`` of a request whose client left or of a
-feed) answered with one final ``reply``. Every request must be signed with the cluster
-secret; failures come back as ``error_code`` and ``error``."""
+"""T-node, decoupled: one stage of a token pipeline, served by a process of its own that this
+model relays to (:mod:`orchestrator.serving.service_process`). ``op`` absent (or
+``generate``): admit a request and stream each token as it is made (stage 0), on its own
+stream or on the token feed it names (``feed``); ``feed``: open a token feed to the
+frontend's listener (``peers``), one message per step for all the requests on it; else a
+control request (bootstrap, KV reservation, recovery, ``end`` of a request whose client
+left or of a feed) answered with one final ``reply``. Every request must be signed with
+the cluster secret; failures come back as ``error_code`` and ``error``."""
 
 from orchestrator.control.errors import ErrorCode, code_of
 from orchestrator.engine.log_probs import encode as encode_log_probs
 from orchestrator.serving import pb
-from orchestrator.serving.feed import FeedSender
-from orchestrator.serving.node import connect_controller, load_token_service
 from orchestrator.serving.params import GenerationParams
+from orchestrator.serving.service_process import ServiceProcess
 from orchestrator.serving.token_service import ControlRequest
 
 
@@ -19,8 +19,7 @@ class TritonPythonModel:
     def initialize(self, args):
         config = pb.node_config(args)
         self.secret = config.secret()
-        self.controller = connect_controller(config)
-        self.service = load_token_service(config, pb.TritonMetrics(config.name), self.controller)
+        self.service = ServiceProcess(config.to_json(), pb.TritonMetrics(config.name))
 
     def execute(self, requests):
         for request in requests:
@@ -35,9 +34,7 @@ class TritonPythonModel:
                 op = "generate" if tensors["op"] is None else pb.text(tensors["op"])
                 pb.check_signed(request, self.secret, "decode", op)
                 if op == "feed":  # peers: the frontend's feed listener
-                    rows = FeedSender(pb.text(tensors["peers"]), request.request_id(),
-                                      self.secret)
-                    self.service.open_feed(request.request_id(), rows,
+                    self.service.open_feed(request.request_id(), pb.text(tensors["peers"]),
                                            lambda sender=sender: pb.send_final(sender),
                                            pb.cancelled(request))
                     continue
@@ -73,7 +70,5 @@ class TritonPythonModel:
         return None
 
     def finalize(self):
-        if self.controller is not None:
-            self.controller.stop()
         self.service.stop()
 
