@@ -57,6 +57,11 @@ CANCELLED_KEPT_S = 10.0
 CALL_TIMEOUT_S = 600.0  # a control op may replace a lost stage: seconds, never minutes
 
 
+def _is_last(kind: str, args: tuple) -> bool:
+    """A stream's last answer: a failure, a feed's close, or a final emit."""
+    return kind in ("fail", "close") or (kind == "emit" and bool(args[2]))
+
+
 class _Link:
     """One end of the socket pair; sends from any thread."""
 
@@ -98,7 +103,7 @@ class ServiceProcess:
                 [sys.executable, "-m", __name__, str(theirs.fileno())],
                 pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
         self.link = _Link(Connection(ours.detach()))
-        self._calls: dict[int, Future[None]] = {}
+        self._calls: dict[int, Future[bytes]] = {}
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()  # no request is freed by its last answer while polled
         self._ids = itertools.count()
@@ -203,7 +208,7 @@ class ServiceProcess:
             _, request_id, args = message
             # Its last answer: forget it first, so it is never asked whether it was
             # cancelled once Triton freed it (that crashes tritonserver).
-            last = kind in ("fail", "close") or (kind == "emit" and args[2])
+            last = _is_last(kind, args)
             with self._lock:
                 stream = (self._streams.pop(request_id, None) if last
                           else self._streams.get(request_id))
@@ -295,7 +300,7 @@ class _Service:
     def _answers(self, request_id: str, kinds: tuple[str, ...]) -> list[Callable[..., None]]:
         def answer(kind: str) -> Callable[..., None]:
             def send(*args: object) -> None:
-                if kind in ("fail", "close") or (kind == "emit" and args[2]):
+                if _is_last(kind, args):
                     self.cancelled.discard(request_id)
                 self.link.send(kind, request_id, args)
 
