@@ -3,7 +3,7 @@
 A block's header rides in the transport notification of the transfer that
 carries its payload, so it arrives after the payload has landed. It says what
 the payload is (request, layer range, heads, head size, dtype, positions, byte
-count, optional CRC32 of the payload) and ends with an HMAC-SHA256 over
+count, optional CRC32 of the payload) and ends with a MAC (keyed by the cluster secret) over
 everything before it, keyed by the cluster's shared secret: a receiver accepts
 a block only from a peer that holds the secret. With the checksum on, the CRC
 inside the authenticated header also binds the payload bytes.
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import base64
 import enum
-import hashlib
 import hmac
 import json
 import struct
@@ -28,13 +27,12 @@ from dataclasses import dataclass
 
 import torch
 
-from orchestrator.control.auth import mac
+from orchestrator.control.auth import MAC_BYTES, mac
 from orchestrator.kv.errors import KVTransferError
 from orchestrator.layout import DTYPE_BYTES, KVLayout
 
 MAGIC = b"DJKV"
 VERSION = 1
-MAC_BYTES = hashlib.sha256().digest_size
 _DTYPE_CODES = {name: code for code, name in enumerate(DTYPE_BYTES)}
 _DTYPE_NAMES = {code: name for name, code in _DTYPE_CODES.items()}
 _HAS_CRC = 1
@@ -134,7 +132,7 @@ def decode_header(data: bytes, secret: bytes, peer: str) -> BlockHeader:
     if len(data) != body_len + MAC_BYTES:
         raise KVTransferError(peer, f"malformed header: {len(data)} bytes for {body_len}", rid)
     if not hmac.compare_digest(data[body_len:], mac(secret, data[:body_len])):
-        raise KVTransferError(peer, "bad secret: header HMAC does not verify", rid)
+        raise KVTransferError(peer, "bad secret: header MAC does not verify", rid)
     (_, _, _, _, first, count, heads, head_dim, dtype, seq_len, nbytes, crc, batch, total, _, _) = (
         fields
     )
@@ -257,7 +255,7 @@ class Ticket:
             raise KVTransferError("?", f"malformed ticket ({len(data)} bytes)") from exc
         rid = fields.get("request_id")
         if not hmac.compare_digest(data[-MAC_BYTES:], mac(secret, body)):
-            raise KVTransferError(node, "bad secret: ticket HMAC does not verify", rid)
+            raise KVTransferError(node, "bad secret: ticket MAC does not verify", rid)
         return cls(
             rid,
             node,

@@ -32,7 +32,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from orchestrator.control.auth import mac
+from orchestrator.control.auth import MAC_BYTES, mac
 from orchestrator.engine.log_probs import TokenLogProb
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,6 @@ log = logging.getLogger(__name__)
 FeedRow = tuple[str, list[int], list[TokenLogProb] | None, bool]
 Deliver = Callable[[list[FeedRow]], None]
 _LENGTH, _HEAD = struct.Struct("!I"), struct.Struct("!BQ")  # frame bytes; id bytes, number
-_MAC_BYTES = 32
 _MAX_FRAME = 1 << 20  # a step's rows: a few KB for 64 requests with their log-probs
 _MAX_CONNECTIONS = 256  # one per T-node a frontend's stream reaches, and some to spare
 SEND_TIMEOUT_S = 2.0  # a listener that takes nothing this long is given up
@@ -67,8 +66,8 @@ def unframe(secret: bytes, body: bytes) -> tuple[bytes, int, bytes]:
     """(feed id, number, payload) of a frame's body; raises PermissionError if forged."""
     id_bytes, number = _HEAD.unpack_from(body)
     head_end = _HEAD.size + id_bytes
-    head, signature = body[:head_end], body[head_end : head_end + _MAC_BYTES]
-    payload = body[head_end + _MAC_BYTES :]
+    head, signature = body[:head_end], body[head_end : head_end + MAC_BYTES]
+    payload = body[head_end + MAC_BYTES :]
     if not hmac.compare_digest(signature, mac(secret, head + payload)):
         raise PermissionError("bad signature: not made with the cluster secret")
     return head[_HEAD.size :], number, payload

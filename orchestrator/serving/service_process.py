@@ -276,11 +276,11 @@ class _RelayedMetrics(PublishedMetrics):
 
 
 class _Service:
-    """Runs the stub's calls on the node's token service, one at a time, in order."""
+    """Runs the stub's calls on the node's token service, one at a time, in order (a
+    cancellation after the admission it cancels)."""
 
     def __init__(self, link: _Link, service, secret: bytes) -> None:  # noqa: ANN001
         self.link, self.service, self.secret = link, service, secret
-        self.cancelled: set[str] = set()
         self.calls: queue.Queue[tuple | None] = queue.Queue()
         self.thread = threading.Thread(target=self._run, name="service-calls", daemon=True)
         self.thread.start()
@@ -295,31 +295,30 @@ class _Service:
                     raise TypeError(f"{method} answered {type(result).__name__}, not bytes")
             except Exception as exc:
                 result, error = b"", (int(code_of(exc)), str(exc))
-            self.link.send("reply", call_id, result, error)
+            if call_id is not None:
+                self.link.send("reply", call_id, result, error)
+            elif error is not None:
+                log.warning("%s%s: %s", method, args, error[1])
 
     def _answers(self, request_id: str, kinds: tuple[str, ...]) -> list[Callable[..., None]]:
         def answer(kind: str) -> Callable[..., None]:
-            def send(*args: object) -> None:
-                if _is_last(kind, args):
-                    self.cancelled.discard(request_id)
-                self.link.send(kind, request_id, args)
-
-            return send
+            return lambda *args: self.link.send(kind, request_id, args)
 
         return [answer(kind) for kind in kinds]
 
     def admit(self, request_id: str, prompt_ids: list[int], params: GenerationParams,
               feed: str | None) -> None:
         emit, fail, ticket = self._answers(request_id, ("emit", "fail", "ticket"))
-        self.service.admit(request_id, prompt_ids, params, emit, fail,
-                           lambda: request_id in self.cancelled, ticket, feed)
+        self.service.admit(request_id, prompt_ids, params, emit, fail, ticket, feed)
 
     def open_feed(self, feed_id: str, listener: str) -> None:
         from orchestrator.serving.feed import FeedSender
 
         (close,) = self._answers(feed_id, ("close",))
-        self.service.open_feed(feed_id, FeedSender(listener, feed_id, self.secret), close,
-                               lambda: feed_id in self.cancelled)
+        self.service.open_feed(feed_id, FeedSender(listener, feed_id, self.secret), close)
+
+    def cancel(self, request_id: str) -> None:
+        self.service.cancel(request_id)
 
     def control(self, op: str, request: ControlRequest) -> bytes:
         return self.service.control(op, request)
@@ -343,8 +342,8 @@ def main(fd: int) -> None:
     calls = _Service(link, service, config.secret())
     try:
         while (message := link.conn.recv())[0] != "stop":
-            if message[0] == "cancel":
-                calls.cancelled.add(message[1])
+            if message[0] == "cancel":  # answered by nothing
+                calls.calls.put((None, "cancel", message[1:]))
             else:
                 calls.calls.put(message[1:])
     except (EOFError, OSError):

@@ -71,7 +71,6 @@ class _Feed:
 
     rows: RowSink
     close_stream: Callable[[], None]  # the feed request's final response: Triton frees it
-    is_cancelled: Callable[[], bool]
 
     def close(self) -> None:
         self.rows.close()
@@ -84,7 +83,6 @@ class _Client:
 
     emit: Emit
     fail: Callable[[str], None]  # final error response
-    is_cancelled: Callable[[], bool]
     sent: int  # tokens handed to the sender (disaggregated: the P-node sent the first)
     reserved_at: float
     outbox: list[int] = field(default_factory=list)  # made, not yet answered
@@ -106,7 +104,6 @@ class TokenService:
         node: StageNode,
         recovery: RecoveryOps | None = None,
         metrics: Metrics | None = None,
-        cancel_poll_s: float = 0.05,
     ) -> None:
         """``recovery``: the node's replication and recovery operations (replication on)."""
         self.engine, self.node = engine, node
@@ -126,11 +123,6 @@ class TokenService:
         self._closing = False
         self.sender = threading.Thread(target=self._send_loop, name="token-sender", daemon=True)
         self.sender.start()
-        # Triton tells a request's cancellation only when asked: poll, off the head's thread.
-        self.watcher = threading.Thread(
-            target=self._watch, args=(cancel_poll_s,), name="cancel-watch", daemon=True
-        )
-        self.watcher.start()
         if self.head is not None:  # a step's tokens go out in one message per feed
             self.head.on_step = self._flush_feeds
 
@@ -194,18 +186,18 @@ class TokenService:
             return b"1"
         return b"1" if client is not None and self.head.cancel(request.request_id) else b"0"
 
-    def open_feed(self, feed_id: str, rows: RowSink, close_stream: Callable[[], None],
-                  is_cancelled: Callable[[], bool]) -> None:
+    def open_feed(self, feed_id: str, rows: RowSink, close_stream: Callable[[], None]
+                  ) -> None:
         """A token feed: the requests that name it get their tokens through ``rows``; it
         ends (``close_stream``: the feed request's final response) with an ``end`` op naming
-        it, its cancellation or the node's stop."""
+        it, its :meth:`cancel` or the node's stop."""
         try:
             if self.head is None:
                 raise RequestError("op 'feed' goes to stage 0, where requests run")
             with self.lock:
                 if feed_id in self.feeds or feed_id in self.clients:
                     raise RequestError(f"request id {feed_id!r} is already open here")
-                self.feeds[feed_id] = _Feed(rows, close_stream, is_cancelled)
+                self.feeds[feed_id] = _Feed(rows, close_stream)
         except RequestError:
             rows.close()
             raise
@@ -247,7 +239,6 @@ class TokenService:
         params: GenerationParams,
         emit: Emit,
         fail: Callable[[str], None],
-        is_cancelled: Callable[[], bool],
         send_ticket: Callable[[bytes], None],
         feed: str | None = None,
     ) -> None:
@@ -266,7 +257,7 @@ class TokenService:
             if feed is not None and feed not in self.feeds:
                 raise RequestError(f"no token feed {feed!r} is open here")
             self.clients[request_id] = _Client(
-                emit, fail, is_cancelled, 0 if self.colocated else 1, time.perf_counter(),
+                emit, fail, 0 if self.colocated else 1, time.perf_counter(),
                 log_probs=[] if params.return_log_probs else None, request_id=request_id,
                 feed=feed)
             self.metrics.queue_length(len(self.clients))
@@ -291,9 +282,7 @@ class TokenService:
 
     def _on_token(self, seq: Sequence, token: int | None, finished: bool) -> None:
         """On the head's thread: pass the token on, never raise."""
-        with self.lock:
-            # Forget it before its last response: Triton frees the request with it, and
-            # asking a freed request whether it was cancelled crashes tritonserver.
+        with self.lock:  # forgotten before its last response goes out
             client = self.clients.pop(seq.request_id) if finished else self.clients.get(
                 seq.request_id)
             if finished:
@@ -403,19 +392,16 @@ class TokenService:
             self.clients.pop(request_id, None)
             self.metrics.queue_length(len(self.clients))
 
-    def _watch(self, poll_s: float) -> None:
-        while not self.stopped.wait(poll_s):
-            with self.lock:  # no request ends (and is freed by Triton) while we ask
-                cancelled = [rid for rid, client in self.clients.items() if client.is_cancelled()]
-                gone = [fid for fid, feed in self.feeds.items() if feed.is_cancelled()]
-                ended = [self.feeds.pop(fid) for fid in gone]
-            for feed in ended:  # Triton releases it only with a final response
-                self._end_feed(feed)
-            for request_id in cancelled:
-                try:
-                    self.head.cancel(request_id)
-                except Exception:
-                    log.exception("could not cancel %s", request_id)
+    def cancel(self, request_id: str) -> None:
+        """Triton says the client of request ``request_id`` or of token feed ``request_id``
+        left: the request ends at its next step (its stream is gone: no last response), the
+        feed with its final response."""
+        with self.lock:
+            feed = self.feeds.pop(request_id, None)
+        if feed is not None:
+            self._end_feed(feed)
+        elif self.head is not None:
+            self.head.cancel(request_id)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self.stopped.set()

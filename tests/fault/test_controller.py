@@ -14,7 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from controller_helpers import wait_for_plan
+from controller_helpers import unsent_acks, wait_for_plan
 from replicated_pipeline import SECRET
 
 from orchestrator.control.auth import ENV
@@ -173,7 +173,7 @@ def test_acks_pick_the_step_to_redo_and_a_replacement_gets_the_plan(controller: 
         for holder, source, j, t in [(1, 0, 0, 7), (2, 1, 0, 5), (2, 1, 0, 6), (0, 2, 0, 7),
                                      (1, 0, 1, 3), (2, 1, 1, 3)]:
             nodes[holder].ack(source, j, t)
-        time.sleep(0.1)
+        wait_until("acks sent", lambda: not any(unsent_acks(c) for c in nodes))
         nodes[1].stop()  # the crash of stage 1
         spare = ControllerClient(controller, NodeSpec("acks", 1, 3), SECRET, 0.05).start()
         plan = wait_for_plan(controller, SECRET, "acks", after_epoch=0, timeout_s=10)
@@ -196,6 +196,20 @@ def test_acks_pick_the_step_to_redo_and_a_replacement_gets_the_plan(controller: 
         for c in nodes:
             c.stop()
         spare.stop()
+
+
+def test_an_ack_goes_out_at_once_not_with_the_next_beat(controller: str) -> None:
+    """The heartbeat thread sleeps until a beat is due or an ack is made: an ack reaches
+    the controller within its ack interval even when the next beat is minutes away."""
+    (holder,) = clients(controller, "prompt-acks", 1, heartbeat_s=300.0)
+    try:
+        wait_until("registration", lambda: holder.connected)
+        holder.ack(0, 0, 5)
+        wait_until("the ack sent", lambda: unsent_acks(holder) == 0, timeout_s=5.0)
+        acks = query_status(controller, SECRET)["pipelines"]["prompt-acks"]["acks"]
+        assert acks == [[0, 0, 5]]
+    finally:
+        holder.stop()
 
 
 def test_neighbour_dead_too_means_recompute(controller: str) -> None:

@@ -125,13 +125,13 @@ def test_wrong_secret_is_rejected_on_both_sides() -> None:
     cluster = Cluster(1, 1)
     ticket = cluster.reserve("r1", 4)[0]
     rogue = KVSender(cluster.node("rogue"), MODEL, b"guess")
-    with pytest.raises(KVTransferError, match="bad secret: ticket HMAC") as info:
+    with pytest.raises(KVTransferError, match="bad secret: ticket MAC") as info:
         rogue.start("r1", [ticket])
     assert info.value.peer == "t0"
     rogue.transport.add_peer("t0", b"t0")
     forged = BlockHeader.for_layout(BlockKind.FINISH, "r1", MODEL, seq_len=4, payload_bytes=0)
     rogue.transport.notify("t0", encode_header(forged, b"guess"))
-    with pytest.raises(KVTransferError, match="bad secret: header HMAC") as info:
+    with pytest.raises(KVTransferError, match="bad secret: header MAC") as info:
         cluster.receivers[0].wait("r1")
     assert info.value.peer == "rogue"
 

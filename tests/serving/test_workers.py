@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -39,13 +40,15 @@ class Client:
         self.ticket: bytes | None = None
         self.done = threading.Event()
         self.cancel_after = cancel_after
+        self.cancel: Callable[[], None] = lambda: None  # what Triton's cancellation does
 
     def emit(self, tokens: list[int], log_probs, final: bool) -> None:
         self.tokens += tokens
         if log_probs is not None:
             self.log_probs += log_probs
-        if self.cancel_after is not None:
-            time.sleep(0.02)  # a slow client: the cancellation is seen mid-stream
+        if self.cancel_after is not None and len(self.tokens) >= self.cancel_after:
+            self.cancel_after = None
+            self.cancel()  # the client leaves mid-stream
         if final:
             self.done.set()
 
@@ -53,15 +56,12 @@ class Client:
         self.error = message
         self.done.set()
 
-    def is_cancelled(self) -> bool:
-        return self.cancel_after is not None and len(self.tokens) >= self.cancel_after
-
     def send_ticket(self, ticket: bytes) -> None:
         self.ticket = ticket
 
     def replies(self) -> tuple:
         """``TokenService.admit``'s callbacks for this client."""
-        return self.emit, self.fail, self.is_cancelled, self.send_ticket
+        return self.emit, self.fail, self.send_ticket
 
     def wait(self) -> Client:
         assert self.done.wait(30), "request never finished"
@@ -80,9 +80,8 @@ def colocated(engine, batch: int) -> TokenService:
 
 
 def admit(service: TokenService, rid: str, prompt: list[int], params, client: Client) -> None:
-    service.admit(
-        rid, prompt, params, client.emit, client.fail, client.is_cancelled, client.send_ticket
-    )
+    client.cancel = lambda: service.cancel(rid)
+    service.admit(rid, prompt, params, client.emit, client.fail, client.send_ticket)
 
 
 def test_colocated_batch_matches_reference(engine):
@@ -157,7 +156,7 @@ def test_end_id_cancel_and_refusal(engine, monkeypatch):
     reference = generate([engine], PROMPTS[:1], max_tokens=8)[0]
     decode = engine.decode
 
-    def slow_decode(*args):  # 28 steps outlast the service's 50 ms cancel poll on any machine
+    def slow_decode(*args):  # 28 steps outlast the cancellation on any machine
         time.sleep(0.02)
         return decode(*args)
 
@@ -242,7 +241,7 @@ class Feed:
 
 
 def open_feed(service: TokenService, feed: Feed, name: str = "feed") -> None:
-    service.open_feed(name, feed, feed.closed.set, lambda: feed.cancelled)
+    service.open_feed(name, feed, feed.closed.set)
 
 
 def test_a_token_feed_carries_every_requests_tokens_in_one_response_per_step(engine):
@@ -282,7 +281,7 @@ def test_a_cancelled_feed_is_closed_and_the_node_stop_closes_the_others(engine):
         with pytest.raises(RequestError, match="already open"):
             open_feed(service, refused, "open")
         assert refused.sink_closed  # its socket is not left open
-        gone.cancelled = True  # Triton cancelled it: its frontend went away
+        service.cancel("gone")  # Triton cancelled it: its frontend went away
         assert gone.closed.wait(5) and gone.sink_closed and not open_.closed.is_set()
     finally:
         service.stop()
