@@ -171,9 +171,9 @@ class StageNode:
         if not 0 <= stage_index < config.depth:
             raise ValueError(f"stage_index {stage_index} not in [0, {config.depth})")
         if make_transport is None:
-            from orchestrator.kv.transport.nixl import NixlTransport
+            from orchestrator.kv.transport.nixl import stage_transport
 
-            make_transport = NixlTransport
+            make_transport = stage_transport
         self.index, self.config = stage_index, config
         self.name = name or f"tnode-{stage_index}-{os.getpid()}"
         num_layers = (ModelConfig.from_dir(model_dir).num_layers if engine is None

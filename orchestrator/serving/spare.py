@@ -35,7 +35,7 @@ class SpareService:
     """Serves like a :class:`TokenService` once ``assume`` made it one."""
 
     def __init__(self, config: NodeConfig, metrics: Metrics | None = None) -> None:
-        from orchestrator.kv.transport.nixl import NixlTransport  # loads UCX: only here
+        from orchestrator.kv.transport.nixl import stage_transport  # loads UCX: only here
 
         self.config, self.metrics = config, metrics or Metrics()
         specs = StageSpec.split(ModelConfig.from_dir(config.model_dir).num_layers, config.depth)
@@ -43,7 +43,7 @@ class SpareService:
                                        max_seq_len=config.max_seq_len)
                         for x in range(1, config.depth)}
         self.transports: dict[str, Transport] = {
-            f"{config.name}-{kind}": NixlTransport(name=f"{config.name}-{kind}")
+            f"{config.name}-{kind}": stage_transport(f"{config.name}-{kind}")
             for kind in TRANSPORTS}
         self.controller: ControllerClient | None = None
         self.service: TokenService | None = None
