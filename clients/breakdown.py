@@ -11,7 +11,8 @@ several tokens in one response):
 - ``T-node``: the decode model of a tritonserver, called as the frontend calls
   it (a :class:`~orchestrator.serving.node_stream.NodeStream` and its token
   feed: the token service, its feed messages, Triton's Python-backend IPC and
-  gRPC for each request's own responses);
+  gRPC for each request's own responses); colocated only (a T-node of a 1P+1T
+  cluster takes its prompts' KV from the P-node the frontend drives);
 - ``frontend``: the orchestrator model of the frontend (its stream to the
   T-node, the relay thread, IPC again, gRPC again);
 - ``ensemble``: what clients call (the ensemble's scheduling, preprocessing, and
@@ -21,12 +22,12 @@ Each layer's cost is its time minus the layer inside it. Then the CPU time
 every process of the cluster (and this one, the client) spends per streamed
 token of the ``ensemble`` layer, from ``/proc``: on a machine with fewer cores
 than busy processes, the sum of these sets the gap between tokens. The cluster is
-colocated (1 T-node): after the first token a disaggregated request takes the
-same path. In the same run one stage-to-stage hop (a message from a
-:class:`TransportSender` to a :class:`TransportReceiver` over NIXL, as between two
-T-stages) is timed against NIXL's own small-message round trip (one WRITE with a
-notification, polled without sleeping), both as ping-pong between two agents in this
-process.
+colocated (1 T-node) or 1P+1T: after the first token a disaggregated request runs
+the same code, beside the T-node's prompt-KV transport. In the same run one
+stage-to-stage hop (a message from a :class:`TransportSender` to a
+:class:`TransportReceiver` over NIXL, as between two T-stages) is timed against
+NIXL's own small-message round trip (one WRITE with a notification, polled without
+sleeping), both as ping-pong between two agents in this process.
 """
 
 from __future__ import annotations
@@ -195,14 +196,16 @@ def measure_layers(runs: dict[str, Callable[[], Arrivals]], repeats: int
     for _ in range(repeats):
         for name, run in runs.items():
             figures[name].append(ms_per_token(run()))
-    layers, inner = [], 0.0
+    layers, inner, below = [], 0.0, -1
     for name in runs:
         timed = [x for x in figures[name] if x is not None]
         if not timed:
             raise RuntimeError(f"{name}: every request's tokens came in one response")
         ms = statistics.median(timed)
-        layers.append(Layer(name, ms, ms - inner, COSTS[name]))
-        inner = ms
+        at = LAYERS.index(name)  # a layer left out: what it adds counts in the next one's
+        adds = " + ".join(COSTS[x] for x in LAYERS[below + 1 : at + 1])
+        layers.append(Layer(name, ms, ms - inner, adds))
+        inner, below = ms, at
     first, last = figures[next(iter(runs))], figures[list(runs)[-1]]
     rounds = [out / bare for bare, out in zip(first, last, strict=True) if bare and out]
     return layers, rounds
@@ -371,9 +374,9 @@ def _interleaved_medians_us(runs: list[Callable[[], None]], rounds: int) -> list
 
 
 def run_breakdown(model_dir, prompt: str, tokens: int, repeats: int, out_dir,
-                  machines: Machines | None = None) -> Breakdown:
+                  machines: Machines | None = None, colocated: bool = True) -> Breakdown:
     """``machines`` (``--pin``): the T-node, the engine and the in-process pipeline on the
-    token core, the frontend and this client on the others."""
+    token core, the frontend (and the P-node) and this client on the others."""
     from clients.generate import stream_grpc
     from orchestrator.cluster.launcher import Cluster
     from orchestrator.control.auth import load_secret
@@ -395,11 +398,13 @@ def run_breakdown(model_dir, prompt: str, tokens: int, repeats: int, out_dir,
     if machines is not None:
         machines.host.pin()
         devices = {"decode0": machines.token, "frontend": machines.host}
+        if not colocated:
+            devices["prefill0"] = machines.host
         token_core = machines.token
     with on_machine(token_core):  # its threads stay there
         pipeline = LocalPipeline([engine], PipelineConfig(1, 1, mode="colocated")).start()
     try:
-        with Cluster.up(model_dir, colocated=True, run_dir=out_dir / "cluster",
+        with Cluster.up(model_dir, colocated=colocated, run_dir=out_dir / "cluster",
                         devices=devices) as cluster:
             tnode = cluster.role("decode")[0].server.grpc_url
             frontend = cluster.frontend.grpc_url
@@ -415,6 +420,8 @@ def run_breakdown(model_dir, prompt: str, tokens: int, repeats: int, out_dir,
                                                 signed_request(secret, prompt_ids, params)),
                 "ensemble": lambda: _ensemble_times(stream_grpc, frontend, prompt, tokens),
             }
+            if not colocated:
+                del runs["T-node"]
             try:
                 layers, rounds = measure_layers(runs, repeats)
                 cpu = cpu_per_token(runs["ensemble"], repeats)

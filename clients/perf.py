@@ -472,6 +472,10 @@ def main(argv: list[str]) -> int:
                         "pipeline, T-node, frontend, ensemble) and one stage hop vs NIXL")
     parser.add_argument("--breakdown-requests", type=int, default=20,
                         help="requests per layer in the breakdown")
+    parser.add_argument("--breakdown-mode", choices=["colocated", "disaggregated"],
+                        default="colocated",
+                        help="the breakdown's cluster: colocated 1T, or 1P+1T (its T-node "
+                        "layer left out: a T-node alone cannot prefill)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="rounds of (bare, served, bare) per point; the median round "
                         "is reported, with the ratio's spread")
@@ -536,7 +540,8 @@ def _breakdown(args) -> int:
         model_dir = (args.model or dummy_model(args.out, args.arch, args.preset)).resolve()
         machines = Machines.of_this_host() if args.pin else None
         breakdown = run_breakdown(model_dir, args.prompt, args.max_tokens,
-                                  args.breakdown_requests, out, machines)
+                                  args.breakdown_requests, out, machines,
+                                  colocated=args.breakdown_mode == "colocated")
     except (ServerError, RuntimeError, ValueError, OSError) as exc:
         print(f"dejavu bench serving --breakdown: {exc}", file=sys.stderr)
         return 1

@@ -7,7 +7,7 @@ import csv
 
 import pytest
 
-from clients.breakdown import measure_hop, time_engine, time_pipeline
+from clients.breakdown import LAYERS, measure_hop, time_engine, time_pipeline
 from clients.perf import main
 from orchestrator.engine.torch_engine import load_engine
 from orchestrator.pipeline.local import LocalPipeline
@@ -32,13 +32,18 @@ def test_a_stage_hop_and_nixls_round_trip_are_both_timed():
 
 
 @pytest.mark.slow
-def test_breakdown_against_a_real_cluster(tiny_model, tmp_path):
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+def test_breakdown_against_a_real_cluster(tiny_model, tmp_path, mode):
     model = tiny_model("llama")
     assert main(["--breakdown", "--model", str(model), "--max-tokens", "16",
-                 "--breakdown-requests", "2", "--out", str(tmp_path)]) == 0
+                 "--breakdown-requests", "2", "--breakdown-mode", mode,
+                 "--out", str(tmp_path)]) == 0
     with (tmp_path / "breakdown.csv").open() as f:
         rows = {row["what"]: float(row["ms"]) for row in csv.DictReader(f)}
-    layers = ("engine", "pipeline", "T-node", "frontend", "ensemble")
+    # 1P+1T: a T-node alone cannot prefill, so the frontend layer holds the T-node's cost
+    layers = ("engine", "pipeline", *(("T-node",) if mode == "colocated" else ()),
+              "frontend", "ensemble")
+    assert [what for what in rows if what in LAYERS] == list(layers)
     timed = (*layers, "link round trip", "nixl round trip", "decode step in process",
              "decode step in T-node")
     assert all(rows[name] > 0 for name in timed), rows
