@@ -3,9 +3,9 @@
 A block's header rides in the transport notification of the transfer that
 carries its payload, so it arrives after the payload has landed. It says what
 the payload is (request, layer range, heads, head size, dtype, positions, byte
-count, optional CRC32 of the payload) and ends with a MAC (keyed by the cluster secret) over
-everything before it, keyed by the cluster's shared secret: a receiver accepts
-a block only from a peer that holds the secret. With the checksum on, the CRC
+count, optional CRC32 of the payload) and ends with a MAC over everything before
+it, keyed by the cluster's shared secret: a receiver accepts a block only from a
+peer that holds the secret. With the checksum on, the CRC
 inside the authenticated header also binds the payload bytes.
 
 A *ticket* is what a decode node hands a prefill node (through the

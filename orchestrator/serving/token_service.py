@@ -116,7 +116,6 @@ class TokenService:
         self.lock = threading.Lock()
         self._feed_rows: dict[str, list[FeedRow]] = {}  # made, not yet sent, per feed
         self._feed_lock = threading.Lock()  # one sender at a time: a feed's rows in order
-        self.stopped = threading.Event()
         self._outbox = threading.Condition()
         self._ready: dict[_Client, None] = {}  # clients with something to send, in order
         self._ended_feeds: list[_Feed] = []  # their final response is due
@@ -177,14 +176,10 @@ class TokenService:
         if self.head is None:
             raise RequestError("op 'end' goes to stage 0, where requests run")
         with self.lock:
-            feed = self.feeds.pop(request.request_id, None)
             client = self.clients.get(request.request_id)
             if client is not None:
                 client.ended = True
-        if feed is not None:
-            self._end_feed(feed)
-            return b"1"
-        return b"1" if client is not None and self.head.cancel(request.request_id) else b"0"
+        return b"1" if self.cancel(request.request_id) else b"0"
 
     def open_feed(self, feed_id: str, rows: RowSink, close_stream: Callable[[], None]
                   ) -> None:
@@ -392,19 +387,18 @@ class TokenService:
             self.clients.pop(request_id, None)
             self.metrics.queue_length(len(self.clients))
 
-    def cancel(self, request_id: str) -> None:
-        """Triton says the client of request ``request_id`` or of token feed ``request_id``
-        left: the request ends at its next step (its stream is gone: no last response), the
-        feed with its final response."""
+    def cancel(self, request_id: str) -> bool:
+        """End request or token feed ``request_id`` (Triton says its client left, or an
+        ``end`` op): the request at its next step (with no last response unless an ``end``
+        asked for one), the feed with its final response. True if it was open here."""
         with self.lock:
             feed = self.feeds.pop(request_id, None)
         if feed is not None:
             self._end_feed(feed)
-        elif self.head is not None:
-            self.head.cancel(request_id)
+            return True
+        return self.head is not None and self.head.cancel(request_id)
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        self.stopped.set()
         self.node.close(timeout_s)
         if self.recovery is not None:
             self.recovery.replication.close()
