@@ -265,10 +265,15 @@ def _one(name: str, array: np.ndarray, kind: str) -> int | float | bool:
 
 
 def _refuse(name: str, array: np.ndarray) -> None:
+    refuse(name, array, REFUSED[name])
+
+
+def refuse(name: str, array: np.ndarray, what: str) -> None:
+    """Raises RequestError if ``array`` holds a value: ``what`` is not supported here."""
     values = [v for v in array.reshape(-1).tolist() if v not in (b"", "")]
     if values:
         shown = values[0] if len(values) == 1 else f"{len(values)} values"
-        raise RequestError(f"{name} ({shown!r}) is refused: {REFUSED[name]} are not "
+        raise RequestError(f"{name} ({shown!r}) is refused: {what} are not "
                            "supported by this server")
 
 
