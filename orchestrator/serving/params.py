@@ -81,6 +81,9 @@ REFUSED: dict[str, str] = {
     "embedding_bias_weights": "embedding bias",
     "decoder_text_input": "encoder-decoder models",
     "image_input": "multimodal input",
+    "image_bytes_input": "multimodal input",
+    "image_url_input": "multimodal input",
+    "video_bytes_input": "multimodal input",
     "num_draft_tokens": "speculative decoding",
     "use_draft_logits": "speculative decoding",
 }
