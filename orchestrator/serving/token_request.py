@@ -15,7 +15,8 @@ requests.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import re
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -54,6 +55,20 @@ REFUSED = {
 SHARED = tuple(name for name in INPUTS if name not in RENAMED.values())
 # What the model reads (BEAM_ONLY's are accepted and have no effect: not read).
 TOKEN_INPUTS = ("input_ids", "input_lengths", "stop", *RENAMED, *WORD_LISTS, *REFUSED, *SHARED)
+
+
+def token_jobs(split: Callable[[Mapping[str, np.ndarray | None]], list],
+               tensors: Mapping[str, np.ndarray | None]) -> list:
+    """``split`` (:meth:`~orchestrator.serving.entry.EntryPoint.split`) of a token request;
+    a refusal names the inputs as the client sent them (``runtime_top_p``, not ``top_p``)."""
+    try:
+        return split(ensemble_tensors(tensors))
+    except RequestError as exc:
+        raise RequestError(_TOKEN_NAME.sub(lambda m: _OLD_NAME[m.group(0)], str(exc))) from None
+
+
+_OLD_NAME = {new: old for old, new in (RENAMED | WORD_LISTS).items()}
+_TOKEN_NAME = re.compile(r"\b(" + "|".join(_OLD_NAME) + r")\b")
 
 
 def ensemble_tensors(tensors: Mapping[str, np.ndarray | None]) -> dict[str, np.ndarray | None]:

@@ -6,7 +6,7 @@ and the responses shaped as the backend's (:func:`orchestrator.serving.outputs.t
 from orchestrator.serving import pb
 from orchestrator.serving.entry import EntryPoint
 from orchestrator.serving.outputs import token_outputs
-from orchestrator.serving.token_request import TOKEN_INPUTS, ensemble_tensors
+from orchestrator.serving.token_request import TOKEN_INPUTS, token_jobs
 
 
 class TritonPythonModel:
@@ -19,7 +19,7 @@ class TritonPythonModel:
         pb.serve(self.entry, requests, self.jobs, token_outputs)
 
     def jobs(self, request):
-        return self.entry.split(ensemble_tensors(pb.inputs(request, list(TOKEN_INPUTS))))
+        return token_jobs(self.entry.split, pb.inputs(request, list(TOKEN_INPUTS)))
 
     def finalize(self):
         self.entry.close()
