@@ -288,7 +288,8 @@ def test_no_model_config_on_any_node_reveals_the_secret(cluster):
         if node.role == "frontend":
             frontend_models = set(models)
         client.close()
-    assert frontend_models == {"ensemble", "preprocessing", "orchestrator", "tensorrt_llm_bls"}
+    assert frontend_models == {"ensemble", "preprocessing", "orchestrator", "tensorrt_llm_bls",
+                               "tensorrt_llm", "postprocessing"}
 
 
 def _first_response(url: str, model: str, tensors: list, parameters: dict | None = None):
