@@ -1,7 +1,7 @@
 """One response of one sequence as the TensorRT-LLM backend's output tensors.
 
-The text models (``ensemble``, ``tensorrt_llm_bls``) answer with :func:`text_outputs`
-(built in :mod:`orchestrator.serving.text`), the token model ``tensorrt_llm`` with
+The text models (``ensemble``, ``tensorrt_llm_bls``) answer with
+:func:`orchestrator.serving.text.decode_response`, the token model ``tensorrt_llm`` with
 :func:`token_outputs`; both carry :func:`sequence_outputs`. Shapes are the backend's:
 ``[batch, beams, ...]`` with one row and one beam per response (each sequence of a
 batched request answers on its own, told apart by ``batch_index`` and

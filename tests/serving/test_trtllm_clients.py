@@ -11,6 +11,7 @@ single-process reference's.
 
 from __future__ import annotations
 
+import json
 import queue
 from functools import partial
 
@@ -21,6 +22,7 @@ from cluster_helpers import MAX_SEQ_LEN, PROMPTS, cluster_up, reference
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from clients import common
+from clients.perf import install_tools, run_perf_analyzer
 from orchestrator.engine.config import ModelConfig
 from orchestrator.engine.tokenizer import load_tokenizer
 
@@ -186,3 +188,20 @@ def test_token_model_refuses_what_it_cannot_do_and_serves_on(cluster, model, exp
         assert name in got[0].message() and message in got[0].message()
     got = stream(cluster.frontend.grpc_url, "tensorrt_llm", token_request(prompt, True, eos, 0))
     assert [t for r in got for t in r.as_numpy("output_ids")[0][0]] == expected_to_end[0]
+
+
+def test_perf_analyzer_streams_the_token_models_reference_ids(cluster, model, expected_to_end,
+                                                              eos, tmp_path):
+    """``perf_analyzer -m tensorrt_llm`` with an input_ids JSON, as a token workload runs it;
+    the tools come from scripts/perf_tools.sh (a failed install fails the test)."""
+    prompt = load_tokenizer(model).encode(PROMPTS[0]).ids
+    data = {"data": [{"input_ids": {"content": prompt, "shape": [len(prompt)]},
+                      "input_lengths": [len(prompt)], "request_output_len": [MAX_TOKENS],
+                      "streaming": [True], "end_id": [eos], "pad_id": [0]}]}
+    point = run_perf_analyzer(install_tools(), cluster.frontend.grpc_url, "disaggregated", 2, 4,
+                              len(expected_to_end[0]), "", tmp_path, "tensorrt_llm", data)
+    assert point.requests == 4 and point.tokens == 4 * len(expected_to_end[0])
+    export = json.loads((tmp_path / "export.json").read_text())
+    for request in export["experiments"][0]["requests"]:
+        streamed = [np.ravel(r["output_ids"]).tolist() for r in request["response_outputs"]]
+        assert [t for ids in streamed for t in ids] == expected_to_end[0]
