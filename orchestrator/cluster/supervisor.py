@@ -20,6 +20,10 @@ its head and its clients' streams with it, and a pipeline without replicas
 has nothing to resume from: the frontend runs those requests again from their
 prompts, and the supervisor starts the whole pipeline afresh.
 
+A node's tritonserver that ends is told to the controller at once (its pid
+watch, :mod:`orchestrator.cluster.pid_watch`): the failover starts then, not
+after the heartbeat timeout.
+
 It also keeps the processes the controller does not watch: a lost controller
 is started again on its port (the nodes register again and re-send their acks,
 so a stage lost meanwhile is declared dead then and recovered as above), a
@@ -44,6 +48,7 @@ import grpc
 from orchestrator.cluster.chaos import kill
 from orchestrator.cluster.devices import node_devices
 from orchestrator.cluster.launcher import STATE_FILE, Controller, connect_pipeline, read_state
+from orchestrator.cluster.pid_watch import PidWatch
 from orchestrator.cluster.topology import write_node_repo
 from orchestrator.cluster.tritonserver import ServerError, TritonServer, alive, clean_shm
 from orchestrator.cluster.watchdog import keep, stopping, write_atomic
@@ -82,6 +87,14 @@ class Supervisor:
         return self._stub
 
     def run(self) -> None:
+        watch = PidWatch(self.run_dir, self.secret)  # a node's end, told the controller at once
+        watch.start()
+        try:
+            self.serve()
+        finally:
+            watch.stop.set()
+
+    def serve(self) -> None:
         while not stopping(self.run_dir):
             time.sleep(self.poll_s)
             self.children = [p for p in self.children if p.poll() is None]

@@ -1,0 +1,62 @@
+"""The supervisor's watch on its nodes' processes: a node whose tritonserver ended is
+reported to the fault controller at once (``Lost``), so failover starts within
+``period_s`` of a kill instead of after the heartbeat timeout.
+
+A thread of its own: the supervisor's loop may be busy for seconds (starting a node,
+driving a recovery) while another node dies. It reads the state file each time (the
+supervisor rewrites it when a spare takes a stage over or a node starts again) and
+reports each process once. ``alive`` reaps the supervisor's own children, so a node it
+started and lost is seen at once, not as a zombie.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from pathlib import Path
+
+from orchestrator.cluster.launcher import read_state
+from orchestrator.cluster.tritonserver import alive
+from orchestrator.cluster.watchdog import stopping
+from orchestrator.fault.client import report_lost
+from orchestrator.fault.rpc import Stub
+
+log = logging.getLogger("dejavu.pid_watch")
+
+WATCHED_ROLES = ("decode", "prefill")  # the nodes the controller watches
+
+
+def lost_nodes(state: dict, reported: set[int]) -> list[dict]:
+    """The watched nodes whose process is gone and not yet reported (``reported``: pids)."""
+    return [node for node in state["nodes"]
+            if node["role"] in WATCHED_ROLES and node.get("pid")
+            and node["pid"] not in reported and not alive(node["pid"])]
+
+
+class PidWatch(threading.Thread):
+    def __init__(self, run_dir: Path, secret: bytes, period_s: float = 0.05) -> None:
+        super().__init__(name="pid-watch", daemon=True)
+        self.run_dir, self.secret, self.period_s = run_dir, secret, period_s
+        self.reported: set[int] = set()
+        self.stop = threading.Event()
+        self._stub: Stub | None = None
+
+    def run(self) -> None:
+        while not self.stop.wait(self.period_s) and not stopping(self.run_dir):
+            try:
+                state = read_state(self.run_dir)
+            except (OSError, json.JSONDecodeError):
+                continue  # gone (the cluster is down) or being replaced: next time
+            for node in lost_nodes(state, self.reported):
+                self.report(state["controller"]["address"], node)
+
+    def report(self, controller: str, node: dict) -> None:
+        name = node["config"]["name"]
+        log.warning("%s (pid %d) ended: telling the controller", name, node["pid"])
+        if self._stub is None or self._stub.address != controller:
+            if self._stub is not None:
+                self._stub.close()
+            self._stub = Stub(controller, self.secret)
+        if report_lost(self._stub, name, f"its tritonserver (pid {node['pid']}) ended"):
+            self.reported.add(node["pid"])  # else the controller is away: again next time
