@@ -430,13 +430,15 @@ class Frontend:
         tickets: np.ndarray, is_cancelled: Callable[[], bool],
     ) -> tuple[list[int], list[TokenLogProb] | None]:
         """The first token, and its log-prob if the request asked. A client that leaves
-        meanwhile cancels the call: the P-node stops after the layer in progress."""
+        meanwhile ends the wait; the call is not cancelled (Triton 2.51 races a cancellation
+        against a response): the T-side ``end`` marks the request's KV slot ended, which the
+        P-node reads, and it stops after the layer in progress."""
         assert self.prefill is not None
         with self.prefill.assign(len(prompt_ids)) as url:
             inputs = [*request_tensors(prompt_ids, params), tensor("kv_ticket", tickets)]
             answers: queue.Queue = queue.Queue()
             try:
-                call = self.prefill_clients[url].async_infer(
+                self.prefill_clients[url].async_infer(
                     "prefill", inputs, lambda result, error: answers.put((result, error)),
                     request_id=request_id, client_timeout=self.timeout_s,
                     parameters=request_parameters(self.secret, "prefill", "prefill", request_id),
@@ -447,7 +449,6 @@ class Frontend:
                         break
                     except queue.Empty:
                         if is_cancelled():
-                            call.cancel()
                             raise Cancelled() from None
                 if error is not None:
                     raise error
