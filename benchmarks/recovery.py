@@ -1,17 +1,18 @@
 """``dejavu bench recovery``: DejaVu Fig. 14 on a real cluster of tritonservers, and the
 client-visible pause of a kill -9 of each role.
 
-Three clusters (``Cluster``: controller, supervisor, a P-node, one token pipeline
+Three clusters (``Cluster``: controller, supervisor, P-nodes, one token pipeline
 of depth D, the frontend), each with a warm-up and a batch of requests streamed
 through the ensemble undisturbed, then its cases in turn: the same batch again
 with the case's victim killed (kill -9 of its process group, as ``dejavu chaos
 kill`` does) once every request has streamed ``--kill-at`` of its tokens, the
 cluster whole again before the next case:
 
-- ``spare`` (KV replicas, a warm spare): the ``controller``, the ``frontend``
-  (its clients send their cut requests again, as any client of a restarted
-  server must), the ``p-node`` (a second batch of new requests is sent at the
-  kill: their time to first token against the undisturbed batch's), then a
+- ``spare`` (KV replicas, a warm spare, two P-nodes): the ``controller``, the
+  ``frontend`` (its clients send their cut requests again, as any client of a
+  restarted server must), a ``p-node`` (a second batch of new requests is sent
+  at the kill: their time to first token, rerouted to the other P-node, against
+  the undisturbed batch's), then a
   T-stage, ``t-stage+spare``, whose role the spare takes over;
 - ``replicas`` (KV replicas, no spare): a T-stage (``t-stage``: the supervisor
   starts its tritonserver again, then the four recovery steps) and the head,
@@ -44,7 +45,7 @@ from clients.common import PROMPTS, reference, write_csv
 # Each cluster's settings, and the kills made on it in turn (the cluster whole again between
 # two): the spare's takeover last, as the new spare it starts loads for minutes here.
 CLUSTERS = {
-    "spare": ({"replicate": "on", "spares": 1},
+    "spare": ({"replicate": "on", "spares": 1, "prefill": 2},
               ["controller", "frontend", "p-node", "t-stage+spare"]),
     "replicas": ({"replicate": "on", "spares": 0}, ["t-stage", "stage0"]),
     "restart": ({"replicate": "off", "spares": 0}, ["t-stage-no-replicas"]),
@@ -177,7 +178,8 @@ def bench_cluster(args, name: str, model: Path, expected: list[list[int]], run_d
         return []
     print(f"{name}: starting the cluster", flush=True)
     rows = []
-    with Cluster.up(model, prefill=1, decode=1, decode_depth=args.depth, run_dir=run_dir,
+    settings = {"prefill": 1, **settings}
+    with Cluster.up(model, decode=1, decode_depth=args.depth, run_dir=run_dir,
                     max_batch=args.batch, max_seq_len=args.max_seq_len,
                     dead_after_s=args.timeout_s, controller_timeout_s=args.timeout_s,
                     **settings) as cluster:
@@ -201,7 +203,8 @@ def bench_case(args, case: str, url: str, free: Batch, expected: list[list[int]]
     prompts = expected_prompts(args.batch)
     state = read_state(run_dir)
     victim = targets(state, run_dir)[VICTIMS[case].format(stage=args.kill_stage)]
-    node = victim.get("config", {})
+    # A node the controller watches: when it was declared dead, when its pipeline serves.
+    node = victim["config"] if victim.get("role") in ("decode", "prefill") else {}
     watch = Watch(state["controller"]["address"], load_secret(state["secret_file"]),
                   node.get("name", ""), f"{node.get('role', 'decode')}{node.get('pipeline', 0)}")
     watcher = threading.Thread(target=watch.run, daemon=True)

@@ -128,7 +128,7 @@ def _decode_error(error: Exception, where: str, admitted: bool) -> ServingError:
 class Frontend:
     def __init__(
         self, prefill_urls: list[str], decode_pipelines: list[list[str]],
-        secret: bytes, timeout_s: float = 60.0, controller: str = "", watch_s: float = 0.5,
+        secret: bytes, timeout_s: float = 60.0, controller: str = "", watch_s: float = 0.1,
         rerun_wait_s: float = 1.0, metrics: Metrics | None = None,
     ) -> None:
         """``decode_pipelines``: each token pipeline's stage urls, stage 0 (its head) first;
@@ -161,8 +161,10 @@ class Frontend:
             self.watcher.start()
 
     def _watch(self, watch_s: float) -> None:
+        # Often: a node is declared dead within ~50 ms of its process's end (the supervisor's
+        # pid watch), and new requests should go elsewhere from then on, not meet it first.
         while not self.stopped.wait(watch_s):
-            self._look(watch_s)
+            self._look(max(watch_s, 1.0))
 
     def _look(self, timeout_s: float) -> None:
         """Ask the controller which nodes are alive and where each stage is now."""
