@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from orchestrator.cluster.launcher import read_state
@@ -35,9 +36,12 @@ def lost_nodes(state: dict, reported: set[int]) -> list[dict]:
 
 
 class PidWatch(threading.Thread):
-    def __init__(self, run_dir: Path, secret: bytes, period_s: float = 0.05) -> None:
+    def __init__(self, run_dir: Path, secret: bytes, period_s: float = 0.05,
+                 on_lost: Callable[[], None] = lambda: None) -> None:
+        """``on_lost``: called after each report (the supervisor acts on it at once)."""
         super().__init__(name="pid-watch", daemon=True)
         self.run_dir, self.secret, self.period_s = run_dir, secret, period_s
+        self.on_lost = on_lost
         self.reported: set[int] = set()
         self.stop = threading.Event()
         self._stub: Stub | None = None
@@ -60,3 +64,4 @@ class PidWatch(threading.Thread):
             self._stub = Stub(controller, self.secret)
         if report_lost(self._stub, name, f"its tritonserver (pid {node['pid']}) ended"):
             self.reported.add(node["pid"])  # else the controller is away: again next time
+            self.on_lost()
