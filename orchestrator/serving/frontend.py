@@ -313,15 +313,29 @@ class Frontend:
                 log.warning("%s; running the request again from its prompt in %.1f s", exc,
                             rerun_wait)
                 self.metrics.rerun("request")
-                self._wait(rerun_wait, is_cancelled)
+                # A pipeline or P-node that comes back meanwhile ends the wait: no backoff
+                # left to sit out once the supervisor has started a lost pipeline afresh.
+                self._wait(rerun_wait, is_cancelled, self._revived_since())
                 rerun_wait = min(2 * rerun_wait, _MAX_RERUN_WAIT_S)
 
-    def _wait(self, seconds: float, is_cancelled: Callable[[], bool]) -> None:
-        """Sleep before a retry; a client that leaves meanwhile ends it at once."""
+    def _revived_since(self) -> Callable[[], bool]:
+        """Whether a node of either pool came back since this call."""
+        def revivals() -> int:
+            return self.decode.revivals + (self.prefill.revivals if self.prefill else 0)
+
+        now = revivals()
+        return lambda: revivals() != now
+
+    def _wait(self, seconds: float, is_cancelled: Callable[[], bool],
+              ready: Callable[[], bool] = lambda: False) -> None:
+        """Sleep before a retry; a client that leaves meanwhile ends it at once, and
+        ``ready()`` ends it early."""
         deadline = time.monotonic() + seconds
         while (left := deadline - time.monotonic()) > 0:
             if is_cancelled() or self.stopped.is_set():
                 raise Cancelled()
+            if ready():
+                return
             time.sleep(min(left, 0.05))
 
     def _generate_once(
