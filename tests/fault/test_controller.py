@@ -364,6 +364,22 @@ def test_the_supervisors_pid_watch_reports_a_node_whose_process_ended(controller
         server.wait(10)
 
 
+def test_a_killed_process_reads_dying_before_it_is_reaped() -> None:
+    """The pid watch does not wait for a killed process to finish its exit (seconds on a
+    loaded machine): killed is lost."""
+    from orchestrator.cluster.pid_watch import dying
+
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert not dying(process.pid)
+        process.kill()
+        wait_until("the kill to land", lambda: dying(process.pid), timeout_s=5.0)
+    finally:
+        process.kill()
+        process.wait(10)
+    assert not dying(process.pid)  # reaped: nothing to read
+
+
 def test_listening_tells_a_closed_port_from_an_open_one() -> None:
     import socket
 
