@@ -171,6 +171,7 @@ def bench_cluster(args, name: str, model: Path, expected: list[list[int]], run_d
     """One cluster, its cases one after another: a row each."""
     from benchmarks.soak import wait_whole
     from orchestrator.cluster.launcher import Cluster
+    from orchestrator.cluster.pid_watch import watching
 
     settings, cases = CLUSTERS[name]
     cases = [c for c in cases if c in args.cases]
@@ -187,7 +188,7 @@ def bench_cluster(args, name: str, model: Path, expected: list[list[int]], run_d
         run_batch(url, expected_prompts(args.batch), args.tokens)  # warm-up: every process ran
         free = run_batch(url, expected_prompts(args.batch), args.tokens)
         for case in cases:
-            if not wait_whole(run_dir, 300):
+            if not (wait_whole(run_dir, 300) and _until(lambda: watching(run_dir), 120)):
                 raise RuntimeError(f"{name}: the cluster was not whole before {case}")
             rows.append(bench_case(args, case, url, free, expected, run_dir))
     return rows
@@ -247,6 +248,15 @@ def bench_case(args, case: str, url: str, free: Batch, expected: list[list[int]]
     if not row["token_exact"] or row["errors"]:
         print(f"{case}: errors {errors}", flush=True)
     return row
+
+
+def _until(done: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 def _since(start: float | None, end: float | None) -> float | None:

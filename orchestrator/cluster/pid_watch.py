@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import threading
 from collections.abc import Callable
@@ -20,13 +21,14 @@ from pathlib import Path
 
 from orchestrator.cluster.launcher import read_state
 from orchestrator.cluster.tritonserver import alive, proc_stat
-from orchestrator.cluster.watchdog import stopping
+from orchestrator.cluster.watchdog import read_pid, stopping, write_pid
 from orchestrator.fault.client import report_lost
 from orchestrator.fault.rpc import Stub
 
 log = logging.getLogger("dejavu.pid_watch")
 
 WATCHED_ROLES = ("decode", "prefill")  # the nodes the controller watches
+WATCHING = "supervisor.watching"  # pids/<this>: the supervisor whose watch runs
 
 
 PF_EXITING = 0x4  # /proc/<pid>/stat flags: the process is in its exit
@@ -55,6 +57,13 @@ def lost_nodes(state: dict, reported: set[int]) -> list[dict]:
             and (not alive(node["pid"]) or dying(node["pid"]))]
 
 
+def watching(run_dir: Path) -> bool:
+    """Whether the cluster's supervisor, as it is now, watches its nodes' processes (it
+    starts importing seconds before: a kill meanwhile is found by the heartbeat timeout)."""
+    pid = read_pid(run_dir, "supervisor")
+    return pid is not None and read_pid(run_dir, WATCHING) == pid
+
+
 class PidWatch(threading.Thread):
     def __init__(self, run_dir: Path, secret: bytes, period_s: float = 0.05,
                  on_lost: Callable[[], None] = lambda: None) -> None:
@@ -67,6 +76,7 @@ class PidWatch(threading.Thread):
         self._stub: Stub | None = None
 
     def run(self) -> None:
+        write_pid(self.run_dir, WATCHING, os.getpid())
         while not self.stop.wait(self.period_s) and not stopping(self.run_dir):
             try:
                 state = read_state(self.run_dir)

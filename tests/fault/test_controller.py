@@ -334,7 +334,8 @@ def test_the_supervisors_pid_watch_reports_a_node_whose_process_ended(controller
     """The supervisor sees its node's tritonserver end (here a child standing for it) and
     tells the controller: declared dead within a second, though the node's controller
     client still beats (a stub that outlived its server) and the timeout is 30 s."""
-    from orchestrator.cluster.pid_watch import PidWatch
+    from orchestrator.cluster.pid_watch import PidWatch, watching
+    from orchestrator.cluster.watchdog import write_pid
 
     _, address = controller_factory(30.0)
     beats = ControllerClient(address, NodeSpec("decode0", 1, 2), SECRET, 0.05,
@@ -344,9 +345,12 @@ def test_the_supervisors_pid_watch_reports_a_node_whose_process_ended(controller
         "controller": {"address": address},
         "nodes": [{"role": "decode", "pid": server.pid, "config": {"name": "decode0s1-r0"}},
                   {"role": "frontend", "pid": 1, "config": {"name": "frontend"}}]}))
+    write_pid(tmp_path, "supervisor", os.getpid())  # this process stands for it
     watch = PidWatch(tmp_path, SECRET)
+    assert not watching(tmp_path)
     watch.start()
     try:
+        wait_until("the watch to run", lambda: watching(tmp_path))
         wait_until("registration", lambda: any(
             n["node_id"] == "decode0s1-r0" for n in query_status(address, SECRET)["nodes"]))
         assert node(query_status(address, SECRET), "decode0s1-r0")["alive"]
