@@ -374,9 +374,9 @@ class OpenAIServer:
         if p.return_log_probs:
             arrays["return_log_probs"] = np.full((rows, 1), True)
             arrays["top_log_probs"] = np.full((rows, 1), p.top_log_probs, np.int32)
-        if call.stops:
-            arrays["stop_words"] = np.array([[s.encode() for s in call.stops]] * rows,
-                                            dtype=np.object_)
+        if call.stops:  # each quoted: the backend's form splits at commas, drops newlines
+            quoted = ['"{}"'.format(s.replace('"', '""')).encode() for s in call.stops]
+            arrays["stop_words"] = np.array([quoted] * rows, dtype=np.object_)
         inputs = []
         for name, array in arrays.items():
             inputs.append(grpcclient.InferInput(name, list(array.shape),

@@ -277,3 +277,19 @@ def test_prompt_tokens_are_counted_off_the_event_loop(server):
     call = asyncio.run(server.prepare(CompletionRequest(model="tiny", prompt=["a b", "c"]),
                                       ["a b", "c"], 4))
     assert call.prompt_tokens == sum(len(server.tokenizer.encode(p).ids) for p in ["a b", "c"])
+
+
+def test_stop_strings_reach_the_ensemble_whole(server):
+    """A stop string holding a comma, a quote or a newline is one stop word to the ensemble
+    (the backend's form is comma-separated: sent bare, "a,b" stopped at "a")."""
+    import numpy as np
+    from tritonclient.utils import deserialize_bytes_tensor
+
+    from orchestrator.serving.params import parse_words
+
+    stops = ["a,b", 'say "hi"', "\n", "x\ny"]
+    call = server.call(CompletionRequest(model="tiny", prompt="a", stop=stops), ["a"], 4)
+    (sent,) = [t for t in server._inputs(call) if t.name() == "stop_words"]
+    assert sent.shape() == [1, len(stops)]
+    row = deserialize_bytes_tensor(np.frombuffer(sent._raw_content, np.uint8))  # as Triton's
+    assert parse_words(list(row)) == stops
