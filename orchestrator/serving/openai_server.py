@@ -95,7 +95,9 @@ class BodyLimit:
             return
         length = dict(scope["headers"]).get(b"content-length", b"0")
         if not length.isdigit() or int(length) > self.limit:
-            await self._too_large(length.decode("latin-1")).response()(scope, receive, send)
+            response = self._too_large(length.decode("latin-1")).response()
+            response.headers["Connection"] = "close"  # not a byte more of it is read
+            await response(scope, receive, send)
             return
         received = 0
 
@@ -104,7 +106,8 @@ class BodyLimit:
             message = await receive()
             received += len(message.get("body", b""))
             if received > self.limit:  # FastAPI passes its HTTPException on to the handler
-                raise HTTPException(413, str(self._too_large(f"over {received}")))
+                raise HTTPException(413, str(self._too_large(f"over {received}")),
+                                    headers={"Connection": "close"})
             return message
 
         await self.app(scope, limited, send)
@@ -536,7 +539,7 @@ def create_app(server: OpenAIServer, max_body_bytes: int = MAX_BODY_BYTES) -> Fa
     @app.exception_handler(StarletteHTTPException)  # unknown route, wrong method, 413
     async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
         response = ApiError(exc.status_code, str(exc.detail)).response()
-        response.headers.update(exc.headers or {})  # 405's Allow
+        response.headers.update(exc.headers or {})  # 405's Allow, 413's Connection
         return response
 
     @app.exception_handler(RequestValidationError)
