@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 MAX_TOKENS = 8
 HUGE = 20_000_000  # bytes of the huge prompt
 SEND_PIECE = 1 << 20
-ROUNDS = 3
+ROUNDS = 5
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
 
