@@ -15,3 +15,4 @@ class SwapMode(StrEnum):
 # controller; anything silent for DEAD_AFTER_S is lost (the head's view and the controller's).
 HEARTBEAT_S = 0.25
 DEAD_AFTER_S = 5.0
+PROMPT_SLOTS = 16  # prompt KVs a stage holds before their requests are admitted

@@ -67,7 +67,7 @@ from orchestrator.kv.connector import KVReceiver
 from orchestrator.kv.errors import KVTransferError
 from orchestrator.kv.transport.base import KVPoll, Transport
 from orchestrator.layout import KVCache, StageSpec
-from orchestrator.pipeline import DEAD_AFTER_S, HEARTBEAT_S, SwapMode
+from orchestrator.pipeline import DEAD_AFTER_S, HEARTBEAT_S, PROMPT_SLOTS, SwapMode
 from orchestrator.pipeline.head import PipelineHead
 from orchestrator.pipeline.link import Link, QueueLink
 from orchestrator.pipeline.pipeline import link_capacity, make_placement, resolve_swap
@@ -93,7 +93,7 @@ class PipelineConfig:
     device_kv_budget: int | None = None  # bytes per stage
     swap_workload: tuple[int, int] | None = None  # (prompt_len, new_tokens) for swap=auto
     max_seq_len: int | None = None
-    prompt_slots: int = 16  # prompt KVs a stage can hold before their requests are admitted
+    prompt_slots: int = PROMPT_SLOTS
     step_timeout_s: float = 60.0
     kv_timeout_s: float = 30.0
     reserve_ttl_s: float | None = None  # a prompt KV slot reserved and not used is freed

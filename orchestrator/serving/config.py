@@ -21,7 +21,7 @@ from enum import Enum, StrEnum
 
 from orchestrator.control.auth import load_secret
 from orchestrator.fault import ReplicateMode
-from orchestrator.pipeline import DEAD_AFTER_S, HEARTBEAT_S, SwapMode
+from orchestrator.pipeline import DEAD_AFTER_S, HEARTBEAT_S, PROMPT_SLOTS, SwapMode
 
 
 class Role(StrEnum):
@@ -115,6 +115,13 @@ class NodeConfig:
     def replicates(self) -> bool:
         """Whether this T-stage keeps KV replicas (only pipelines deeper than 1 do)."""
         return self.role is Role.DECODE and self.depth > 1 and self.replicate != "off"
+
+    def max_sequences(self) -> int:
+        """Frontend: the sequences its token pipelines hold at once, all together: each
+        seats ``depth`` microbatches of ``max_batch`` and keeps prompts waiting for a seat
+        in its prompt-KV slots. A request of more could never be in flight whole."""
+        slots = self.num_slots or PROMPT_SLOTS
+        return sum(len(stages) * self.max_batch + slots for stages in self.decode_urls)
 
     def secret(self) -> bytes:
         """The cluster secret: ``secret_file``'s hex (a file only its owner may read), else

@@ -67,7 +67,8 @@ class EntryPoint:
         """From the frontend's configuration; with ``tokenizer`` the prompt byte limit is
         its (:meth:`RequestLimits.for_node`)."""
         frontend = Frontend(list(config.prefill_urls), [list(p) for p in config.decode_urls],
-                            config.secret(), controller=config.controller, metrics=metrics)
+                            config.secret(), controller=config.controller, metrics=metrics,
+                            max_sequences=config.max_sequences())
         return cls(frontend, RequestLimits.for_node(config, tokenizer), metrics,
                    config.max_requests)
 
@@ -102,7 +103,8 @@ class EntryPoint:
               verify: Verify | None = None) -> list[SequenceJob]:
         """Every sequence of a batched request of token ids (``input_ids``,
         ``input_lengths``, the parameters); each row must fit the context and pass
-        ``verify``."""
+        ``verify``, and all of them the cluster at once (else none could wait for the
+        others' seats)."""
 
         def check(ids: np.ndarray, signature: str | None, params: GenerationParams) -> None:
             prompt = self.limits.check_ids(ids)
@@ -110,7 +112,12 @@ class EntryPoint:
                 verify(prompt, signature)
             check_prompt(prompt, params, self.limits.max_seq_len, self.limits.vocab_size)
 
-        return split(tensors, check)
+        jobs = split(tensors, check)
+        most = self.frontend.max_sequences
+        if most and len(jobs) > most:
+            raise RequestError(f"{len(jobs)} sequences (rows x num_return_sequences): the "
+                               f"cluster holds at most {most} at once")
+        return jobs
 
     def _count(self, change: int) -> None:
         with self.lock:

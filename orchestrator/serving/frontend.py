@@ -39,7 +39,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import tritonclient.grpc as grpcclient
@@ -129,18 +129,22 @@ class Frontend:
     def __init__(
         self, prefill_urls: list[str], decode_pipelines: list[list[str]],
         secret: bytes, timeout_s: float = 60.0, controller: str = "", watch_s: float = 0.1,
-        rerun_wait_s: float = 1.0, metrics: Metrics | None = None,
+        rerun_wait_s: float = 1.0, metrics: Metrics | None = None, max_sequences: int = 0,
     ) -> None:
         """``decode_pipelines``: each token pipeline's stage urls, stage 0 (its head) first;
         ``secret``: the cluster's (every request to a node is signed with it);
         ``controller``: the fault controller's address (empty: none); ``metrics``: counts
-        the reruns."""
+        the reruns; ``max_sequences``: sequences in flight at once (0: no bound), the
+        rest wait their turn here instead of asking the T-nodes for a slot again and
+        again."""
         self.prefill = Router(prefill_urls) if prefill_urls else None
         self.decode = Router([stages[0] for stages in decode_pipelines])
         self.later_stages = {stages[0]: stages[1:] for stages in decode_pipelines}
         # The controller's name of each token pipeline (the launcher's order) -> its head.
         self.heads = {f"decode{i}": stages[0] for i, stages in enumerate(decode_pipelines)}
         self.timeout_s, self.rerun_wait_s = timeout_s, rerun_wait_s
+        self.max_sequences = max_sequences
+        self.seats = threading.Semaphore(max_sequences) if max_sequences else None
         self.secret, self.pool = secret, ClientPool()
         self.control = ControlClient(secret, timeout_s, self.pool)
         self.prefill_clients = {url: connect(url) for url in prefill_urls}
@@ -284,39 +288,59 @@ class Frontend:
             held.clear()
             held_log_probs.clear()
 
-        lost_at: float | None = None
-        busy_until = time.monotonic() + self.timeout_s
-        busy_wait, rerun_wait = _BUSY_WAIT_S, self.rerun_wait_s
-        while True:
-            made = 0
-            if is_cancelled():
-                raise Cancelled()
-            try:
-                return self._generate_once(prompt_ids, params, relay, is_cancelled)
-            except NodeBusy:
-                if time.monotonic() + busy_wait > busy_until:
+        with self._seat(is_cancelled):  # the rest wait here: no storm of reserve retries
+            lost_at: float | None = None
+            busy_until = time.monotonic() + self.timeout_s
+            busy_wait, rerun_wait = _BUSY_WAIT_S, self.rerun_wait_s
+            while True:
+                made = 0
+                if is_cancelled():
+                    raise Cancelled()
+                try:
+                    return self._generate_once(prompt_ids, params, relay, is_cancelled)
+                except NodeBusy:
+                    if time.monotonic() + busy_wait > busy_until:
+                        raise
+                    # Admitted requests give their slots back within a step; a failed one's
+                    # slot waits out a late writer: back off.
+                    self._wait(busy_wait, is_cancelled)
+                    busy_wait = min(2 * busy_wait, _MAX_BUSY_WAIT_S)
+                except Refused:
                     raise
-                # Admitted requests give their slots back within a step; a failed one's
-                # slot waits out a late writer: back off.
-                self._wait(busy_wait, is_cancelled)
-                busy_wait = min(2 * busy_wait, _MAX_BUSY_WAIT_S)
-            except Refused:
-                raise
-            except (ServingError, NoNodeError) as exc:
-                if lost_at is None and isinstance(exc, ServingError) and not isinstance(
-                        exc, PipelineLost):
-                    raise  # refused before any pipeline took it: not a fault
-                lost_at = lost_at or time.monotonic()
-                if time.monotonic() + rerun_wait - lost_at > self.timeout_s:
-                    raise ServingError(f"{exc} (and still failing {self.timeout_s:.0f} s "
-                                       "after the first failure)") from exc
-                log.warning("%s; running the request again from its prompt in %.1f s", exc,
-                            rerun_wait)
-                self.metrics.rerun("request")
-                # A pipeline or P-node that comes back meanwhile ends the wait: no backoff
-                # left to sit out once the supervisor has started a lost pipeline afresh.
-                self._wait(rerun_wait, is_cancelled, self._revived_since())
-                rerun_wait = min(2 * rerun_wait, _MAX_RERUN_WAIT_S)
+                except (ServingError, NoNodeError) as exc:
+                    if lost_at is None and isinstance(exc, ServingError) and not isinstance(
+                            exc, PipelineLost):
+                        raise  # refused before any pipeline took it: not a fault
+                    lost_at = lost_at or time.monotonic()
+                    if time.monotonic() + rerun_wait - lost_at > self.timeout_s:
+                        raise ServingError(f"{exc} (and still failing {self.timeout_s:.0f} s "
+                                           "after the first failure)") from exc
+                    log.warning("%s; running the request again from its prompt in %.1f s", exc,
+                                rerun_wait)
+                    self.metrics.rerun("request")
+                    # A pipeline or P-node that comes back meanwhile ends the wait: no backoff
+                    # left to sit out once the supervisor has started a lost pipeline afresh.
+                    self._wait(rerun_wait, is_cancelled, self._revived_since())
+                    rerun_wait = min(2 * rerun_wait, _MAX_RERUN_WAIT_S)
+
+    @contextlib.contextmanager
+    def _seat(self, is_cancelled: Callable[[], bool]) -> Iterator[None]:
+        """One of ``max_sequences`` seats, held while the sequence runs; the wait ends
+        with NodeBusy after ``timeout_s`` or Cancelled when the client leaves."""
+        if self.seats is None:
+            yield
+            return
+        deadline = time.monotonic() + self.timeout_s
+        while not self.seats.acquire(timeout=CANCEL_POLL_S):
+            if is_cancelled() or self.stopped.is_set():
+                raise Cancelled()
+            if time.monotonic() > deadline:
+                raise NodeBusy(f"every one of the {self.max_sequences} sequence seats still "
+                               f"taken after {self.timeout_s:.0f} s")
+        try:
+            yield
+        finally:
+            self.seats.release()
 
     def _revived_since(self) -> Callable[[], bool]:
         """Whether a node of either pool came back since this call."""

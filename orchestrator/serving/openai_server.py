@@ -12,9 +12,17 @@ token's log-prob under the raw model distribution, with up to 5 alternatives.
 
 A client that disconnects, streaming or not, cancels its gRPC stream; unlike the
 ensemble's, ``tensorrt_llm_bls``'s cancellation reaches the T-node, which frees the
-request's slot. Errors use OpenAI's JSON shape: 400 bad parameters, 404 unknown model,
-503 when no node can serve (Triton unreachable, every node of a pool down), 504 when the
+request's slot. Errors use OpenAI's JSON shape, FastAPI's own included: 400 bad parameters
+or JSON, 404 unknown model or route, 405 wrong method, 413 a body over ``max_body_bytes``
+(refused by its Content-Length, or once that many bytes came, before it is parsed), 503
+when no node can serve (Triton unreachable, every node of a pool down), 504 when the
 answer took longer than ``TIMEOUT_S``.
+
+Hostile input costs the other clients nothing: a prompt is refused by its size in bytes
+(``max_prompt_bytes``: the context times the tokenizer's longest token, as the frontend's
+limit) before it is tokenized, and tokenizing runs on a worker thread with the GIL
+released (``encode_batch``), never on the event loop. Integers are range-checked before
+any cast; text that is not valid Unicode (a lone surrogate) is a 400.
 
     python -m orchestrator.serving.openai_server --grpc-url 127.0.0.1:8001 --model-dir M
 """
@@ -33,19 +41,33 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Message as ASGIMessage
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
+from orchestrator.engine.config import ModelConfig
 from orchestrator.engine.tokenizer import load_tokenizer
-from orchestrator.serving.params import MAX_TOP_LOG_PROBS, GenerationParams, RequestError
+from orchestrator.serving.limits import longest_token_bytes
+from orchestrator.serving.params import (
+    MAX_RETURN_SEQUENCES,
+    MAX_TOP_LOG_PROBS,
+    MAX_WORDS,
+    MAX_WORDS_BYTES,
+    GenerationParams,
+    RequestError,
+)
 from orchestrator.serving.router import UNAVAILABLE
 from orchestrator.serving.text import CONTEXT_TOKENS, new_text
 
 TIMEOUT_S = 120.0
 DISCONNECT_POLL_S = 0.05  # how often a waiting call asks whether its client left
+MAX_BODY_BYTES = 2 * 2**20  # a request body above this is refused before it is parsed
+INT32_MAX = 2**31 - 1  # the ensemble's integer inputs are INT32
 
 
 class ApiError(Exception):
@@ -60,6 +82,41 @@ class ApiError(Exception):
         return JSONResponse(body, status_code=self.status)
 
 
+class BodyLimit:
+    """Refuses (413) a request body over ``limit`` bytes before anything parses it: at once
+    by its Content-Length, or as soon as that many bytes of a body sent without one came."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length", b"0")
+        if not length.isdigit() or int(length) > self.limit:
+            response = self._too_large(length.decode("latin-1")).response()
+            response.headers["Connection"] = "close"  # not a byte more of it is read
+            await response(scope, receive, send)
+            return
+        received = 0
+
+        async def limited() -> ASGIMessage:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.limit:  # FastAPI passes its HTTPException on to the handler
+                raise HTTPException(413, str(self._too_large(f"over {received}")),
+                                    headers={"Connection": "close"})
+            return message
+
+        await self.app(scope, limited, send)
+
+    def _too_large(self, size: str) -> ApiError:
+        return ApiError(413, f"request body of {size} bytes exceeds the limit of "
+                             f"{self.limit} bytes")
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -68,17 +125,17 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(extra="allow")  # unknown fields are refused by _refuse_extra
 
     model: str
-    max_tokens: int | None = None
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)  # checked before any cast
     temperature: float = 1.0
     top_p: float = 1.0
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_RETURN_SEQUENCES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, lt=2**64)  # the ensemble's is UINT64
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logprobs: bool | int | None = None
+    logprobs: bool | int | None = None  # range-checked by _log_probs_asked
     top_logprobs: int | None = None
     user: str | None = None
     ignore_eos: bool = False  # vLLM's extension: run to max_tokens (what benchmarks ask)
@@ -96,7 +153,7 @@ class Message(BaseModel):
 
 class ChatRequest(_Sampling):
     messages: list[Message]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
 
 
 @dataclass
@@ -175,7 +232,7 @@ class Call:
     prompts: list[str]
     params: GenerationParams
     stops: list[str]
-    prompt_tokens: int
+    prompt_tokens: int = 0  # counted by OpenAIServer.prepare, off the event loop
     choices: dict[int, Choice] = field(default_factory=dict)
 
     def choice(self, batch_index: int, sequence_index: int) -> tuple[int, Choice]:
@@ -190,14 +247,21 @@ class Call:
 
 class OpenAIServer:
     def __init__(self, grpc_url: str, model_dir: Path, model_name: str = "",
-                 triton_model: str = "tensorrt_llm_bls") -> None:
+                 triton_model: str = "tensorrt_llm_bls", max_prompt_bytes: int | None = None
+                 ) -> None:
+        """``max_prompt_bytes``: the longest prompt text (UTF-8 bytes); None: the model's
+        context times its tokenizer's longest token, the frontend's default limit (without
+        a config.json: ``MAX_BODY_BYTES``)."""
         self.grpc_url, self.triton_model = grpc_url, triton_model
         self.model_name = model_name or Path(model_dir).name
         self.tokenizer = load_tokenizer(model_dir)
+        model_config = Path(model_dir) / "config.json"
+        self.max_prompt_bytes = max_prompt_bytes or (
+            ModelConfig.from_dir(model_dir).max_positions * longest_token_bytes(self.tokenizer)
+            if model_config.exists() else MAX_BODY_BYTES)
         config_path = Path(model_dir) / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.exists() else {}
         self.chat_template = config.get("chat_template")
-        model_config = Path(model_dir) / "config.json"
         self.eos_id = (json.loads(model_config.read_text()).get("eos_token_id")
                        if model_config.exists() else None)
         self.created = int(time.time())
@@ -211,6 +275,12 @@ class OpenAIServer:
         _refuse_unsupported(body)
         return_log_probs, top = _log_probs_asked(body)
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if len(stops) > MAX_WORDS:
+            raise ApiError(400, f"{len(stops)} stop strings: at most {MAX_WORDS}", param="stop")
+        stop_bytes = sum(_utf8_size(s, "stop") for s in stops)
+        if stop_bytes > MAX_WORDS_BYTES:
+            raise ApiError(400, f"stop strings of {stop_bytes} bytes: at most "
+                                f"{MAX_WORDS_BYTES}", param="stop")
         try:
             params = GenerationParams(
                 return_log_probs=return_log_probs, top_log_probs=top,
@@ -226,8 +296,22 @@ class OpenAIServer:
         if not prompts or not all(prompts):
             raise ApiError(400, "prompt must be a non-empty string or list of them",
                            param="prompt")
-        prompt_tokens = sum(len(self.tokenizer.encode(p).ids) for p in prompts)
-        return Call(prompts, params, [s for s in stops if s], prompt_tokens)
+        name = "messages" if isinstance(body, ChatRequest) else "prompt"
+        for prompt in prompts:  # by size, before anything reads the text
+            size = _utf8_size(prompt, name)
+            if size > self.max_prompt_bytes:
+                raise ApiError(400, f"prompt of {size} bytes exceeds the limit of "
+                                    f"{self.max_prompt_bytes} bytes", param=name)
+        return Call(prompts, params, [s for s in stops if s])
+
+    async def prepare(self, body: _Sampling, prompts: list[str], max_tokens: int | None
+                      ) -> Call:
+        """:meth:`call`, with its prompt tokens counted on a worker thread (``encode_batch``
+        releases the GIL: the event loop serves other clients meanwhile)."""
+        call = self.call(body, prompts, max_tokens)
+        encoded = await asyncio.to_thread(self.tokenizer.encode_batch, prompts)
+        call.prompt_tokens = sum(len(e.ids) for e in encoded)
+        return call
 
     def chat_prompt(self, body: ChatRequest) -> str:
         if not self.chat_template:
@@ -235,6 +319,11 @@ class OpenAIServer:
                                 "(tokenizer_config.json chat_template): use /v1/completions")
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+        size = sum(_utf8_size(m.content, "messages") + _utf8_size(m.role, "messages")
+                   for m in body.messages)
+        if size > self.max_prompt_bytes:  # before the template copies it around
+            raise ApiError(400, f"messages of {size} bytes exceed the prompt limit of "
+                                f"{self.max_prompt_bytes} bytes", param="messages")
         template = ImmutableSandboxedEnvironment().from_string(self.chat_template)
         return template.render(messages=[m.model_dump() for m in body.messages],
                                add_generation_prompt=True)
@@ -288,9 +377,9 @@ class OpenAIServer:
         if p.return_log_probs:
             arrays["return_log_probs"] = np.full((rows, 1), True)
             arrays["top_log_probs"] = np.full((rows, 1), p.top_log_probs, np.int32)
-        if call.stops:
-            arrays["stop_words"] = np.array([[s.encode() for s in call.stops]] * rows,
-                                            dtype=np.object_)
+        if call.stops:  # each quoted: the backend's form splits at commas, drops newlines
+            quoted = ['"{}"'.format(s.replace('"', '""')).encode() for s in call.stops]
+            arrays["stop_words"] = np.array([quoted] * rows, dtype=np.object_)
         inputs = []
         for name, array in arrays.items():
             inputs.append(grpcclient.InferInput(name, list(array.shape),
@@ -420,6 +509,16 @@ def _log_probs_asked(body: _Sampling) -> tuple[bool, int]:
     return asked, top
 
 
+def _utf8_size(text: str, param: str) -> int:
+    """``text``'s UTF-8 size; a 400 if it has none (a lone surrogate such as ``\\ud800``,
+    which JSON allows and UTF-8 does not)."""
+    try:
+        return len(text.encode())
+    except UnicodeEncodeError as exc:
+        raise ApiError(400, f"{param} is not valid Unicode: {exc.reason} at character "
+                            f"{exc.start}", param=param) from None
+
+
 def _refuse_unsupported(body: _Sampling) -> None:
     if getattr(body, "echo", False):
         raise ApiError(400, "echo is not supported by this server", param="echo")
@@ -429,12 +528,19 @@ def _refuse_unsupported(body: _Sampling) -> None:
                            param=name)
 
 
-def create_app(server: OpenAIServer) -> FastAPI:
+def create_app(server: OpenAIServer, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     app = FastAPI(title="dejavu OpenAI-compatible API")
+    app.add_middleware(BodyLimit, limit=max_body_bytes)
 
     @app.exception_handler(ApiError)
     async def api_error(_request: Request, exc: ApiError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)  # unknown route, wrong method, 413
+    async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        response = ApiError(exc.status_code, str(exc.detail)).response()
+        response.headers.update(exc.headers or {})  # 405's Allow, 413's Connection
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -450,14 +556,14 @@ def create_app(server: OpenAIServer) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
-        call = server.call(body, prompts, body.max_tokens)
+        call = await server.prepare(body, prompts, body.max_tokens)
         return await _unless_disconnected(
             request, _answer(server, body, call, "text_completion", "cmpl"))
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
         max_tokens = body.max_completion_tokens or body.max_tokens
-        call = server.call(body, [server.chat_prompt(body)], max_tokens)
+        call = await server.prepare(body, [server.chat_prompt(body)], max_tokens)
         return await _unless_disconnected(
             request, _answer(server, body, call, "chat.completion", "chatcmpl"))
 
@@ -539,11 +645,18 @@ def main(argv: list[str] | None = None) -> None:
                         choices=["ensemble", "tensorrt_llm_bls"])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=9000)
+    parser.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
+                        help="a larger request body is refused (413) before it is parsed")
+    parser.add_argument("--max-prompt-bytes", type=int, default=None,
+                        help="a longer prompt is refused before it is tokenized (default: "
+                             "the context times the tokenizer's longest token)")
     args = parser.parse_args(argv)
     import uvicorn
 
-    server = OpenAIServer(args.grpc_url, args.model_dir, args.model_name, args.triton_model)
-    uvicorn.run(create_app(server), host=args.host, port=args.port, log_level="warning")
+    server = OpenAIServer(args.grpc_url, args.model_dir, args.model_name, args.triton_model,
+                          args.max_prompt_bytes)
+    uvicorn.run(create_app(server, args.max_body_bytes), host=args.host, port=args.port,
+                log_level="warning")
 
 
 if __name__ == "__main__":

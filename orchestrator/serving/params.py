@@ -36,6 +36,7 @@ class RequestError(ValueError):
 MAX_RETURN_SEQUENCES = 16
 MAX_TOP_LOG_PROBS = 5  # alternatives per token a request may ask for
 MAX_WORDS = 64  # stop or bad words per request
+MAX_WORDS_BYTES = 16_384  # their text, all together (checked before parsing)
 _U64 = 2**64
 
 # input -> kind of its one value: "int", "float" or "bool"
@@ -300,13 +301,29 @@ def as_text(value: bytes | str) -> str:
 
 def parse_words(values: Sequence[bytes | str]) -> list[str]:
     """The backend's string form of ``stop_words`` / ``bad_words``: each element one word,
-    or several joined by commas (quote a word that holds a comma, as in CSV)."""
+    or several joined by commas (quote a word that holds a comma, as in CSV). Refused by
+    count and size before any is parsed, so a huge list costs no parsing or tokenizing."""
     import csv
 
+    what = "stop_words / bad_words"
+    if len(values) > MAX_WORDS:
+        raise RequestError(f"{what}: {len(values)} values, at most {MAX_WORDS}")
+    raw = [v if isinstance(v, bytes) else str(v).encode("utf-8", "surrogatepass")
+           for v in values]
+    size = sum(map(len, raw))
+    if size > MAX_WORDS_BYTES:
+        raise RequestError(f"{what}: {size} bytes, at most {MAX_WORDS_BYTES}")
     words = []
-    for value in values:
-        for line in csv.reader([as_text(value)], skipinitialspace=False):
-            words += [w for w in line if w]
+    try:
+        for value in raw:
+            for line in csv.reader([value.decode("utf-8")], skipinitialspace=False):
+                words += [w for w in line if w]
+    except UnicodeDecodeError as exc:
+        raise RequestError(f"{what}: not UTF-8 ({exc})") from None
+    except csv.Error as exc:  # e.g. a NUL byte
+        raise RequestError(f"{what}: not comma-separated words ({exc})") from None
+    if len(words) > MAX_WORDS:
+        raise RequestError(f"{what}: {len(words)} words, at most {MAX_WORDS}")
     return words
 
 

@@ -1,5 +1,7 @@
 """The OpenAI-compatible API's own logic, without Triton: stop strings, refusals, errors."""
 
+import json
+
 import pytest
 
 from orchestrator.serving.openai_server import (
@@ -202,3 +204,92 @@ def test_504_not_400_when_triton_does_not_answer_in_time(tiny_model, monkeypatch
 
     error = asyncio.run(ask())
     assert (error.status, error.kind) == (504, "timeout")
+
+
+@pytest.fixture(scope="module")
+def api(tiny_model):
+    """The app in-process (Starlette's test client), with a 10 kB body limit and a 4 kB
+    prompt limit; nothing here reaches Triton."""
+    from fastapi.testclient import TestClient
+
+    from orchestrator.serving.openai_server import create_app
+
+    limited = OpenAIServer("127.0.0.1:1", tiny_model("llama"), "tiny", max_prompt_bytes=4_000)
+    with TestClient(create_app(limited, max_body_bytes=10_000)) as client:
+        yield client
+
+
+def _post(api, route: str, body: dict):
+    """JSON as the openai SDK sends it (ASCII: a lone surrogate as its escape)."""
+    return api.post(route, content=json.dumps(body).encode(),
+                    headers={"Content-Type": "application/json"})
+
+
+def _openai_error(response, status: int, text: str) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and text in error["message"]
+    return error
+
+
+@pytest.mark.parametrize(("body", "status", "text", "param"), [
+    ({"prompt": "w" * 20_000}, 413, "exceeds the limit of 10000 bytes", None),
+    ({"prompt": "w" * 5_000}, 400, "exceeds the limit", "prompt"),  # over max_prompt_bytes
+    ({"prompt": "Hi \ud800"}, 400, "not valid Unicode", "prompt"),
+    ({"prompt": "Hi", "stop": ["\ud800"]}, 400, "not valid Unicode", "stop"),
+    ({"prompt": "Hi", "stop": ["x"] * 65}, 400, "65 stop strings: at most 64", "stop"),
+    ({"prompt": "Hi", "max_tokens": 4294967300}, 400, "less than or equal", "max_tokens"),
+    ({"prompt": "Hi", "n": 10**12}, 400, "less than or equal", "n"),
+    ({"prompt": "Hi", "seed": 2**70}, 400, "less than", "seed"),
+    ({"prompt": "Hi", "logprobs": 10**12}, 400, "at most 5", "logprobs"),
+    ({}, 400, "prompt", "prompt"),
+])
+def test_hostile_bodies_get_openai_errors_before_any_work(api, body, status, text, param):
+    error = _openai_error(_post(api, "/v1/completions", {"model": "tiny", **body}), status,
+                          text)
+    assert error["param"] == param
+
+
+def test_a_body_without_content_length_is_cut_off_at_the_limit(api):
+    def chunks():  # sent chunked: no Content-Length to refuse it by
+        yield b'{"model": "tiny", "prompt": "'
+        for _ in range(100):
+            yield b"w" * 1_000
+        yield b'"}'
+
+    _openai_error(api.post("/v1/completions", content=chunks(),
+                           headers={"Content-Type": "application/json"}), 413, "exceeds")
+
+
+def test_fastapis_own_errors_take_openais_shape(api):
+    _openai_error(api.get("/v1/completions"), 405, "Method Not Allowed")
+    _openai_error(api.post("/v1/nowhere", json={}), 404, "Not Found")
+    _openai_error(api.post("/v1/completions", content=b'{"model": ',
+                           headers={"Content-Type": "application/json"}), 400, "JSON")
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "\ud800"}]}
+    assert _openai_error(_post(api, "/v1/chat/completions", chat), 400,
+                         "not valid Unicode")["param"] == "messages"
+
+
+def test_prompt_tokens_are_counted_off_the_event_loop(server):
+    import asyncio
+
+    call = asyncio.run(server.prepare(CompletionRequest(model="tiny", prompt=["a b", "c"]),
+                                      ["a b", "c"], 4))
+    assert call.prompt_tokens == sum(len(server.tokenizer.encode(p).ids) for p in ["a b", "c"])
+
+
+def test_stop_strings_reach_the_ensemble_whole(server):
+    """A stop string holding a comma, a quote or a newline is one stop word to the ensemble
+    (the backend's form is comma-separated: sent bare, "a,b" stopped at "a")."""
+    import numpy as np
+    from tritonclient.utils import deserialize_bytes_tensor
+
+    from orchestrator.serving.params import parse_words
+
+    stops = ["a,b", 'say "hi"', "\n", "x\ny"]
+    call = server.call(CompletionRequest(model="tiny", prompt="a", stop=stops), ["a"], 4)
+    (sent,) = [t for t in server._inputs(call) if t.name() == "stop_words"]
+    assert sent.shape() == [1, len(stops)]
+    row = deserialize_bytes_tensor(np.frombuffer(sent._raw_content, np.uint8))  # as Triton's
+    assert parse_words(list(row)) == stops

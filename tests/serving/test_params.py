@@ -2,6 +2,7 @@
 only, refused) and the checks that name the input and the value."""
 
 import re
+import time
 from pathlib import Path
 
 import numpy as np
@@ -145,6 +146,21 @@ def test_neutral_values_pass_silently():
         embedding_bias_words=np.array([[b""]], object),
         guided_decoding_guide=np.array([[b""]], object)), row=0)
     assert params == GenerationParams(4, exclude_input_in_output=True)
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ([b"w"] * 2_000_000, "2000000 values, at most 64"),  # counted before any is parsed
+    ([b"x" * 1_000_000], "1000000 bytes, at most 16384"),  # before csv's own field limit
+    ([b"a," * 100], "100 words, at most 64"),
+    ([b"a\nb"], "not comma-separated words"),  # csv refuses a newline outside quotes
+    (["\ud800"], "not UTF-8"),  # a lone surrogate
+    ([b"\xff"], "not UTF-8"),
+])
+def test_hostile_stop_and_bad_words_are_refused_before_parsing(values, message):
+    start = time.monotonic()
+    with pytest.raises(RequestError, match=message):
+        parse_words(values)
+    assert time.monotonic() - start < 1.0
 
 
 def test_stop_and_bad_words_take_the_backend_string_form():
