@@ -76,6 +76,8 @@ def make_backend_dir(dest: Path) -> Path:
         shutil.copy2(WHEEL / "backends" / "python" / name, python_dir / name)
     stub = WHEEL / "python_backend_stubs" / "3.11" / "triton_python_backend_stub"
     shutil.copy2(stub, python_dir / stub.name)
+    for path in python_dir.iterdir():  # copy2 kept the wheel's modes: the user's alone
+        path.chmod(path.stat().st_mode & 0o700)
     return dest
 
 
@@ -96,7 +98,7 @@ def add_model(repo: Path, model: str, params: dict[str, str] | None = None) -> N
     (repo / model / "config.pbtxt").write_text(text)
     code = MODEL_CODE / model / "model.py"
     if code.exists():
-        shutil.copy2(code, version / "model.py")
+        shutil.copyfile(code, version / "model.py")  # made under the umask, not 0644
 
 
 @dataclass
