@@ -347,7 +347,7 @@ def test_internal_surfaces_refuse_requests_without_the_secret(cluster, model, ex
     # The frontend's orchestrator model serves the ensemble only.
     batched = [tensor("input_ids", ids[None]), tensor("max_tokens", np.array([[4]], np.int32)),
                tensor("input_lengths", np.array([[len(ids)]], np.int32))]
-    for auth in [[], [tensor("input_auth", np.array([[b"1:00"]], dtype=np.object_))]]:
+    for auth in [[], [tensor("input_auth", np.array([[b"1:00:00"]], dtype=np.object_))]]:
         _, error = _first_response(cluster.frontend.grpc_url, "orchestrator", [*batched, *auth])
         assert error is not None and "cluster secret" in error.message()
     stub = Stub(cluster.controller.address, b"guessed-but-wrong-secret")
