@@ -169,12 +169,12 @@ def time_stream(url: str, model: str, request: dict, timeout_s: float = 60.0) ->
 def time_node_stream(stream, prompt_ids: list[int], params, timeout_s: float = 60.0
                      ) -> Arrivals:
     """A T-node's tokens as the frontend gets them: a request on its ``NodeStream``."""
-    from orchestrator.serving.frontend import request_tensors
+    from orchestrator.serving.frontend import request_arrays
 
     request = stream.open(uuid.uuid4().hex, timeout_s)
     arrivals: Arrivals = [(time.perf_counter(), 0)]
     try:
-        request.send(request_tensors(prompt_ids, params))
+        request.send(request_arrays(prompt_ids, params))
         done = False
         while not done:
             tokens, _, done = request.tokens(lambda: False)

@@ -46,11 +46,11 @@ from orchestrator.cluster.launcher import (
 )
 from orchestrator.cluster.topology import node_configs, write_node_repo
 from orchestrator.cluster.tritonserver import TritonServer, is_ready, make_backend_dir
-from orchestrator.control.auth import load_secret
+from orchestrator.control.auth import UMASK, admin_token, load_secret
 from orchestrator.fault.client import query_status
 from orchestrator.fault.rpc import Stub
 from orchestrator.fault.stage_recovery import recover_stage
-from orchestrator.serving.config import NodeConfig
+from orchestrator.serving.config import NodeConfig, Role
 
 log = logging.getLogger("dejavu.supervise")
 HTTP_PORT, GRPC_PORT, METRICS_PORT, CONTROLLER_PORT = 8000, 8001, 8002, 50051
@@ -142,9 +142,13 @@ def node_main(argv: list[str]) -> int:
     write_node_repo(repo, config)
     server = TritonServer(args.node, repo, make_backend_dir(args.work / "backends"),
                           args.work / "unused.log", HTTP_PORT, GRPC_PORT, METRICS_PORT,
-                          host=args.host, devices=devices)
+                          host=args.host, devices=devices,
+                          admin_token=admin_token(config.secret()),
+                          public=config.role is Role.FRONTEND)
     command = server.command()
-    print(f"{config.name}: {' '.join(command)}", flush=True)
+    shown = [a for a in command if a not in server.restriction_flags()]  # the header's value
+    print(f"{config.name}: {' '.join(shown)}", flush=True)
+    os.umask(UMASK)
     if devices is not None:
         devices.pin()
     os.execve(command[0], command, server.environment())  # its logs go to the container's

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -64,7 +65,7 @@ from orchestrator.cluster.tritonserver import (
     stop_servers,
 )
 from orchestrator.cluster.watchdog import STATE_FILE, STOPPING, read_pid, spawn
-from orchestrator.control.auth import load_secret, new_secret, write_secret
+from orchestrator.control.auth import UMASK, admin_token, load_secret, new_secret, write_secret
 from orchestrator.fault import ReplicateMode
 from orchestrator.pipeline import DEAD_AFTER_S, SwapMode
 from orchestrator.serving.config import NodeConfig, Role
@@ -135,10 +136,15 @@ class Cluster:
             raise ValueError(f"{self.model_dir} is not a model folder (no config.json)")
         self.colocated = colocated
         self.run_dir = Path(run_dir).resolve()
+        # Its files, its children's and the nodes' regions: this user's alone.
+        os.umask(UMASK)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir.chmod(0o700)
         self.supervisor: subprocess.Popen | None = None
         self.watchdog: subprocess.Popen | None = None
         # Readable by this user only; the models get its path, never the secret.
         self.secret_file = write_secret(self.run_dir / SECRET_FILE, new_secret())
+        admin = admin_token(load_secret(self.secret_file))
         self.openai = (OpenAIApi(self.run_dir / "logs" / "openai.log", port=free_port())
                        if openai else None)
         self.controller = Controller(self.run_dir / "logs" / "controller.log", port=free_port(),
@@ -170,6 +176,7 @@ class Cluster:
             # A per-run id: the controller and the KV transports tell clusters apart.
             config = replace(config, name=f"{name}-{server.grpc_port}",
                              **device_params(self.devices.get(name)))
+            server.admin_token, server.public = admin, config.role is Role.FRONTEND
             shutil.rmtree(server.repo, ignore_errors=True)
             write_node_repo(server.repo, config)
             self.nodes.append(Node(config, server))
@@ -317,7 +324,7 @@ class HelperProcess:
             seen = log.tell()  # started again: only this run's lines count
             self.process = subprocess.Popen([sys.executable, "-m", *args], stdout=log,
                                             stderr=subprocess.STDOUT, cwd=ROOT,
-                                            start_new_session=True)
+                                            start_new_session=True, umask=UMASK)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

@@ -54,7 +54,7 @@ from orchestrator.cluster.pid_watch import PidWatch
 from orchestrator.cluster.topology import write_node_repo
 from orchestrator.cluster.tritonserver import ServerError, TritonServer, alive, clean_shm
 from orchestrator.cluster.watchdog import keep, stopping, write_atomic
-from orchestrator.control.auth import load_secret
+from orchestrator.control.auth import admin_token, load_secret
 from orchestrator.control.client import ControlClient
 from orchestrator.fault.client import query_status
 from orchestrator.fault.rpc import Stub
@@ -317,7 +317,9 @@ class Supervisor:
         write_node_repo(repo, config)
         ports = (int(node[k].split(":")[1]) for k in ("http", "grpc", "metrics"))
         server = TritonServer(node["name"], repo, Path(state["backends"]), Path(node["log"]),
-                              *ports, incarnation=incarnation, devices=node_devices(config.devices))
+                              *ports, incarnation=incarnation, devices=node_devices(config.devices),
+                              admin_token=admin_token(self.secret),
+                              public=config.role is Role.FRONTEND)
         clean_shm(node["shm_prefix"])  # a node that died on its own left its regions
         server.launch()
         self.children.append(server.process)

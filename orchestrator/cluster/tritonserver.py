@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import secrets
 import shutil
 import signal
 import socket
@@ -27,6 +28,7 @@ from pathlib import Path
 import pytriton
 
 from orchestrator.cluster.devices import Devices
+from orchestrator.control.auth import ADMIN_HEADER, UMASK
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "model_repository"
@@ -34,6 +36,11 @@ MODEL_CODE = ROOT / "backends" / "python"
 WHEEL = Path(pytriton.__file__).resolve().parent / "tritonserver"
 WHEEL_LIBS = WHEEL.parents[1] / "nvidia_pytriton.libs"
 SHM_DIR = Path("/dev/shm")
+# Triton APIs that need the cluster's admin header: on the client-facing frontend, those that
+# reach into the server's memory, logs or models; on internal nodes, all but inference and
+# health (the launcher's readiness probe).
+PUBLIC_RESTRICTED = ("shared-memory", "model-repository", "trace", "logging")
+INTERNAL_RESTRICTED = (*PUBLIC_RESTRICTED, "metadata", "model-config", "statistics")
 
 
 class ServerError(RuntimeError):
@@ -69,6 +76,8 @@ def make_backend_dir(dest: Path) -> Path:
         shutil.copy2(WHEEL / "backends" / "python" / name, python_dir / name)
     stub = WHEEL / "python_backend_stubs" / "3.11" / "triton_python_backend_stub"
     shutil.copy2(stub, python_dir / stub.name)
+    for path in python_dir.iterdir():  # copy2 kept the wheel's modes: the user's alone
+        path.chmod(path.stat().st_mode & 0o700)
     return dest
 
 
@@ -89,7 +98,7 @@ def add_model(repo: Path, model: str, params: dict[str, str] | None = None) -> N
     (repo / model / "config.pbtxt").write_text(text)
     code = MODEL_CODE / model / "model.py"
     if code.exists():
-        shutil.copy2(code, version / "model.py")
+        shutil.copyfile(code, version / "model.py")  # made under the umask, not 0644
 
 
 @dataclass
@@ -107,6 +116,10 @@ class TritonServer:
     incarnation: int = 0  # started again after a failure this many times
     devices: Devices | None = None  # pinned to these cores / GPUs (None: anywhere)
     host: str = "127.0.0.1"  # where it listens (a container: every interface)
+    # The admin header's value (auth.admin_token); the default, known to nobody, turns the
+    # restricted APIs off.
+    admin_token: str = field(default_factory=lambda: secrets.token_hex(32), repr=False)
+    public: bool = False  # serves clients (the frontend): metadata, config, statistics open
 
     @property
     def shm_prefix(self) -> str:
@@ -138,7 +151,13 @@ class TritonServer:
             "--pinned-memory-pool-byte-size=0",
             "--exit-timeout-secs=2",
             "--log-verbose=0",
+            *self.restriction_flags(),
         ]
+
+    def restriction_flags(self) -> list[str]:
+        apis = ",".join(PUBLIC_RESTRICTED if self.public else INTERNAL_RESTRICTED)
+        rule = f"{apis}:{ADMIN_HEADER}={self.admin_token}"
+        return [f"--http-restricted-api={rule}", f"--grpc-restricted-protocol={rule}"]
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -162,6 +181,7 @@ class TritonServer:
                 stderr=subprocess.STDOUT,
                 env=self.environment(),
                 start_new_session=True,  # Ctrl-C in a shell must not kill the nodes
+                umask=UMASK,
                 preexec_fn=None if self.devices is None else self.devices.pin,
             )
 
@@ -176,7 +196,9 @@ class TritonServer:
                     f"tritonserver {self.name} exited with {self.process.returncode}; "
                     f"log {self.log_path}:\n{self.log_tail()}"
                 )
+            protect_shm(self.shm_prefix)  # as soon as the stubs make them
             if self.is_ready():
+                protect_shm(self.shm_prefix)
                 return
             time.sleep(0.2)
         self.stop()
@@ -246,6 +268,14 @@ def alive(pid: int) -> bool:
         return proc_stat(pid)[0] != "Z"
     except OSError:
         return False
+
+
+def protect_shm(prefix: str) -> None:
+    """Make a node's Python-backend regions its user's alone: the backend creates them 0644
+    whatever the umask (boost.interprocess sets the mode after ``shm_open``)."""
+    for path in SHM_DIR.glob(f"{prefix}*"):
+        with contextlib.suppress(OSError):  # gone meanwhile
+            path.chmod(0o600)
 
 
 def clean_shm(prefix: str) -> None:

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from orchestrator.cluster.tritonserver import ROOT, alive
+from orchestrator.control.auth import UMASK
 
 log = logging.getLogger("dejavu.watchdog")
 
@@ -60,7 +61,7 @@ def spawn(run_dir: Path, role: str) -> subprocess.Popen:
     with open(log_path, "ab") as out:
         process = subprocess.Popen([sys.executable, "-m", MODULES[role], "--dir", str(run_dir)],
                                    stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-                                   start_new_session=True)
+                                   start_new_session=True, umask=UMASK)
     write_pid(run_dir, role, process.pid)
     return process
 

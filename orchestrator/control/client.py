@@ -177,7 +177,8 @@ class ControlClient:
                     client.async_stream_infer(
                         "decode", [tensor(k, v) for k, v in arrays.items()],
                         request_id=request_id,
-                        parameters=request_parameters(self.secret, "decode", op, request_id))
+                        parameters=request_parameters(self.secret, "decode", op, request_id,
+                                                      url, arrays))
                 except InferenceServerException as exc:  # the stream ended before the send
                     raise _Unsent(_stream_error(responses, exc)) from None
                 try:

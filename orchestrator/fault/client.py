@@ -90,6 +90,7 @@ class ControllerClient:
         self.connected = False
         self._stub = Stub(controller, secret)
         self._registered = False
+        self._beats = 0  # heartbeats sent: each carries the next number
         self._rejoin = False  # registered before, with a controller that forgot it since
         self._warned = False  # "unreachable" logged since the last contact
         self._acks: dict[tuple[int, int], int] = {}  # (source stage, microbatch) -> step
@@ -183,7 +184,8 @@ class ControllerClient:
             if not self._registered:
                 self._register()
             if heartbeat:
-                reply = self._call("Heartbeat", {"node_id": self.node_id})
+                self._beats += 1  # the controller refuses a number it has seen
+                reply = self._call("Heartbeat", {"node_id": self.node_id, "seq": self._beats})
                 self.epoch, self.state = reply["epoch"], reply["state"]
             self._flush_acks()
             if not self.connected:

@@ -58,6 +58,7 @@ class Node:
     address: str
     last_seen: float
     alive: bool = True
+    last_beat: int = 0  # the largest heartbeat number it sent
 
 
 @dataclass
@@ -126,6 +127,7 @@ class ControllerState:
             self.nodes[node_id] = Node(
                 node_id, role, pipeline_name, stage, depth,
                 str(req.get("address", "")), now,
+                last_beat=0 if known is None else known.last_beat,  # numbers go on growing
             )
             pipeline.slots[stage] = node_id
             pipeline.rejoined |= bool(req.get("rejoin"))
@@ -136,8 +138,14 @@ class ControllerState:
             return {"epoch": pipeline.epoch, "state": pipeline.state}
 
     def heartbeat(self, req: dict) -> dict:
-        node = self._node(str(req["node_id"]))
+        """``seq``: the node's heartbeat number, larger than its last (a replayed beat must
+        not keep a dead node alive)."""
+        node, seq = self._node(str(req["node_id"])), int(req["seq"])
         with self.lock:
+            if seq <= node.last_beat:
+                raise RequestError(f"heartbeat {seq} of {node.node_id!r} repeats or precedes "
+                                   f"{node.last_beat}", grpc.StatusCode.PERMISSION_DENIED)
+            node.last_beat = seq
             node.last_seen = self.clock()
             pipeline = self.pipelines[node.pipeline]
             return {"epoch": pipeline.epoch, "state": pipeline.state}

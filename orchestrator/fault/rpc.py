@@ -1,10 +1,11 @@
 """JSON messages over gRPC generic handlers: no protoc step, still real gRPC/HTTP2.
 
 Every method takes and returns one JSON object. Every call is signed with the
-cluster secret (metadata ``dejavu-auth``: a signature of the method and the
-request's bytes, :mod:`orchestrator.control.auth`); an unsigned or badly signed
-call is refused with ``UNAUTHENTICATED``. Errors travel as gRPC status codes
-with a message; the client side turns them back into :class:`grpc.RpcError`.
+cluster secret (metadata ``dejavu-auth``: a signature of the service, the method
+and the request's bytes, with a time and a nonce, :mod:`orchestrator.control.auth`);
+an unsigned, badly signed, stale or replayed call is refused with ``UNAUTHENTICATED``.
+Errors travel as gRPC status codes with a message; the client side turns them back
+into :class:`grpc.RpcError`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Callable
 
 import grpc
 
-from orchestrator.control.auth import Unauthenticated, sign, verify
+from orchestrator.control.auth import Unauthenticated, Verifier, sign
 
 SERVICE = "dejavu.Controller"
 AUTH_KEY = "dejavu-auth"
@@ -43,13 +44,15 @@ def _decode(data: bytes) -> dict:
 
 def service_handler(methods: dict[str, Handler], secret: bytes,
                     service: str = SERVICE) -> grpc.GenericRpcHandler:
-    """``methods`` as a gRPC service that answers calls signed with ``secret`` only."""
+    """``methods`` as a gRPC service that answers calls signed with ``secret`` only, each
+    once."""
+    verifier = Verifier(secret)
 
     def wrap(name: str, handler: Handler):
         def call(data: bytes, context: grpc.ServicerContext) -> dict:
             signature = dict(context.invocation_metadata()).get(AUTH_KEY)
             try:
-                verify(secret, signature, name, data)
+                verifier.verify(signature, service, name, data)
             except Unauthenticated as e:
                 context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{name}: {e}")
             try:
@@ -86,7 +89,7 @@ class Stub:
                                         response_deserializer=_decode)
         data = _encode(request)
         return rpc(data, timeout=timeout_s,
-                   metadata=[(AUTH_KEY, sign(self.secret, method, data))])
+                   metadata=[(AUTH_KEY, sign(self.secret, self.service, method, data))])
 
     def close(self) -> None:
         self._channel.close()

@@ -105,11 +105,10 @@ _BUSY_WAIT_S, _MAX_BUSY_WAIT_S = 0.05, 1.0  # first and longest wait for a free 
 _MAX_RERUN_WAIT_S = 8.0  # longest wait before a lost request runs again
 
 
-def request_tensors(prompt_ids: list[int], params: GenerationParams) -> list:
+def request_arrays(prompt_ids: list[int], params: GenerationParams) -> dict[str, np.ndarray]:
     """A generate request to a P-node or T-node: the prompt, and the checked parameters."""
-    arrays = {"input_ids": np.array(prompt_ids, dtype=np.int32),
-              "params": np.array([params.to_json()], dtype=np.object_)}
-    return [tensor(name, array) for name, array in arrays.items()]
+    return {"input_ids": np.array(prompt_ids, dtype=np.int32),
+            "params": np.array([params.to_json()], dtype=np.object_)}
 
 
 def _decode_error(error: Exception, where: str, admitted: bool) -> ServingError:
@@ -444,7 +443,7 @@ class Frontend:
             reserved.append(stage_url)
         stream = self._node_stream(url).open(request_id, self.timeout_s)
         try:
-            stream.send(request_tensors(prompt_ids, params))
+            stream.send(request_arrays(prompt_ids, params))
             if self.colocated:
                 return stream, None
             ticket = stream.next(is_cancelled).as_numpy("kv_ticket")
@@ -475,13 +474,15 @@ class Frontend:
         P-node reads, and it stops after the layer in progress."""
         assert self.prefill is not None
         with self.prefill.assign(len(prompt_ids)) as url:
-            inputs = [*request_tensors(prompt_ids, params), tensor("kv_ticket", tickets)]
+            arrays = {**request_arrays(prompt_ids, params), "kv_ticket": tickets}
             answers: queue.Queue = queue.Queue()
             try:
                 self.prefill_clients[url].async_infer(
-                    "prefill", inputs, lambda result, error: answers.put((result, error)),
+                    "prefill", [tensor(k, v) for k, v in arrays.items()],
+                    lambda result, error: answers.put((result, error)),
                     request_id=request_id, client_timeout=self.timeout_s,
-                    parameters=request_parameters(self.secret, "prefill", "prefill", request_id),
+                    parameters=request_parameters(self.secret, "prefill", "prefill", request_id,
+                                                  url, arrays),
                 )
                 while True:
                     try:

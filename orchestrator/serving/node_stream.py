@@ -73,8 +73,8 @@ class NodeStream:
             ConnectionError(f"decode node {url}: its token feed's connection dropped")))
         self._client = connect(url)  # its own channel: a node started again is reached at once
         self._client.start_stream(callback=self._dispatch)
-        self.send(self.feed_id, "feed", [
-            tensor("peers", np.array([listener.address.encode()], dtype=np.object_))])
+        self.send(self.feed_id, "feed",
+                  {"peers": np.array([listener.address.encode()], dtype=np.object_)})
 
     def open(self, request_id: str, timeout_s: float) -> RequestStream:
         with self._lock:
@@ -87,14 +87,16 @@ class NodeStream:
         with self._lock:
             self._queues.pop(request_id, None)
 
-    def send(self, request_id: str, op: str, tensors: list[grpcclient.InferInput]) -> None:
+    def send(self, request_id: str, op: str, arrays: dict[str, np.ndarray]) -> None:
         """A signed request on the stream; raises the stream's error if it is broken."""
         if op != "generate":
-            tensors = [tensor("op", np.array([op.encode()], dtype=np.object_)), *tensors]
+            arrays = {"op": np.array([op.encode()], dtype=np.object_), **arrays}
         try:
             self._client.async_stream_infer(
-                "decode", tensors, request_id=request_id, enable_empty_final_response=True,
-                parameters=request_parameters(self.secret, "decode", op, request_id))
+                "decode", [tensor(k, v) for k, v in arrays.items()], request_id=request_id,
+                enable_empty_final_response=True,
+                parameters=request_parameters(self.secret, "decode", op, request_id, self.url,
+                                              arrays))
         except InferenceServerException as exc:
             # A broken stream says why through the callback, not in this exception.
             raise self._wait_broken(exc) from None
@@ -148,7 +150,7 @@ class NodeStream:
         then), then the stream; requests still on it fail."""
         if self.broken is None:
             try:
-                self.send(self.feed_id, "end", [])
+                self.send(self.feed_id, "end", {})
                 self._feed_ended.wait(wait_s)
             except Exception:  # the node is gone: nothing left to end
                 log.debug("could not end the token feed to %s", self.url, exc_info=True)
@@ -173,9 +175,9 @@ class RequestStream:
     _final: bool = False  # its own last response came
     _held: list = field(default_factory=list)  # taken from the queue, not yet handed out
 
-    def send(self, tensors: list[grpcclient.InferInput]) -> None:
-        self.node.send(self.request_id, "generate", [
-            *tensors, tensor("feed", np.array([self.node.feed_id.encode()], dtype=np.object_))])
+    def send(self, arrays: dict[str, np.ndarray]) -> None:
+        self.node.send(self.request_id, "generate", {
+            **arrays, "feed": np.array([self.node.feed_id.encode()], dtype=np.object_)})
 
     def next(self, is_cancelled: Callable[[], bool]) -> grpcclient.InferResult:
         """The next response on the request's own stream (its ticket, its failure raised)."""
@@ -211,7 +213,7 @@ class RequestStream:
         """Have the node end the request (its client left, or it failed here): the head
         drops it and frees its slot, KV and replicas on every stage."""
         try:
-            self.node.send(self.request_id, "end", [])
+            self.node.send(self.request_id, "end", {})
         except Exception:  # a broken stream: the node already lost the request with it
             log.debug("could not end %s on %s", self.request_id, self.node.url, exc_info=True)
 

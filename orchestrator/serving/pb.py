@@ -13,7 +13,7 @@ from collections.abc import Callable
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from orchestrator.control.auth import check_request
+from orchestrator.control.auth import Verifier
 from orchestrator.control.errors import ErrorCode
 from orchestrator.serving.batch import SequenceJob
 from orchestrator.serving.config import NodeConfig
@@ -110,11 +110,18 @@ def failure(code: ErrorCode, message: str) -> pb_utils.InferenceResponse:
     return response(error_code=np.array([int(code)], dtype=np.int32), error=strings(message))
 
 
-def check_signed(request, secret: bytes, model: str, op: str) -> None:
-    """Raises Unauthenticated unless the request is signed with the cluster secret."""
+def verifier(config: NodeConfig) -> Verifier:
+    """How an internal node checks the requests sent to it (at its own address)."""
+    return Verifier(config.secret(), config.address)
+
+
+def check_signed(request, verifier: Verifier, model: str, op: str) -> None:
+    """Raises Unauthenticated unless the whole request (every input) is signed with the
+    cluster secret for this node, fresh, and not seen before."""
     with _ipc:
         parameters, request_id = request.parameters(), request.request_id()
-    check_request(secret, parameters, model, op, request_id)
+        tensors = {t.name(): t.as_numpy() for t in request.inputs()}
+    verifier.check_request(parameters, model, op, request_id, tensors)
 
 
 def refused(message: str) -> pb_utils.InferenceResponse:

@@ -4,14 +4,16 @@ gRPC client's streams (pooled, cancelled)."""
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
 
 from orchestrator.control.auth import (
     ENV,
+    WINDOW_S,
     Unauthenticated,
-    check_request,
+    Verifier,
     load_secret,
     new_secret,
     request_parameters,
@@ -48,25 +50,73 @@ def test_a_signature_binds_its_parts_the_secret_and_the_time():
                                (SECRET, ("decode", "reserver1", ""), 1010)]:
         with pytest.raises(Unauthenticated, match="bad request signature"):
             verify(secret, signature, *parts, now=now)
-    with pytest.raises(Unauthenticated, match="stale"):
-        verify(SECRET, signature, "decode", "reserve", "r1", now=1000 + 3600)
+    with pytest.raises(Unauthenticated, match="stale"):  # seconds, not minutes
+        verify(SECRET, signature, "decode", "reserve", "r1", now=1000 + WINDOW_S + 1)
+    assert WINDOW_S <= 30
     for missing in (None, ""):
         with pytest.raises(Unauthenticated, match="unsigned"):
             verify(SECRET, missing, "x")
-    with pytest.raises(Unauthenticated, match="malformed"):
-        verify(SECRET, "nonsense", "x")
+    for malformed in ("nonsense", "1:00", "x:y:z"):
+        with pytest.raises(Unauthenticated, match="malformed"):
+            verify(SECRET, malformed, "x")
+    assert sign(SECRET, "x", now=1000) != sign(SECRET, "x", now=1000)  # a nonce each
 
 
-def test_triton_request_parameters_round_trip():
+def _generate(prompt: list[int], max_tokens: int = 8) -> dict[str, np.ndarray]:
+    return {"input_ids": np.array(prompt, dtype=np.int32),
+            "params": np.array([f'{{"max_tokens": {max_tokens}}}'.encode()], dtype=np.object_),
+            "kv_ticket": np.array([b"ticket-a", b"ticket-b"], dtype=np.object_)}
+
+
+def test_a_request_signature_covers_every_input_the_target_and_is_good_once():
+    """An attacker who captured a signed request replays it, swaps its body (prompt,
+    parameters, ticket), sends it to another node, or to the node started again: all
+    refused."""
     import json
 
-    parameters = json.dumps(request_parameters(SECRET, "prefill", "prefill", "r7"))
-    check_request(SECRET, parameters, "prefill", "prefill", "r7")
+    node, arrays = "127.0.0.1:9001", _generate([1, 2, 3])
+    parameters = json.dumps(request_parameters(SECRET, "prefill", "prefill", "r7", node, arrays))
+    receiver = Verifier(SECRET, node)
+    receiver.check_request(parameters, "prefill", "prefill", "r7", arrays)
+    with pytest.raises(Unauthenticated, match="replayed"):
+        receiver.check_request(parameters, "prefill", "prefill", "r7", arrays)
+    swapped = [_generate([1, 2, 4]), _generate([1, 2, 3], max_tokens=9),
+               {**arrays, "kv_ticket": arrays["kv_ticket"][::-1].copy()},
+               {**arrays, "input_ids": arrays["input_ids"].reshape(1, 3)},
+               {**arrays, "input_ids": arrays["input_ids"].astype(np.int64)},
+               {k: v for k, v in arrays.items() if k != "kv_ticket"},
+               {**arrays, "peers": np.array([b"127.0.0.1:1"], dtype=np.object_)}]
+    for body in swapped:
+        with pytest.raises(Unauthenticated, match="bad request signature"):
+            Verifier(SECRET, node).check_request(parameters, "prefill", "prefill", "r7", body)
+    for model, op, request_id, target in [("decode", "prefill", "r7", node),
+                                          ("prefill", "reserve", "r7", node),
+                                          ("prefill", "prefill", "r8", node),
+                                          ("prefill", "prefill", "r7", "127.0.0.1:9002")]:
+        with pytest.raises(Unauthenticated, match="bad request signature"):
+            Verifier(SECRET, target).check_request(parameters, model, op, request_id, arrays)
     for bad in ("", "{}", "[1]", '{"auth": 3}', "not json"):
         with pytest.raises(Unauthenticated):
-            check_request(SECRET, bad, "prefill", "prefill", "r7")
-    with pytest.raises(Unauthenticated):  # another request's signature
-        check_request(SECRET, parameters, "prefill", "prefill", "r8")
+            Verifier(SECRET, node).check_request(bad, "prefill", "prefill", "r7", arrays)
+    # The node started again (its replay cache empty) refuses what was signed before.
+    restarted = Verifier(SECRET, node, clock=lambda: time.time() + 5)
+    with pytest.raises(Unauthenticated, match="before this receiver started"):
+        restarted.check_request(parameters, "prefill", "prefill", "r7", arrays)
+
+
+def test_the_replay_cache_forgets_after_the_window_and_stays_bounded():
+    now = [1000.0]
+    receiver = Verifier(SECRET, window_s=5.0, capacity=3, clock=lambda: now[0])
+    signatures = [sign(SECRET, "x", now=now[0]) for _ in range(4)]
+    for signature in signatures[:3]:
+        receiver.verify(signature, "x")
+    with pytest.raises(Unauthenticated, match="too many"):  # full of live nonces: refused
+        receiver.verify(signatures[3], "x")
+    now[0] += 6.0  # every nonce expired with its signature
+    receiver.verify(sign(SECRET, "x", now=now[0]), "x")
+    assert len(receiver._seen) == 1
+    with pytest.raises(Unauthenticated, match="stale"):
+        receiver.verify(signatures[0], "x")
 
 
 def test_error_codes_come_from_exception_types_not_messages():

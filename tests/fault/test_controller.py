@@ -91,7 +91,8 @@ def test_calls_without_the_cluster_secret_are_refused(controller: str) -> None:
         wait_until("registration", lambda: real.connected)
         fake = {"node_id": "fake", "pipeline": "auth", "stage": 0, "depth": 1,
                 "address": "127.0.0.1:1"}
-        for method, request in [("Register", fake), ("Heartbeat", {"node_id": real.node_id}),
+        beat = {"node_id": real.node_id, "seq": 10**6}
+        for method, request in [("Register", fake), ("Heartbeat", beat),
                                 ("Ack", {"node_id": real.node_id, "acks": [[0, 0, 99]]}),
                                 ("Recovered", {"node_id": real.node_id, "epoch": 0}),
                                 ("Plan", {"pipeline": "auth"}), ("Status", {})]:
@@ -279,11 +280,11 @@ def test_plan_rule_with_a_fake_clock() -> None:
     state.ack({"node_id": "n1", "acks": [[0, 0, 9], [0, 1, 2]]})
     state.ack({"node_id": "n0", "acks": [[1, 0, 8], [1, 1, 2]]})
     now[0] = 0.9
-    state.heartbeat({"node_id": "n1"})
+    state.heartbeat({"node_id": "n1", "seq": 1})
     now[0] = 1.5
     assert state.sweep() == ["n0"]
     with pytest.raises(RequestError, match="declared dead"):
-        state.heartbeat({"node_id": "n0"})
+        state.heartbeat({"node_id": "n0", "seq": 1})
     assert state.plan({"pipeline": "p"})["plan"] is None  # no replacement yet
     state.register({"node_id": "n0b", "pipeline": "p", "stage": 0, "depth": 2})
     plan = state.plan({"pipeline": "p"})["plan"]
@@ -405,5 +406,42 @@ def test_a_stage_late_at_start_is_waited_for_one_missing_after_a_restart_is_not(
                     "rejoin": True})  # a node of a pipeline that ran before this controller
     now[0] = 1.5
     for node_id in ("a0", "b0"):
-        state.heartbeat({"node_id": node_id})
+        state.heartbeat({"node_id": node_id, "seq": 1})
     assert state.sweep() == ["ran/stage1 (never registered)"]
+
+
+def test_a_replayed_heartbeat_is_refused_and_keeps_no_dead_node_alive(controller_factory
+                                                                      ) -> None:
+    """An attacker captured a node's signed heartbeat on loopback and replays it after the
+    node died: refused (the nonce was seen; a freshly signed repeat of its number is refused
+    too), and the node is declared dead at its timeout."""
+    from orchestrator.control.auth import sign
+    from orchestrator.fault.rpc import AUTH_KEY, SERVICE
+
+    timeout_s = 1.0
+    _, address = controller_factory(timeout_s)
+    stub = Stub(address, SECRET)
+    stub.call("Register", {"node_id": "victim", "pipeline": "rp", "stage": 0, "depth": 1},
+              2.0)
+    body = json.dumps({"node_id": "victim", "seq": 1}).encode()
+    captured = [(AUTH_KEY, sign(SECRET, SERVICE, "Heartbeat", body))]
+    channel = grpc.insecure_channel(address)
+    heartbeat = channel.unary_unary(f"/{SERVICE}/Heartbeat")
+    try:
+        heartbeat(body, metadata=captured, timeout=2.0)  # the node's own beat
+        died = time.monotonic()  # the node sends no more
+        replays = 0
+        while node(query_status(address, SECRET), "victim")["alive"]:
+            assert time.monotonic() - died < timeout_s + 5, "a replay kept the node alive"
+            with pytest.raises(grpc.RpcError, match="replayed") as info:
+                heartbeat(body, metadata=captured, timeout=2.0)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.RpcError, match="repeats or precedes") as info:
+                stub.call("Heartbeat", {"node_id": "victim", "seq": 1}, 2.0)
+            assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            replays += 1
+            time.sleep(0.05)
+        assert replays > 0
+    finally:
+        channel.close()
+        stub.close()

@@ -38,7 +38,13 @@ from cluster_helpers import (
 from tritonclient.utils import InferenceServerException
 
 from clients.generate import GenerateError, generate_batch, stream_grpc, stream_http
-from orchestrator.control.auth import load_secret, request_parameters
+from orchestrator.control.auth import (
+    ADMIN_HEADER,
+    GRPC_ADMIN_HEADER,
+    admin_token,
+    load_secret,
+    request_parameters,
+)
 from orchestrator.control.client import ControlClient, tensor
 from orchestrator.control.errors import ErrorCode
 from orchestrator.engine.reference import generate, log_softmax_along
@@ -273,16 +279,20 @@ def test_no_model_config_on_any_node_reveals_the_secret(cluster):
     hexed = secret(cluster).hex()
     assert stat.S_IMODE(os.stat(cluster.secret_file).st_mode) == 0o600
     frontend_models = set()
+    admin = admin_token(secret(cluster))  # internal nodes show their configs to the cluster
     for node in cluster.nodes:
         server = node.server
         client = grpcclient.InferenceServerClient(server.grpc_url)
-        models = [m["name"] for m in client.get_model_repository_index(as_json=True)["models"]]
+        headers = {GRPC_ADMIN_HEADER: admin}
+        index = client.get_model_repository_index(headers=headers, as_json=True)
+        models = [m["name"] for m in index["models"]]
         assert models
         for name in models:
             url = f"http://{server.http_url}/v2/models/{name}/config"
-            with urllib.request.urlopen(url, timeout=10) as response:
+            request = urllib.request.Request(url, headers={ADMIN_HEADER: admin})
+            with urllib.request.urlopen(request, timeout=10) as response:
                 http_config = response.read().decode()
-            grpc_config = json.dumps(client.get_model_config(name, as_json=True))
+            grpc_config = json.dumps(client.get_model_config(name, headers=headers, as_json=True))
             for config in (http_config, grpc_config):
                 assert hexed not in config and '"secret"' not in config, (node.role, name)
         if node.role == "frontend":
@@ -316,12 +326,13 @@ def test_internal_surfaces_refuse_requests_without_the_secret(cluster, model, ex
     prompt_ids = load_tokenizer(model).encode(PROMPTS[0]).ids
     ids = np.array(prompt_ids, dtype=np.int32)
     decode = cluster.role("decode")[0].server.grpc_url
-    forged = request_parameters(b"guessed-but-wrong-secret", "decode", "reserve", "intruder")
+    arrays = {"op": np.array([b"reserve"], dtype=np.object_), "input_ids": ids}
+    forged = request_parameters(b"guessed-but-wrong-secret", "decode", "reserve", "intruder",
+                                decode, arrays)
     # 20 reserves (more than the T-node's 16 prompt-KV slots), unsigned or badly signed:
     # every one refused, none holds a slot.
     for parameters in [None, forged] * 10:
-        reserve = [tensor("op", np.array([b"reserve"], dtype=np.object_)),
-                   tensor("input_ids", ids)]
+        reserve = [tensor(k, v) for k, v in arrays.items()]
         result, error = _first_response(decode, "decode", reserve, parameters)
         assert error is None and _code(result) is ErrorCode.UNAUTHENTICATED
         assert "cluster secret" in result.as_numpy("error")[0].decode()
@@ -337,7 +348,7 @@ def test_internal_surfaces_refuse_requests_without_the_secret(cluster, model, ex
     # The frontend's orchestrator model serves the ensemble only.
     batched = [tensor("input_ids", ids[None]), tensor("max_tokens", np.array([[4]], np.int32)),
                tensor("input_lengths", np.array([[len(ids)]], np.int32))]
-    for auth in [[], [tensor("input_auth", np.array([[b"1:00"]], dtype=np.object_))]]:
+    for auth in [[], [tensor("input_auth", np.array([[b"1:00:00"]], dtype=np.object_))]]:
         _, error = _first_response(cluster.frontend.grpc_url, "orchestrator", [*batched, *auth])
         assert error is not None and "cluster secret" in error.message()
     stub = Stub(cluster.controller.address, b"guessed-but-wrong-secret")

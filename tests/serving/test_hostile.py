@@ -42,7 +42,7 @@ from orchestrator.control.auth import load_secret, request_parameters
 from orchestrator.control.client import ControlClient, raise_for_error, tensor
 from orchestrator.control.errors import ControlError
 from orchestrator.engine.tokenizer import load_tokenizer
-from orchestrator.serving.frontend import request_tensors
+from orchestrator.serving.frontend import request_arrays
 from orchestrator.serving.params import HONOURED, NEUTRAL, GenerationParams
 
 pytestmark = pytest.mark.slow
@@ -382,7 +382,8 @@ def test_a_thousand_mixed_requests_leave_nothing_behind(cluster, model, expected
     tickets = {f"expired-{i}": control.call(decode, "reserve", request_id=f"expired-{i}",
                                             prompt_ids=prompt_ids) for i in range(4)}
     until_nothing_held(cluster, timeout_s=RESERVE_TTL_S + 5)
-    prefill = grpcclient.InferenceServerClient(cluster.role("prefill")[0].server.grpc_url)
+    prefill_url = cluster.role("prefill")[0].server.grpc_url
+    prefill = grpcclient.InferenceServerClient(prefill_url)
 
     def bad(i: int) -> None:
         body = BAD_BODIES[i % len(BAD_BODIES)]
@@ -415,10 +416,12 @@ def test_a_thousand_mixed_requests_leave_nothing_behind(cluster, model, expected
 
     def failing(i: int) -> None:
         request_id = f"expired-{i % len(tickets)}"
-        inputs = [*request_tensors(prompt_ids, GenerationParams(MAX_TOKENS)),
-                  tensor("kv_ticket", np.array([tickets[request_id]], np.object_))]
-        result = prefill.infer("prefill", inputs, request_id=request_id, parameters=
-                               request_parameters(secret, "prefill", "prefill", request_id))
+        arrays = {**request_arrays(prompt_ids, GenerationParams(MAX_TOKENS)),
+                  "kv_ticket": np.array([tickets[request_id]], np.object_)}
+        result = prefill.infer("prefill", [tensor(k, v) for k, v in arrays.items()],
+                               request_id=request_id, parameters=request_parameters(
+                                   secret, "prefill", "prefill", request_id, prefill_url,
+                                   arrays))
         with pytest.raises(ControlError, match="ticket expired"):
             raise_for_error(result, "prefill")
 

@@ -18,7 +18,7 @@ from orchestrator.serving.token_service import ControlRequest
 class TritonPythonModel:
     def initialize(self, args):
         config = pb.node_config(args)
-        self.secret = config.secret()
+        self.verifier = pb.verifier(config)
         self.service = ServiceProcess(config.to_json(), pb.TritonMetrics(config.name))
 
     def execute(self, requests):
@@ -32,7 +32,7 @@ class TritonPythonModel:
 
             try:
                 op = "generate" if tensors["op"] is None else pb.text(tensors["op"])
-                pb.check_signed(request, self.secret, "decode", op)
+                pb.check_signed(request, self.verifier, "decode", op)
                 if op == "feed":  # peers: the frontend's feed listener
                     self.service.open_feed(request.request_id(), pb.text(tensors["peers"]),
                                            lambda sender=sender: pb.send_final(sender),

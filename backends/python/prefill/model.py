@@ -19,7 +19,7 @@ def _failure(exc):
 class TritonPythonModel:
     def initialize(self, args):
         config = pb.node_config(args)
-        self.secret = config.secret()
+        self.verifier = pb.verifier(config)
         self.worker = load_prefill_worker(config, pb.TritonMetrics(config.name))
         self.controller = connect_controller(config)
 
@@ -28,7 +28,7 @@ class TritonPythonModel:
         for i, request in enumerate(requests):
             tensors = pb.inputs(request, ["input_ids", "kv_ticket", "params"])
             try:
-                pb.check_signed(request, self.secret, "prefill", "prefill")
+                pb.check_signed(request, self.verifier, "prefill", "prefill")
                 params = GenerationParams.from_json(tensors["params"])
                 tickets = list(tensors["kv_ticket"].reshape(-1))
                 prompt = tensors["input_ids"].reshape(-1).tolist()

@@ -1,0 +1,209 @@
+"""Issue 31's findings 1-3 tried as an attacker would on a real cluster (1 P-node, 1 T-node):
+Triton's shared-memory, logging, trace and repository APIs on the public port; another local
+user reading the cluster's regions and files; a captured internal request sent again, or
+with another body."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from cluster_helpers import cluster_up, ids_of, reference
+from tritonclient.utils import InferenceServerException
+
+from clients.common import PROMPTS
+from clients.generate import stream_grpc
+from orchestrator.cluster.tritonserver import SHM_DIR
+from orchestrator.control.auth import (
+    ADMIN_HEADER,
+    GRPC_ADMIN_HEADER,
+    admin_token,
+    load_secret,
+    request_parameters,
+)
+from orchestrator.control.client import tensor
+from orchestrator.control.errors import ErrorCode
+from orchestrator.engine.tokenizer import load_tokenizer
+from orchestrator.serving.frontend import request_arrays
+from orchestrator.serving.params import GenerationParams
+
+pytestmark = pytest.mark.slow
+MAX_TOKENS = 8
+NOBODY = 65534
+
+
+@pytest.fixture(scope="module")
+def cluster(model, tmp_path_factory):
+    with cluster_up(model, tmp_path_factory.mktemp("security"), prefill=1, decode=1) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def expected(model):
+    return reference(model, PROMPTS[:1], MAX_TOKENS)
+
+
+def _serves(cluster, expected) -> None:
+    chunks = list(stream_grpc(cluster.frontend.grpc_url, PROMPTS[0], max_tokens=MAX_TOKENS))
+    assert ids_of(chunks) == expected[0]
+
+
+def _regions(server) -> list[Path]:
+    return sorted(SHM_DIR.glob(f"{server.shm_prefix}*"))
+
+
+def _http(server, method: str, path: str, body: dict | None = None,
+          headers: dict | None = None) -> int:
+    request = urllib.request.Request(
+        f"http://{server.http_url}{path}", method=method, headers=headers or {},
+        data=None if body is None else json.dumps(body).encode())
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status
+    except urllib.error.HTTPError as error:
+        return error.code
+
+
+def test_shared_memory_logging_trace_and_repository_need_the_cluster_header(cluster,
+                                                                            expected):
+    """Finding 1: registering another process's /dev/shm region, or raising the log level,
+    through any node's HTTP or gRPC port is refused; on internal nodes so is everything but
+    inference and health. The cluster's own header opens them; clients still get served."""
+    region = _regions(cluster.frontend)[0].name  # the frontend's Python-backend IPC region
+    register = {"key": f"/{region}", "offset": 0, "byte_size": 64}
+    for node in cluster.nodes:
+        server = node.server
+        restricted = [("POST", f"/v2/systemsharedmemory/region/{region}/register", register),
+                      ("GET", "/v2/systemsharedmemory/status", None),
+                      ("POST", "/v2/logging", {"log_verbose_level": 1}),
+                      ("GET", "/v2/logging", None),
+                      ("GET", "/v2/trace/setting", None),
+                      ("POST", "/v2/repository/index", {}),
+                      ("POST", "/v2/repository/models/ensemble/unload", {})]
+        if node.role != "frontend":
+            restricted += [("GET", "/v2", None), ("GET", "/v2/models/decode/config", None),
+                           ("GET", "/v2/models/stats", None)]
+        for method, path, body in restricted:
+            assert _http(server, method, path, body) == 403, (node.role, path)
+        assert _http(server, "GET", "/v2/health/ready") == 200
+
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        try:
+            for call, args in [(client.register_system_shared_memory, (region, f"/{region}", 64)),
+                               (client.get_system_shared_memory_status, ()),
+                               (client.update_log_settings, ({"log_verbose_level": 1},)),
+                               (client.get_trace_settings, ()),
+                               (client.unload_model, ("ensemble",))]:
+                with pytest.raises(InferenceServerException, match="restricted"):
+                    call(*args)
+            admin = {GRPC_ADMIN_HEADER: admin_token(load_secret(cluster.secret_file))}
+            assert client.get_log_settings(headers=admin, as_json=True)["settings"]
+            assert client.is_server_ready()
+        finally:
+            client.close()
+    admin = {ADMIN_HEADER: admin_token(load_secret(cluster.secret_file))}
+    assert _http(cluster.frontend, "GET", "/v2/logging", headers=admin) == 200
+    _serves(cluster, expected)
+
+
+def _cluster_files(cluster) -> list[Path]:
+    run_dir = Path(cluster.run_dir)
+    files = [p for p in run_dir.rglob("*") if p.is_file()]
+    regions = [p for node in cluster.nodes for p in _regions(node.server)]
+    assert run_dir / "cluster.json" in files and run_dir / "secret" in files
+    assert any(p.parent.name == "logs" for p in files) and regions
+    return files + regions
+
+
+def test_another_local_user_reads_no_region_or_file(cluster, expected):
+    """Finding 2: the run folder is 0700; its files and every node's /dev/shm region are
+    0600; a process of user ``nobody`` opens none of them."""
+    _serves(cluster, expected)  # the regions have held prompts
+    run_dir = Path(cluster.run_dir)
+    assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
+    paths = _cluster_files(cluster)
+    loose = {str(p): oct(stat.S_IMODE(p.stat().st_mode)) for p in paths
+             if p.stat().st_mode & (stat.S_IRWXG | stat.S_IRWXO)}
+    assert not loose
+    # As another user: every open must fail (root, who runs the tests, bypasses modes).
+    probe = ("import sys\nopened = []\nfor path in sys.argv[1:]:\n"
+             "    try:\n        open(path, 'rb').read(1)\n        opened.append(path)\n"
+             "    except PermissionError:\n        pass\nprint('\\n'.join(opened))\n")
+    if os.geteuid() != 0:
+        pytest.fail("this check starts a process as user nobody: run it as root")
+    result = subprocess.run(["/usr/bin/python3", "-c", probe, *map(str, paths)],
+                            user=NOBODY, group=NOBODY, capture_output=True, text=True,
+                            timeout=30, cwd="/")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == ""
+
+
+def _signed(url: str, model: str, request_id: str, arrays: dict, parameters: dict):
+    """One request on a stream with these parameters: (result, error) of its first answer."""
+    import queue
+
+    client = grpcclient.InferenceServerClient(url)
+    answers: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        client.async_stream_infer(model, [tensor(k, v) for k, v in arrays.items()],
+                                  request_id=request_id, parameters=parameters)
+        return answers.get(timeout=30)
+    finally:
+        client.stop_stream(cancel_requests=True)
+        client.close()
+
+
+def _code(result) -> ErrorCode:
+    return ErrorCode(int(result.as_numpy("error_code")[0]))
+
+
+def test_a_captured_internal_request_replayed_or_with_another_body_is_refused(
+        cluster, model, expected):
+    """Finding 3: the frontend's signed requests, captured on loopback: sent again they are
+    refused (the nonce was seen); with another prompt, parameters or ticket, or to another
+    node, their signature does not match."""
+    secret = load_secret(cluster.secret_file)
+    decode = cluster.role("decode")[0].server.grpc_url
+    prefill = cluster.role("prefill")[0].server.grpc_url
+    ids = np.array(load_tokenizer(model).encode(PROMPTS[0]).ids, dtype=np.int32)
+
+    reserve = {"op": np.array([b"reserve"], dtype=np.object_), "input_ids": ids}
+    captured = request_parameters(secret, "decode", "reserve", "captured", decode, reserve)
+    result, error = _signed(decode, "decode", "captured", reserve, captured)
+    assert error is None and result.as_numpy("error_code") is None  # the real one: a ticket
+    release = {"op": np.array([b"release"], dtype=np.object_)}
+    for _ in range(3):  # would hold a KV slot each
+        result, error = _signed(decode, "decode", "captured", reserve, captured)
+        assert error is None and _code(result) is ErrorCode.UNAUTHENTICATED
+        assert "replayed" in result.as_numpy("error")[0].decode()
+    result, _ = _signed(decode, "decode", "captured", release,
+                        request_parameters(secret, "decode", "release", "captured", decode,
+                                           release))
+    assert result.as_numpy("error_code") is None
+
+    generate = {**request_arrays(ids.tolist(), GenerationParams(MAX_TOKENS)),
+                "kv_ticket": np.array([b"ticket"], dtype=np.object_)}
+    signed = request_parameters(secret, "prefill", "prefill", "swap", prefill, generate)
+    other_prompt = {**generate, "input_ids": ids[::-1].copy()}
+    more_tokens = {**generate, **request_arrays(ids.tolist(), GenerationParams(200))}
+    for body in (other_prompt, more_tokens,
+                 {**generate, "kv_ticket": np.array([b"another"], dtype=np.object_)}):
+        client = grpcclient.InferenceServerClient(prefill)
+        answer = client.infer("prefill", [tensor(k, v) for k, v in body.items()],
+                              request_id="swap", parameters=signed)
+        client.close()
+        assert _code(answer) is ErrorCode.UNAUTHENTICATED
+        assert "bad request signature" in answer.as_numpy("error")[0].decode()
+    swapped = request_parameters(secret, "decode", "reserve", "elsewhere", prefill, reserve)
+    result, _ = _signed(decode, "decode", "elsewhere", reserve, swapped)  # for another node
+    assert _code(result) is ErrorCode.UNAUTHENTICATED
+    _serves(cluster, expected)
