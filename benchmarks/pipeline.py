@@ -10,16 +10,17 @@ the bubbles.
 from __future__ import annotations
 
 import argparse
-import csv
 import random
 import statistics
 import time
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from clients.common import write_csv
+from clients.provenance import save_figure
 from orchestrator.engine.reference import load_stages
 from orchestrator.pipeline.local import LocalPipeline
 from orchestrator.pipeline.node import PipelineConfig
@@ -257,10 +258,7 @@ def _report(results: list[RunResult], out: Path) -> None:
             "-" if r.prefetch_hit is None else f"{r.prefetch_hit:.2f}",
         )
     Console(width=170).print(table)
-    with (out / "pipeline.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(asdict(results[0])))
-        writer.writeheader()
-        writer.writerows(asdict(r) for r in results)
+    write_csv(out / "pipeline.csv", results)
 
 
 def _plot(results: list[RunResult], timelines: dict[str, list[list[Interval]]], out: Path) -> None:
@@ -293,7 +291,7 @@ def _plot(results: list[RunResult], timelines: dict[str, list[list[Interval]]], 
         ax.text(i, 1 - r.mean_busy, f"{r.tokens_per_s:.0f} tok/s\nB={r.batch}", ha="center",
                 va="bottom", fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / "pipeline.png", dpi=110)
+    save_figure(fig, out / "pipeline.png", dpi=110)
     plt.close(fig)
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from clients.common import PROMPTS, reference, write_csv
+from clients.provenance import provenance
 
 MODES = {
     "spare": {"replicate": "on", "spares": 1},
@@ -193,7 +194,8 @@ def write_outputs(out: Path, rows: list[dict], args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     write_csv(out / "recovery.csv", rows)
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    (out / "recovery.json").write_text(json.dumps({"settings": settings, "rows": rows},
+    (out / "recovery.json").write_text(json.dumps({"settings": settings, "rows": rows,
+                                                   **provenance()},
                                                   indent=2) + "\n")
 
 

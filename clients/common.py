@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from clients.provenance import provenance
 from orchestrator.cluster.devices import Devices
 
 PROMPTS = [
@@ -88,8 +89,9 @@ def _as_dict(row) -> dict:
 
 
 def write_csv(path: Path, rows: list) -> None:
-    """One line per row, the first row's fields as the header."""
-    dicts = [_as_dict(r) for r in rows]
+    """One line per row, the first row's fields as the header, then the run's ``date`` and
+    ``commit`` (:func:`clients.provenance.provenance`) on every row."""
+    dicts = [_as_dict(r) | provenance() for r in rows]
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(dicts[0]))
         writer.writeheader()
@@ -109,6 +111,19 @@ def markdown(rows: list, columns: dict[str, str]) -> str:
     lines = ["| " + " | ".join(columns.values()) + " |", "|" + "---:|" * len(columns)]
     lines += ["| " + " | ".join(fmt(d[key]) for key in columns) + " |" for d in dicts]
     return "\n".join(lines)
+
+
+def print_table(title: str, rows: list, columns: dict[str, str], width: int = 200) -> None:
+    """``rows`` on the terminal (rich): ``columns`` maps each field to its header."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for header in columns.values():
+        table.add_column(header, justify="right")
+    for row in map(_as_dict, rows):
+        table.add_row(*(fmt(row[key]) for key in columns))
+    Console(width=width).print(table)
 
 
 def metric(address: str, name: str, **labels: str) -> float:

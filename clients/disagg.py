@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from clients.common import dummy_model, markdown, on_machine, write_csv
+from clients.provenance import save_figure
 from orchestrator.cluster.devices import Devices
 
 MODES = ("colocated", "colocated-pipeline", "disaggregated")
@@ -237,7 +238,7 @@ def plot(points: list[Point], path: Path) -> None:
         ax.legend()
     fig.suptitle("disaggregated vs colocated (data and pipeline parallel) at equal devices")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 

@@ -34,7 +34,14 @@ from pathlib import Path
 
 import numpy as np
 
-from clients.common import Machines, dummy_model, fmt, markdown, on_machine, write_csv
+from clients.common import (
+    Machines,
+    dummy_model,
+    markdown,
+    on_machine,
+    print_table,
+    write_csv,
+)
 from orchestrator.cluster.devices import Devices
 from orchestrator.cluster.tritonserver import ServerError
 
@@ -391,18 +398,6 @@ GENAI_COLUMNS = {
     "ttft_avg_ms": "TTFT avg ms", "ttft_p99_ms": "TTFT p99 ms", "itl_avg_ms": "ITL avg ms",
     "output_len_avg": "output len (retokenized)",
 }
-
-
-def print_table(title: str, rows: list, columns: dict[str, str]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=title)
-    for header in columns.values():
-        table.add_column(header, justify="right")
-    for row in rows:
-        table.add_row(*(fmt(getattr(row, key)) for key in columns))
-    Console(width=200).print(table)
 
 
 # -- the command -----------------------------------------------------------------------------
