@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from clients import breakdown, common
 from clients.common import PROMPTS as ALL_PROMPTS
@@ -35,6 +36,29 @@ def cluster_up(model: Path, run_dir: Path, **kwargs) -> Cluster:
 def reference(model_dir: Path, prompts: list[str], max_tokens: int) -> list[list[int]]:
     """Greedy tokens of the single-process reference on the same weights."""
     return common.reference(model_dir, prompts, max_tokens, MAX_SEQ_LEN)
+
+
+def module_cluster(folder: str, up: Callable[..., object] = cluster_up, **kwargs):
+    """A module-scoped fixture: one cluster, ``up(model, <tmp>/<folder>N, **kwargs)``, that
+    the module's tests share (assign it to the fixture's name)."""
+
+    @pytest.fixture(scope="module")
+    def fixture(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+        with up(model, tmp_path_factory.mktemp(folder), **kwargs) as cluster:
+            yield cluster
+
+    return fixture
+
+
+def module_reference(prompts: list[str], max_tokens: int):
+    """A module-scoped fixture: the reference's tokens for ``prompts`` (assign it to the
+    fixture's name)."""
+
+    @pytest.fixture(scope="module")
+    def fixture(model: Path) -> list[list[int]]:
+        return reference(model, prompts, max_tokens)
+
+    return fixture
 
 
 def run_concurrently(protocol: str, url: str, prompts: list[str], **params) -> list[list]:

@@ -10,15 +10,16 @@ import json
 import os
 import signal
 import time
+import urllib.request
 
 import pytest
 from cluster_helpers import (
     PROMPTS,
-    cluster_up,
     eventually,
     ids_of,
     metric,
-    reference,
+    module_cluster,
+    module_reference,
     run_concurrently,
 )
 
@@ -33,16 +34,8 @@ MAX_TOKENS = 8
 CONTROLLER_TIMEOUT_S = 3.0
 
 
-@pytest.fixture(scope="module")
-def cluster(model, tmp_path_factory):
-    with cluster_up(model, tmp_path_factory.mktemp("faults"), prefill=2, decode=1,
-                    controller_timeout_s=CONTROLLER_TIMEOUT_S) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def expected(model):
-    return reference(model, PROMPTS * 2, MAX_TOKENS)
+cluster = module_cluster("faults", prefill=2, decode=1, controller_timeout_s=CONTROLLER_TIMEOUT_S)
+expected = module_reference(PROMPTS * 2, MAX_TOKENS)
 
 
 def status(cluster, capsys) -> tuple[int, dict]:
@@ -164,6 +157,34 @@ def test_a_killed_frontend_is_started_again(cluster, expected, capsys):
     wait_for("a new frontend", lambda: frontend_pid() != before and alive(frontend_pid()), 60)
     wait_for("the frontend ready", lambda: is_ready(cluster.frontend.http_url), 120)
     serves_every_request_once(cluster, expected)
+
+
+def complete(cluster, prompt: str) -> str:
+    """A greedy completion through the OpenAI API of the state file (raises if it is down)."""
+    body = json.dumps({"model": cluster.model_dir.name, "prompt": prompt,
+                       "max_tokens": MAX_TOKENS, "temperature": 0}).encode()
+    url = read_state(cluster.run_dir)["openai"]["url"]
+    request = urllib.request.Request(f"{url}/completions", body,
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return json.loads(response.read())["choices"][0]["text"]
+
+
+def test_a_killed_openai_api_serves_again_within_5_s(cluster, capsys):
+    assert chaos.main(["list", "--dir", str(cluster.run_dir)]) == 0
+    assert "openai " in capsys.readouterr().out
+    before, text = read_state(cluster.run_dir)["openai"]["pid"], complete(cluster, PROMPTS[2])
+    chaos_kill(cluster, "openai", capsys)
+    killed = time.monotonic()
+    while True:  # the supervisor starts it again on its port
+        try:
+            again = complete(cluster, PROMPTS[2])
+            break
+        except OSError:  # refused, reset: not back yet
+            assert time.monotonic() - killed < 5.0, "the OpenAI API not back within 5 s"
+            time.sleep(0.05)
+    assert again == text
+    assert read_state(cluster.run_dir)["openai"]["pid"] not in (None, before)
 
 
 def test_a_killed_supervisor_is_started_again_and_still_recovers_nodes(cluster, expected,
