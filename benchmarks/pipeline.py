@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from clients.common import write_csv
+from clients.common import dummy_model, model_arguments, write_csv
 from clients.provenance import save_figure
 from orchestrator.engine.reference import load_stages
 from orchestrator.pipeline.local import LocalPipeline
@@ -135,9 +135,7 @@ def workload(args: argparse.Namespace, vocab: int) -> tuple[list[list[int]], lis
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="dejavu bench pipeline", description=__doc__)
-    parser.add_argument("--model", help="checkpoint folder (default: a dummy one under --out)")
-    parser.add_argument("--arch", default="gpt2", choices=["gpt2", "opt", "llama"])
-    parser.add_argument("--preset", default="small", help="dummy model size: tiny or small")
+    model_arguments(parser, "gpt2", "small")
     parser.add_argument("--stages", type=int, default=2, help="token pipeline depth")
     parser.add_argument("--layers", help="layers per token stage, e.g. 8,4 (default: even); "
                         "the last stage also holds the LM head")
@@ -166,7 +164,7 @@ def main(argv: list[str]) -> int:
         parser.error(f"--layers takes comma-separated layer counts, got {args.layers!r}")
     torch.set_num_threads(1)  # one core per stage thread, or they fight over both
     args.out.mkdir(parents=True, exist_ok=True)
-    model = args.model or _dummy_model(args)
+    model = args.model or dummy_model(args.out, args.arch, args.preset)
     max_seq = args.prompt_len + args.max_output + 1
 
     # Engines keep no per-request state (the pipelines own the KV): every run shares them.
@@ -214,15 +212,6 @@ def main(argv: list[str]) -> int:
     print(CAVEAT)
     print(f"wrote {args.out / 'pipeline.csv'} and {args.out / 'pipeline.png'}")
     return 0
-
-
-def _dummy_model(args: argparse.Namespace) -> Path:
-    from orchestrator.engine.checkpoint import make_checkpoint
-
-    folder = args.out / f"model-{args.arch}-{args.preset}"
-    if not (folder / "config.json").is_file():
-        make_checkpoint(args.arch, args.preset, folder)
-    return folder
 
 
 def _prompt_and_step_time(engines: list, batch: int, prompt_len: int) -> tuple[float, float]:

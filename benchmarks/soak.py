@@ -58,6 +58,7 @@ from clients.common import (
     PROMPTS,
     dummy_model,
     markdown,
+    model_arguments,
     print_table,
     process_groups,
     reference,
@@ -694,9 +695,7 @@ def main(argv: list[str]) -> int:
     length = parser.add_mutually_exclusive_group()
     length.add_argument("--minutes", type=float, default=30.0, help="how long the load runs")
     length.add_argument("--seconds", type=float, help="the same, in seconds (short runs)")
-    parser.add_argument("--model", type=Path, help="checkpoint folder (default: make one)")
-    parser.add_argument("--arch", default="llama")
-    parser.add_argument("--preset", default="tiny")
+    model_arguments(parser, "llama", "tiny")
     parser.add_argument("--clients", type=int, default=4, help="concurrent client threads")
     parser.add_argument("--max-tokens", type=int, default=16,
                         help="tokens of each request that runs to its end")

@@ -5,6 +5,7 @@ markdown output of result rows (dicts or dataclasses), and what each process gro
 
 from __future__ import annotations
 
+import argparse
 import csv
 import dataclasses
 import math
@@ -40,6 +41,16 @@ def reference(model_dir: Path, prompts: list[str], max_tokens: int, max_seq_len:
     tokenizer = load_tokenizer(model_dir)
     engine = load_engine(model_dir, max_seq_len=max_seq_len)
     return generate([engine], [tokenizer.encode(p).ids for p in prompts], max_tokens, eos_id)
+
+
+def model_arguments(parser: argparse.ArgumentParser, arch: str, preset: str) -> None:
+    """A bench's model: ``--model`` (a checkpoint folder), else a dummy ``--arch``
+    ``--preset`` one (:func:`dummy_model`)."""
+    parser.add_argument("--model", type=Path, help="checkpoint folder (default: a dummy one)")
+    parser.add_argument("--arch", default=arch, choices=["gpt2", "opt", "llama"],
+                        help="the dummy model's architecture")
+    parser.add_argument("--preset", default=preset, help="the dummy model's size (tiny, small, "
+                        "...)")
 
 
 def dummy_model(folder: Path, arch: str, preset: str) -> Path:

@@ -38,6 +38,7 @@ from clients.common import (
     Machines,
     dummy_model,
     markdown,
+    model_arguments,
     on_machine,
     print_table,
     write_csv,
@@ -441,9 +442,7 @@ def _needs_openai(args) -> bool:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="dejavu bench serving",
                                      description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, help="model folder (default: make a dummy one)")
-    parser.add_argument("--arch", default="llama", help="dummy model's architecture")
-    parser.add_argument("--preset", default="tiny", help="dummy model's size")
+    model_arguments(parser, "llama", "tiny")
     parser.add_argument("--url", help="gRPC host:port of a running frontend (no local cluster)")
     parser.add_argument("--http-url", help="its HTTP host:port (genai-perf), with --url")
     parser.add_argument("--openai-url", help="its OpenAI-compatible API, http://host:port "

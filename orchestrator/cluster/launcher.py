@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -70,6 +71,7 @@ from orchestrator.serving.config import NodeConfig, Role
 
 Call = Callable[[str, str, list[bytes]], bytes]  # (node url, op, args) -> reply
 SECRET_FILE = "secret"
+OPENAI_STANDBY = "openai.standby"  # the FIFO the OpenAI API's warm spare waits on
 
 
 @dataclass
@@ -386,10 +388,17 @@ class OpenAIApi(HelperProcess):
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
 
+    def arguments(self) -> list[str]:
+        return ["orchestrator.serving.openai_server", "--grpc-url", self.grpc_url,
+                "--model-dir", str(self.model_dir), "--port", str(self.port)]
+
     def start(self, timeout_s: float = 60.0) -> None:
-        self.spawn(["orchestrator.serving.openai_server", "--grpc-url", self.grpc_url,
-                    "--model-dir", str(self.model_dir), "--port", str(self.port)],
-                   "OpenAI API", lambda _: self.answers(), timeout_s)
+        self.spawn(self.arguments(), "OpenAI API", lambda _: self.answers(), timeout_s)
+
+    def start_standby(self, fifo: Path) -> subprocess.Popen:
+        """A warm spare on this port: it loads, then serves once ``fifo`` is opened for
+        writing (:func:`promote_standby`); not waited for."""
+        return start_module([*self.arguments(), "--standby", str(fifo)], self.log_path)
 
     def answers(self) -> bool:
         try:
@@ -400,6 +409,20 @@ class OpenAIApi(HelperProcess):
 
     def describe(self) -> dict:
         return {"url": self.url, "pid": self.pid, "log": str(self.log_path)}
+
+
+def promote_standby(fifo: Path) -> bool:
+    """Tell the OpenAI API's warm spare waiting on ``fifo`` to serve; False if none waits
+    (still loading, or gone)."""
+    try:
+        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:  # ENXIO: no reader
+        return False
+    try:
+        os.write(fd, b"\n")
+    finally:
+        os.close(fd)
+    return True
 
 
 def connect_pipeline(call: Call, urls: list[str], replicate: bool = False) -> None:
@@ -430,6 +453,18 @@ def read_state(run_dir: str | Path) -> dict:
 
 def _dir_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dir", default="runs/local", help="the cluster's folder")
+
+
+def _running(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace | None:
+    """``parser``'s arguments and ``--dir``; None, said on stderr, if no cluster runs there."""
+    _dir_argument(parser)
+    args = parser.parse_args(argv)
+    try:
+        read_state(args.dir)
+    except FileNotFoundError as exc:
+        print(exc, file=sys.stderr)
+        return None
+    return args
 
 
 def topology_arguments(parser: argparse.ArgumentParser) -> None:
@@ -537,13 +572,10 @@ def _devices(node: dict) -> str:
 def status_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="dejavu status", description="show the local cluster")
     parser.add_argument("--json", action="store_true", help="print the state as JSON")
-    _dir_argument(parser)
-    args = parser.parse_args(argv)
-    try:
-        state = read_state(args.dir)
-    except FileNotFoundError as exc:
-        print(exc, file=sys.stderr)
+    args = _running(parser, argv)
+    if args is None:
         return 1
+    state = read_state(args.dir)
     for node in state["nodes"]:
         node["ready"] = is_ready(node["http"])
     view = controller_view(state)
@@ -602,14 +634,10 @@ def controller_view(state: dict) -> dict:
 
 def down_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="dejavu down", description="stop the local cluster")
-    _dir_argument(parser)
-    args = parser.parse_args(argv)
-    try:
-        stopped = stop_described(args.dir)
-    except FileNotFoundError as exc:
-        print(exc, file=sys.stderr)
+    args = _running(parser, argv)
+    if args is None:
         return 1
-    for what in stopped:
+    for what in stop_described(args.dir):
         print(f"stopped {what}")
     (Path(args.dir) / STATE_FILE).unlink(missing_ok=True)
     return 0
@@ -636,7 +664,9 @@ def stop_described(run_dir: str | Path) -> list[str]:
     if (state.get("controller") or {}).get("pid"):
         stop_processes([state["controller"]["pid"]], timeout_s=5.0)
         stopped.append("the controller")
-    if (state.get("openai") or {}).get("pid"):
-        stop_processes([state["openai"]["pid"]], timeout_s=5.0)
+    api = state.get("openai") or {}
+    if api.get("pid"):
+        stop_processes([api["pid"], *([api["standby_pid"]] if api.get("standby_pid") else [])],
+                       timeout_s=5.0)
         stopped.append("the OpenAI API")
     return stopped

@@ -23,7 +23,8 @@ prompts, and the supervisor starts the whole pipeline afresh.
 It also keeps the processes the controller does not watch: a lost controller
 is started again on its port (the nodes register again and re-send their acks,
 so a stage lost meanwhile is declared dead then and recovered as above), a
-lost frontend on its ports, a lost OpenAI API on its port, and a lost watchdog
+lost frontend on its ports, a lost OpenAI API on its port (a warm spare
+of it, loaded and waiting, serves at once), and a lost watchdog
 (:mod:`orchestrator.cluster.watchdog`), which in turn starts a lost supervisor.
 """
 
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import subprocess
 import time
@@ -42,10 +44,12 @@ import grpc
 from orchestrator.cluster.chaos import kill
 from orchestrator.cluster.devices import node_devices
 from orchestrator.cluster.launcher import (
+    OPENAI_STANDBY,
     STATE_FILE,
     Controller,
     OpenAIApi,
     connect_pipeline,
+    promote_standby,
     read_state,
 )
 from orchestrator.cluster.topology import write_node_repo
@@ -115,9 +119,10 @@ class Supervisor:
         """Start the watchdog, the controller, the OpenAI API and the frontend again if they
         are gone (the nodes come back through the controller's view: :meth:`recover`)."""
         self.watchdog = keep(self.run_dir, "watchdog", self.watchdog)
-        for key, helper in (("controller", Controller), ("openai", OpenAIApi)):
-            if state.get(key) and not alive(state[key]["pid"]) and not stopping(self.run_dir):
-                self.start_again(state, key, helper.described(state))
+        if not alive(state["controller"]["pid"]) and not stopping(self.run_dir):
+            self.start_again(state, "controller", Controller.described(state))
+        if state.get("openai") and not stopping(self.run_dir):
+            self.keep_openai(state)
         for node in state["nodes"]:
             if node["role"] == "frontend" and not alive(node["pid"]) and not stopping(
                     self.run_dir):
@@ -126,6 +131,27 @@ class Supervisor:
                     self.ready(self.launch(state, node), node)
                 except ServerError:
                     log.exception("the frontend did not start; trying again")
+
+    def keep_openai(self, state: dict) -> None:
+        """A lost OpenAI API: its warm spare serves in its place (no start, no imports: a
+        fraction of a second), or, if none is ready, a new one starts; then a new spare
+        starts, not waited for."""
+        api, fifo = state["openai"], self.run_dir / OPENAI_STANDBY
+        if not alive(api["pid"]):
+            if api.get("standby_pid") and promote_standby(fifo):
+                log.warning("the openai is gone (pid %s); its standby (pid %s) serves",
+                            api["pid"], api["standby_pid"])
+                api["pid"], api["standby_pid"] = api["standby_pid"], None
+                self.write_state(state)
+            else:
+                self.start_again(state, "openai", OpenAIApi.described(state))
+        if not (api.get("standby_pid") and alive(api["standby_pid"])):
+            if not fifo.exists():
+                os.mkfifo(fifo, 0o600)
+            standby = OpenAIApi.described(state).start_standby(fifo)
+            self.children.append(standby)
+            api["standby_pid"] = standby.pid
+            self.write_state(state)
 
     def start_again(self, state: dict, key: str, helper: Controller | OpenAIApi) -> None:
         """Start the lost ``state[key]`` process (the controller, the OpenAI API) and record

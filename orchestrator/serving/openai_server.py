@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -539,11 +540,21 @@ def main(argv: list[str] | None = None) -> None:
                         choices=["ensemble", "tensorrt_llm_bls"])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=9000)
+    parser.add_argument("--standby", type=Path, metavar="FIFO",
+                        help="a warm spare: load, then serve only once FIFO is opened for "
+                        "writing (the cluster's supervisor keeps one)")
     args = parser.parse_args(argv)
     import uvicorn
 
     server = OpenAIServer(args.grpc_url, args.model_dir, args.model_name, args.triton_model)
-    uvicorn.run(create_app(server), host=args.host, port=args.port, log_level="warning")
+    app = create_app(server)
+    if args.standby is not None:
+        # Read and write (Linux): the open returns at once, so the FIFO shows as held, and
+        # the read waits for the supervisor's byte.
+        go = os.open(args.standby, os.O_RDWR)
+        os.read(go, 1)
+        os.close(go)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import os
 import signal
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 from cluster_helpers import (
@@ -25,7 +26,7 @@ from cluster_helpers import (
 
 from clients.generate import stream_grpc
 from orchestrator.cluster import chaos
-from orchestrator.cluster.launcher import read_state, status_main
+from orchestrator.cluster.launcher import OPENAI_STANDBY, read_state, status_main
 from orchestrator.cluster.tritonserver import alive, is_ready
 from orchestrator.cluster.watchdog import read_pid
 
@@ -170,10 +171,22 @@ def complete(cluster, prompt: str) -> str:
         return json.loads(response.read())["choices"][0]["text"]
 
 
+def standby_waiting(cluster) -> bool:
+    """The OpenAI API's warm spare is loaded: it holds the FIFO it waits on open."""
+    pid = read_state(cluster.run_dir)["openai"].get("standby_pid")
+    fifo = str(cluster.run_dir / OPENAI_STANDBY)
+    try:
+        return pid is not None and any(os.readlink(fd) == fifo
+                                       for fd in Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:  # gone meanwhile
+        return False
+
+
 def test_a_killed_openai_api_serves_again_within_5_s(cluster, capsys):
     assert chaos.main(["list", "--dir", str(cluster.run_dir)]) == 0
     assert "openai " in capsys.readouterr().out
     before, text = read_state(cluster.run_dir)["openai"]["pid"], complete(cluster, PROMPTS[2])
+    wait_for("the OpenAI API's standby loaded", lambda: standby_waiting(cluster), 60)
     chaos_kill(cluster, "openai", capsys)
     killed = time.monotonic()
     while True:  # the supervisor starts it again on its port
