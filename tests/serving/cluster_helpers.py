@@ -69,6 +69,13 @@ def run_concurrently(protocol: str, url: str, prompts: list[str], **params) -> l
         return [f.result(timeout=120) for f in futures]
 
 
+def ids_concurrently(protocol: str, url: str, prompts: list[str], max_tokens: int
+                     ) -> list[list[int]]:
+    """Every prompt at once (:func:`run_concurrently`): each request's token ids."""
+    return [ids_of(chunks) for chunks in run_concurrently(protocol, url, prompts,
+                                                          max_tokens=max_tokens)]
+
+
 def stream_orchestrator(url: str, prompt_ids: list[int], max_tokens: int, secret: bytes):
     """Tokens straight from the frontend's orchestrator model, one response at a time."""
     return breakdown.stream_orchestrator(url, secret, prompt_ids, max_tokens)

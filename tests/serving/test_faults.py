@@ -17,11 +17,11 @@ import pytest
 from cluster_helpers import (
     PROMPTS,
     eventually,
+    ids_concurrently,
     ids_of,
     metric,
     module_cluster,
     module_reference,
-    run_concurrently,
 )
 
 from clients.generate import stream_grpc
@@ -77,8 +77,7 @@ def test_a_killed_prefill_node_costs_a_pause_not_an_error(cluster, expected, cap
     dead = cluster.role("prefill")[0].server
     # Killed just before a burst: the router has not seen it fail, so JSQ sends it some.
     chaos_kill(cluster, dead.name, capsys)
-    results = run_concurrently("grpc", cluster.frontend.grpc_url, prompts, max_tokens=MAX_TOKENS)
-    assert [ids_of(chunks) for chunks in results] == expected
+    assert ids_concurrently("grpc", cluster.frontend.grpc_url, prompts, MAX_TOKENS) == expected
     retried = reruns(cluster)
     assert retried >= 1  # the burst did meet the dead node
 
@@ -103,14 +102,11 @@ def test_a_killed_prefill_node_costs_a_pause_not_an_error(cluster, expected, cap
     deadline = time.monotonic() + 30
     while metric(dead, "dejavu_requests", outcome="finished") == 0:
         assert time.monotonic() < deadline, "the restarted P-node got no prompt"
-        results = run_concurrently("grpc", cluster.frontend.grpc_url, prompts[:4],
-                                   max_tokens=MAX_TOKENS)
-        assert [ids_of(chunks) for chunks in results] == expected[:4]
+        assert ids_concurrently("grpc", cluster.frontend.grpc_url, prompts[:4],
+                                MAX_TOKENS) == expected[:4]
     # Serving again, it takes its prompts at the first try: no prompt runs twice.
     retried, finished = reruns(cluster), metric(dead, "dejavu_requests", outcome="finished")
-    results = run_concurrently("grpc", cluster.frontend.grpc_url, prompts,
-                               max_tokens=MAX_TOKENS)
-    assert [ids_of(chunks) for chunks in results] == expected
+    assert ids_concurrently("grpc", cluster.frontend.grpc_url, prompts, MAX_TOKENS) == expected
     eventually(lambda: metric(dead, "dejavu_requests", outcome="finished"),
                lambda n: n > finished)
     assert metric(dead, "dejavu_requests", outcome="failed") == 0
@@ -130,9 +126,8 @@ def wait_for(what: str, ok, timeout_s: float) -> None:
 
 
 def serves_every_request_once(cluster, expected) -> None:
-    results = run_concurrently("grpc", cluster.frontend.grpc_url, PROMPTS * 2,
-                               max_tokens=MAX_TOKENS)
-    assert [ids_of(chunks) for chunks in results] == expected
+    url = cluster.frontend.grpc_url
+    assert ids_concurrently("grpc", url, PROMPTS * 2, MAX_TOKENS) == expected
 
 
 def test_serving_goes_on_without_the_controller_and_it_comes_back(cluster, expected, capsys):
