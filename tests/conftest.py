@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+TERMINATED = pytest.StashKey[bool]()
+
 # Tiny models on 2 shared cores: threads cost more than they give.
 torch.set_num_threads(1)
 
@@ -36,13 +38,21 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path
 def pytest_configure(config: pytest.Config) -> None:
     """SIGTERM (a timeout, a cancelled CI job) ends the run as Ctrl-C does, fixtures torn
     down: by default Python just dies, and the clusters its tests started (in sessions of
-    their own, so that ``dejavu up`` outlives its shell) would run on."""
+    their own, so that ``dejavu up`` outlives its shell) would run on. KeyboardInterrupt,
+    not pytest.exit: only it also stops a run still collecting."""
 
     def end_run(signum: int, frame) -> None:
         signal.signal(signal.SIGTERM, lambda *_: None)  # a second one must not cut teardown
-        pytest.exit("stopped by SIGTERM: tearing down", returncode=128 + signum)
+        config.stash[TERMINATED] = True
+        raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, end_run)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """A run ended by SIGTERM exits with 128 + SIGTERM, as a process the signal killed."""
+    if session.config.stash.get(TERMINATED, False):
+        session.exitstatus = 128 + signal.SIGTERM
 
 
 @pytest.fixture(scope="session", autouse=True)
