@@ -70,6 +70,7 @@ from orchestrator.serving.config import NodeConfig, Role
 
 log = logging.getLogger("dejavu.supervisor")
 PLAN_POLL_S = 0.02  # the head is paused meanwhile: ask often
+STANDBY_EVERY_S = 5.0
 
 
 class Supervisor:
@@ -82,6 +83,7 @@ class Supervisor:
         self.link_check_s, self.next_link_check = 1.0, 0.0
         self.paused_since: dict[str, float] = {}  # pipeline -> first seen paused, all alive
         self.watchdog: subprocess.Popen | None = None  # the one it started last
+        self.next_standby = 0.0  # when an OpenAI API spare may start next
         state = read_state(run_dir)
         self.secret = load_secret(state["secret_file"])
         self.control = ControlClient(self.secret, call_timeout_s)
@@ -145,7 +147,11 @@ class Supervisor:
                 self.write_state(state)
             else:
                 self.start_again(state, "openai", OpenAIApi.described(state))
-        if not (api.get("standby_pid") and alive(api["standby_pid"])):
+        if (not (api.get("standby_pid") and alive(api["standby_pid"]))
+                and time.monotonic() >= self.next_standby):
+            # At most one start per STANDBY_EVERY_S: a spare that cannot start must not
+            # become a loop of interpreters loading.
+            self.next_standby = time.monotonic() + STANDBY_EVERY_S
             if not fifo.exists():
                 os.mkfifo(fifo, 0o600)
             standby = OpenAIApi.described(state).start_standby(fifo)
