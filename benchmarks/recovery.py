@@ -1,23 +1,31 @@
-"""``dejavu bench recovery``: DejaVu Fig. 14 on a real cluster of tritonservers.
+"""``dejavu bench recovery``: DejaVu Fig. 14 on a real cluster of tritonservers, and the
+client-visible pause of a kill -9 of each role.
 
-One cluster per mode (``Cluster``: controller, supervisor, a P-node, one token
-pipeline of depth D, the frontend), each run alike: a warm-up, then a batch of
-requests streamed through the ensemble undisturbed, then the same batch with a
-T-stage killed (kill -9 of its process group, as ``dejavu chaos kill`` does)
-once every request has streamed ``--kill-at`` of its tokens. The failed batch's
-latency over the undisturbed one's, in the same cluster, is Fig. 14's ratio:
+Three clusters (``Cluster``: controller, supervisor, P-nodes, one token pipeline
+of depth D, the frontend), each with a warm-up and a batch of requests streamed
+through the ensemble undisturbed, then its cases in turn: the same batch again
+with the case's victim killed (kill -9 of its process group, as ``dejavu chaos
+kill`` does) once every request has streamed ``--kill-at`` of its tokens, the
+cluster whole again before the next case:
 
-- ``spare``: KV replicas and a warm spare, which takes over the lost stage;
-- ``replicas``: KV replicas, no spare: the supervisor starts the lost
-  tritonserver again (its model loads again), then the same four steps;
-- ``restart``: no replicas (``--replicate off``): the requests run again
-  from their prompts once the pipeline was started afresh.
+- ``spare`` (KV replicas, a warm spare, two P-nodes): the ``controller``, the
+  ``frontend`` (its clients send their cut requests again, as any client of a
+  restarted server must), a ``p-node`` (a second batch of new requests is sent
+  at the kill: their time to first token, rerouted to the other P-node, against
+  the undisturbed batch's), then a
+  T-stage, ``t-stage+spare``, whose role the spare takes over;
+- ``replicas`` (KV replicas, no spare): a T-stage (``t-stage``: the supervisor
+  starts its tritonserver again, then the four recovery steps) and the head,
+  ``stage0`` (the pipeline starts afresh, its requests run again);
+- ``restart`` (``--replicate off``): a T-stage (``t-stage-no-replicas``): the
+  requests run again from their prompts once the pipeline was started afresh.
 
-A poller asks the controller every few ms when the lost node was declared
-dead (``detect_s``: heartbeat timeout, or sooner when a stage's transport lost
-its connection to it and the controller found its address closed) and when
-the pipeline serves again (``repair_s``). Every request's tokens, in every
-run, are checked against the single-process reference.
+``client_pause_s`` is the longest a client waited between two chunks, against
+``normal_pause_s`` undisturbed; ``ratio`` the failed batch's latency over the
+undisturbed one's (Fig. 14's). A poller asks the controller every few ms when
+the victim was declared dead (``detect_s``) and when its pipeline serves again
+(``repair_s``). Every request's tokens, in every run, are checked against the
+single-process reference.
 """
 
 from __future__ import annotations
@@ -35,36 +43,63 @@ from pathlib import Path
 from clients.common import PROMPTS, dummy_model, model_arguments, reference, write_csv
 from clients.provenance import provenance
 
-MODES = {
-    "spare": {"replicate": "on", "spares": 1},
-    "replicas": {"replicate": "on", "spares": 0},
-    "restart": {"replicate": "off", "spares": 0},
+# Each cluster's settings, and the kills made on it in turn (the cluster whole again between
+# two): the spare's takeover last, as the new spare it starts loads for minutes here.
+CLUSTERS = {
+    "spare": ({"replicate": "on", "spares": 1, "prefill": 2},
+              ["controller", "frontend", "p-node", "t-stage+spare"]),
+    "replicas": ({"replicate": "on", "spares": 0}, ["t-stage", "stage0"]),
+    "restart": ({"replicate": "off", "spares": 0}, ["t-stage-no-replicas"]),
 }
-PAPER = {"spare": 1.24, "replicas": 1.24, "restart": 1.91}  # OPT-66B, Fig. 14
+VICTIMS = {"controller": "controller", "frontend": "frontend", "p-node": "prefill0",
+           "t-stage+spare": "decode0s{stage}", "t-stage": "decode0s{stage}",
+           "stage0": "decode0s0", "t-stage-no-replicas": "decode0s{stage}"}
+CASES = [case for _, cases in CLUSTERS.values() for case in cases]
+PAPER = {"t-stage+spare": 1.24, "t-stage": 1.24, "t-stage-no-replicas": 1.91}  # OPT-66B
 
 
 class Stream(threading.Thread):
-    """One request streamed through the ensemble: its tokens and when each chunk came."""
+    """One request streamed through the ensemble: its tokens and when each chunk came.
+    ``retry``: a stream cut (its frontend was killed) is sent again from its prompt, as any
+    client of a restarted server must, until ``retry_s`` after the cut; the tokens are the
+    last try's."""
 
-    def __init__(self, url: str, prompt: str, max_tokens: int) -> None:
+    def __init__(self, url: str, prompt: str, max_tokens: int, retry: bool = False,
+                 retry_s: float = 120.0) -> None:
         super().__init__(daemon=True)
         self.url, self.prompt, self.max_tokens = url, prompt, max_tokens
+        self.retry, self.retry_s = retry, retry_s
         self.ids: list[int] = []
         self.times: list[float] = []
         self.started = self.ended = 0.0
         self.error: str | None = None
 
     def run(self) -> None:
+        from tritonclient.utils import InferenceServerException
+
         from clients.generate import GenerateError, stream_grpc
 
         self.started = time.monotonic()
-        try:
-            for chunk in stream_grpc(self.url, self.prompt, max_tokens=self.max_tokens):
-                self.ids.extend(chunk.ids)
-                self.times.append(time.monotonic())
-        except GenerateError as exc:
-            self.error = str(exc)
+        cut_at: float | None = None
+        while True:
+            try:
+                for chunk in stream_grpc(self.url, self.prompt, max_tokens=self.max_tokens):
+                    self.ids.extend(chunk.ids)
+                    self.times.append(time.monotonic())
+                self.error = None
+                break
+            except (GenerateError, InferenceServerException) as exc:  # cut, or refused
+                self.error = str(exc)
+                cut_at = cut_at or time.monotonic()
+                if not self.retry or time.monotonic() - cut_at > self.retry_s:
+                    break
+                self.ids = []  # the next try streams from the first token
+                time.sleep(0.05)
         self.ended = time.monotonic()
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.times[0] - self.started if self.times else None
 
 
 @dataclass
@@ -73,14 +108,15 @@ class Batch:
     outputs: list[list[int]]
     errors: list[str]
     pause_s: float  # the longest a client waited between two chunks
+    ttft_s: float  # the longest wait for a first token
 
 
 def run_batch(url: str, prompts: list[str], max_tokens: int,
               when_halfway: tuple[int, Callable[[], None]] | None = None,
-              timeout_s: float = 300.0) -> Batch:
+              timeout_s: float = 300.0, retry: bool = False) -> Batch:
     """Stream every prompt at once; ``when_halfway``: (tokens, action) runs the action once
     every request has streamed that many tokens."""
-    streams = [Stream(url, p, max_tokens) for p in prompts]
+    streams = [Stream(url, p, max_tokens, retry) for p in prompts]
     for s in streams:
         s.start()
     if when_halfway is not None:
@@ -98,7 +134,7 @@ def run_batch(url: str, prompts: list[str], max_tokens: int,
     gaps = [b - a for s in streams for a, b in zip([s.started, *s.times], s.times, strict=False)]
     return Batch(max(s.ended for s in streams) - min(s.started for s in streams),
                  [s.ids for s in streams], [s.error for s in streams if s.error],
-                 max(gaps, default=0.0))
+                 max(gaps, default=0.0), max((s.ttft_s or 0.0) for s in streams))
 
 
 @dataclass
@@ -131,55 +167,97 @@ class Watch:
                 return
 
 
-def bench_mode(args, mode: str, model: Path, expected: list[list[int]], run_dir: Path
-               ) -> dict:
+def bench_cluster(args, name: str, model: Path, expected: list[list[int]], run_dir: Path
+                  ) -> list[dict]:
+    """One cluster, its cases one after another: a row each."""
+    from benchmarks.soak import wait_whole
+    from orchestrator.cluster.launcher import Cluster
+    from orchestrator.cluster.pid_watch import watching
+
+    settings, cases = CLUSTERS[name]
+    cases = [c for c in cases if c in args.cases]
+    if not cases:
+        return []
+    print(f"{name}: starting the cluster", flush=True)
+    rows = []
+    settings = {"prefill": 1, **settings}
+    with Cluster.up(model, decode=1, decode_depth=args.depth, run_dir=run_dir,
+                    max_batch=args.batch, max_seq_len=args.max_seq_len,
+                    dead_after_s=args.timeout_s, controller_timeout_s=args.timeout_s,
+                    **settings) as cluster:
+        url = cluster.frontend.grpc_url
+        run_batch(url, expected_prompts(args.batch), args.tokens)  # warm-up: every process ran
+        free = run_batch(url, expected_prompts(args.batch), args.tokens)
+        for case in cases:
+            if not (wait_whole(run_dir, 300) and _until(lambda: watching(run_dir), 120)):
+                raise RuntimeError(f"{name}: the cluster was not whole before {case}")
+            rows.append(bench_case(args, case, url, free, expected, run_dir))
+    return rows
+
+
+def bench_case(args, case: str, url: str, free: Batch, expected: list[list[int]],
+               run_dir: Path) -> dict:
+    """Kill the case's victim once every request of a batch is halfway."""
     from orchestrator.cluster.chaos import kill, targets
-    from orchestrator.cluster.launcher import Cluster, read_state
+    from orchestrator.cluster.launcher import read_state
     from orchestrator.control.auth import load_secret
 
     prompts = expected_prompts(args.batch)
-    print(f"{mode}: starting the cluster", flush=True)
-    with Cluster.up(model, prefill=1, decode=1, decode_depth=args.depth, run_dir=run_dir,
-                    max_batch=args.batch, max_seq_len=args.max_seq_len,
-                    dead_after_s=args.timeout_s, controller_timeout_s=args.timeout_s,
-                    **MODES[mode]) as cluster:
-        url = cluster.frontend.grpc_url
-        run_batch(url, prompts, args.tokens)  # warm-up: every process has run a step
-        free = run_batch(url, prompts, args.tokens)
-        victim_name = f"decode0s{args.kill_stage}"
-        victim = targets(read_state(run_dir), run_dir)[victim_name]
-        state = read_state(run_dir)
-        watch = Watch(cluster.controller.address, load_secret(state["secret_file"]),
-                      victim["config"]["name"], "decode0")
-        watcher = threading.Thread(target=watch.run, daemon=True)
+    state = read_state(run_dir)
+    victim = targets(state, run_dir)[VICTIMS[case].format(stage=args.kill_stage)]
+    # A node the controller watches: when it was declared dead, when its pipeline serves.
+    node = victim["config"] if victim.get("role") in ("decode", "prefill") else {}
+    watch = Watch(state["controller"]["address"], load_secret(state["secret_file"]),
+                  node.get("name", ""), f"{node.get('role', 'decode')}{node.get('pipeline', 0)}")
+    watcher = threading.Thread(target=watch.run, daemon=True)
+    if node:  # a node the controller watches
         watcher.start()
-        killed_at = 0.0
+    killed_at = 0.0
+    during: list[Batch] = []  # p-node: new requests sent at the kill
 
-        def kill_victim() -> None:
-            nonlocal killed_at
-            killed_at = time.monotonic()
-            kill(victim, signal.SIGKILL)
+    def kill_victim() -> None:
+        nonlocal killed_at
+        killed_at = time.monotonic()
+        kill(victim, signal.SIGKILL)
+        if case == "p-node":
+            during.append(run_batch(url, prompts, args.tokens))
 
-        failed = run_batch(url, prompts, args.tokens, (args.kill_at, kill_victim))
+    failed = run_batch(url, prompts, args.tokens, (args.kill_at, kill_victim),
+                       retry=case == "frontend")
+    if node:
         watcher.join(args.timeout_s + 300)
-        watch.stop.set()
-    exact = free.outputs == expected and failed.outputs == expected
+    watch.stop.set()
+    outputs = [free.outputs, failed.outputs, *(b.outputs for b in during)]
+    errors = free.errors + failed.errors + [e for b in during for e in b.errors]
     row = {
-        "mode": mode,
+        "case": case,
+        "killed": victim["name"],
         "undisturbed_s": round(free.latency_s, 3),
         "failed_s": round(failed.latency_s, 3),
         "ratio": round(failed.latency_s / free.latency_s, 3),
         "detect_s": _since(killed_at, watch.dead_at),
         "repair_s": _since(watch.dead_at, watch.serving_at),
         "client_pause_s": round(failed.pause_s, 3),
-        "token_exact": exact,
-        "errors": len(free.errors) + len(failed.errors),
-        "paper": PAPER[mode],
+        "normal_pause_s": round(free.pause_s, 3),
+        "ttft_normal_s": round(free.ttft_s, 3),
+        "ttft_new_requests_s": round(during[0].ttft_s, 3) if during else None,
+        "token_exact": all(o == expected for o in outputs),
+        "errors": len(errors) if case != "frontend" else len(free.errors),
+        "paper": PAPER.get(case),
     }
-    print(f"{mode}: {row}", flush=True)
-    if not exact or row["errors"]:
-        print(f"{mode}: errors {free.errors + failed.errors}", flush=True)
+    print(f"{case}: {row}", flush=True)
+    if not row["token_exact"] or row["errors"]:
+        print(f"{case}: errors {errors}", flush=True)
     return row
+
+
+def _until(done: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 def _since(start: float | None, end: float | None) -> float | None:
@@ -204,10 +282,12 @@ def print_table(rows: list[dict], args) -> None:
     print(" | ".join(keys))
     for row in rows:
         print(" | ".join(str(row[k]) for k in keys))
-    print(f"failed batch = {args.batch} requests x {args.tokens} tokens, stage "
-          f"{args.kill_stage} of {args.depth} killed after {args.kill_at} tokens; detection "
-          f"timeout {args.timeout_s} s (detect_s: kill -> declared dead); paper (OPT-66B): "
-          f"{PAPER['replicas']}x with replicas, {PAPER['restart']}x restart")
+    print(f"failed batch = {args.batch} requests x {args.tokens} tokens, the victim "
+          f"(t-stage: stage {args.kill_stage} of {args.depth}) killed after {args.kill_at} "
+          f"tokens; heartbeat timeout {args.timeout_s} s (detect_s: kill -> declared dead; "
+          f"client_pause_s: the longest wait between two chunks; p-node: ttft of new "
+          f"requests sent at the kill); paper (OPT-66B): {PAPER['t-stage']}x with replicas, "
+          f"{PAPER['t-stage-no-replicas']}x restart")
 
 
 def main(argv: list[str]) -> int:
@@ -222,27 +302,28 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--kill-stage", type=int, default=1, help="the stage killed (>= 1)")
     parser.add_argument("--timeout-s", type=float, default=3.0,
                         help="heartbeat timeout of the controller and the head")
-    parser.add_argument("--modes", default=",".join(MODES),
-                        help=f"comma-separated, of {', '.join(MODES)}")
+    parser.add_argument("--cases", default=",".join(CASES),
+                        help=f"comma-separated, of {', '.join(CASES)}")
     parser.add_argument("--out", type=Path, default=Path("bench_out/recovery"),
-                        help="results; runs/<mode>: each cluster's folder and logs")
+                        help="results; runs/<cluster>: each cluster's folder and logs")
     parser.add_argument("--quick", action="store_true", help="tiny model, short run (smoke)")
     args = parser.parse_args(argv)
     if args.quick:
         args.preset, args.tokens, args.batch = "tiny", 48, 2
     args.kill_at = args.kill_at or args.tokens // 2
     args.max_seq_len = 256
-    modes = args.modes.split(",")
+    args.cases = args.cases.split(",")
     if (args.depth < 2 or not 1 <= args.kill_stage < args.depth
-            or not 0 < args.kill_at < args.tokens or set(modes) - set(MODES)):
+            or not 0 < args.kill_at < args.tokens or set(args.cases) - set(CASES)):
         parser.error(f"need --depth >= 2, 1 <= --kill-stage < depth, 0 < --kill-at < "
-                     f"--tokens, --modes of {', '.join(MODES)}")
+                     f"--tokens, --cases of {', '.join(CASES)}")
     with tempfile.TemporaryDirectory() as tmp:
         args.model = args.model or dummy_model(Path(tmp), args.arch, args.preset)
         expected = reference(args.model, expected_prompts(args.batch), args.tokens,
                              args.max_seq_len)
-        rows = [bench_mode(args, mode, args.model, expected, args.out / "runs" / mode)
-                for mode in modes]  # each cluster's logs stay there
+        rows = [row for name in CLUSTERS  # each cluster's logs stay in runs/<name>
+                for row in bench_cluster(args, name, args.model, expected,
+                                         args.out / "runs" / name)]
     print_table(rows, args)
     write_outputs(args.out, rows, args)
     print(f"wrote {args.out}/recovery.csv and recovery.json")

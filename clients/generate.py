@@ -187,7 +187,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--stream", action="store_true", help="print tokens as they arrive")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--end-id", type=int)
-    parser.add_argument("--temperature", type=float, help="above 0 samples (default greedy)")
+    parser.add_argument("--temperature", type=float,
+                        help="applies when sampling: greedy unless --top-k > 1 or --top-p > 0")
     parser.add_argument("--top-k", type=int)
     parser.add_argument("--top-p", type=float)
     parser.add_argument("--seed", type=int)

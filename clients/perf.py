@@ -132,13 +132,16 @@ class LoadPoint:
 
 
 def run_perf_analyzer(tools: Tools, grpc_url: str, mode: str, concurrency: int, requests: int,
-                      max_tokens: int, prompt: str, out_dir: Path) -> LoadPoint:
-    """Exactly ``requests`` streamed requests at ``concurrency`` (after ``concurrency`` warm-up)."""
+                      max_tokens: int, prompt: str, out_dir: Path, model: str = MODEL,
+                      data: dict | None = None) -> LoadPoint:
+    """Exactly ``requests`` streamed requests at ``concurrency`` (after ``concurrency`` warm-up);
+    ``data``: perf_analyzer's input data for ``model`` (default: ``prompt`` for the ensemble)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    data = {"data": [{"text_input": [prompt], "max_tokens": [max_tokens], "stream": [True]}]}
+    data = data or {"data": [{"text_input": [prompt], "max_tokens": [max_tokens],
+                              "stream": [True]}]}
     (out_dir / "input.json").write_text(json.dumps(data))
     cmd = [
-        str(tools.perf_analyzer), "-m", MODEL, "-u", grpc_url, "-i", "grpc", "--streaming",
+        str(tools.perf_analyzer), "-m", model, "-u", grpc_url, "-i", "grpc", "--streaming",
         "--input-data", "input.json", "--concurrency-range", str(concurrency),
         # One measurement of a fixed request count: bounded time, no stability retries
         # (shared CPUs never look stable); -s 999 is how genai-perf asks for the same.

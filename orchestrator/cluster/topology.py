@@ -16,7 +16,8 @@ from orchestrator.cluster.tritonserver import add_model
 from orchestrator.serving.config import Mode, NodeConfig, Role
 
 ROLE_MODELS = {
-    Role.FRONTEND: ("preprocessing", "orchestrator", "ensemble", "tensorrt_llm_bls"),
+    Role.FRONTEND: ("preprocessing", "orchestrator", "ensemble", "tensorrt_llm_bls", "tensorrt_llm",
+                    "postprocessing"),
     Role.PREFILL: ("prefill",),
     Role.DECODE: ("decode",),
     Role.SPARE: ("decode",),

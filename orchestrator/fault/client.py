@@ -38,6 +38,23 @@ def query_status(controller: str | Stub, secret: bytes = b"", timeout_s: float =
         stub.close()
 
 
+def report_lost(controller: str | Stub, node_id: str, why: str, secret: bytes = b"",
+                timeout_s: float = 1.0) -> bool:
+    """Tell the controller that node ``node_id``'s process is gone (its caller saw it end):
+    it is declared dead at once (a node it does not know is left alone). False if the
+    controller could not be told (its heartbeat timeout still finds the node)."""
+    stub = controller if isinstance(controller, Stub) else Stub(controller, secret)
+    try:
+        stub.call("Lost", {"node_id": node_id, "why": why}, timeout_s)
+        return True
+    except grpc.RpcError as e:
+        log.warning("could not report %s lost: %s", node_id, e.code())
+        return False
+    finally:
+        if stub is not controller:
+            stub.close()
+
+
 @dataclass(frozen=True)
 class NodeSpec:
     pipeline: str
@@ -132,6 +149,12 @@ class ControllerClient:
         except grpc.RpcError as e:  # the heartbeat timeout still finds it
             log.warning("%s: could not report stage %d: %s", self.node_id, stage, e.code())
 
+    def lost(self, why: str) -> None:
+        """This node cannot serve any more (a process of it ended): dead now, not after the
+        heartbeat timeout."""
+        if self._registered:
+            report_lost(self._stub, self.node_id, why, timeout_s=self.rpc_timeout_s)
+
     # -- the heartbeat thread -------------------------------------------------
 
     def _call(self, method: str, request: dict) -> dict:
@@ -143,6 +166,7 @@ class ControllerClient:
             if not self.alive():
                 log.error("%s: the process it serves in is gone; no more heartbeats",
                           self.node_id)
+                self.lost("the process it served in ended")
                 return
             now = time.monotonic()
             beat = now >= next_beat

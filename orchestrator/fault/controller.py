@@ -5,7 +5,10 @@ heartbeat. A node whose transport lost its connection to another stage says
 so (``Suspect``); the controller probes that node's address at once and
 declares it dead if nothing listens there any more, so detection need not
 wait for the heartbeat timeout (a dropped connection between live nodes is
-not a death: the address still answers). A stage's replica holder (stage
+not a death: the address still answers). Whoever sees a node's process end
+says so too (``Lost``): the supervisor, whose pid watch reaps it, and the
+node's own stub or token service when the other one dies; that node is dead
+at once. A stage's replica holder (stage
 (x+1)%D) acks ``(x, j, t)`` once it holds x's KV of microbatch j through
 step t. A node silent for ``timeout_s`` is declared dead and its pipeline
 paused; when a replacement registers for the lost stage the controller
@@ -184,6 +187,20 @@ class ControllerState:
                     suspect.node_id, reporter.node_id, suspect.address)
         return {"dead": True}
 
+    def lost(self, req: dict) -> dict:
+        """Node ``node_id``'s process is gone, as one that saw it end says: its supervisor
+        (the parent that reaped it) or its own stub or service process. Dead now: nothing to
+        probe, no heartbeat timeout to wait out. ``why``: for the log."""
+        node_id = str(req["node_id"])
+        with self.lock:
+            node = self.nodes.get(node_id)
+            if node is None or not node.alive:
+                return {"dead": node is not None}
+            node.alive = False
+            self._fail(node.pipeline, node.stage)
+        log.warning("declared dead: %s (%s)", node_id, str(req.get("why", "its process ended")))
+        return {"dead": True}
+
     def sweep(self) -> list[str]:
         """Declare silent nodes (and stages that never came back) dead; returns what died."""
         now, died = self.clock(), []
@@ -337,6 +354,7 @@ class ControllerServer:
             "Register": state.register,
             "Heartbeat": state.heartbeat,
             "Suspect": state.suspect,
+            "Lost": state.lost,
             "Ack": state.ack,
             "Plan": state.plan,
             "Recovered": state.recovered,

@@ -115,6 +115,13 @@ class _Incoming:
         return self.missing <= self.abandoned
 
 
+# A slot's consumed word once its request ended before its KV was whole (the client left, or
+# it failed on the token side): the prefill node reads it and stops. The token stage's end of
+# the request is then the P-node's cancel, with no gRPC cancellation between our nodes
+# (Triton 2.51 races one against a response: server issues 7368 and 8034).
+ENDED = -1
+
+
 class KVReceiver:
     """Decode-side endpoint: a pool of ``num_slots`` registered KV slots."""
 
@@ -165,10 +172,12 @@ class KVReceiver:
         return self._free.popleft() if self._free else None
 
     def _retire(self, request_id: str, incoming: _Incoming, late_write_s: float) -> None:
-        """Free a slot whose request ended; one a sender may still write into waits."""
+        """Free a slot whose request ended; one a sender may still write into waits, its
+        consumed word set to ``ENDED``: the sender reads it and stops writing."""
         if incoming.state == KVPoll.SUCCESS or incoming.writers_done():
             self._free.append(incoming.slot)
         else:
+            self.consumed[incoming.slot] = ENDED
             until = time.monotonic() + late_write_s
             self._quarantine[incoming.slot] = (until, request_id, incoming)
 
@@ -493,6 +502,8 @@ class KVSender:
         self.checksum = checksum
         self.staging = torch.empty((max_inflight, layout.slot_bytes()), dtype=torch.uint8)
         self._staging_base = transport.register(self.staging).addr
+        self._word = torch.zeros(1, dtype=torch.int64)  # landing of a slot's consumed word
+        self._word_region = transport.register(self._word)
         self._free_staging = deque(range(max_inflight))
         self._draining: list[SendHandle] = []  # timed-out handles whose staging is still read
         self._lock = threading.RLock()
@@ -692,6 +703,25 @@ class KVSender:
         started): their slots need not wait for a late write."""
         self.release(self.start(request_id, tickets))
 
+    def ended(self, ticket: bytes, timeout_s: float = 1.0) -> bool:
+        """Whether the token stage of ``ticket`` (the first stage's: its head ends the request
+        on every stage) ended the request: its slot's consumed word, read one-sided. False
+        if it cannot be read (a lost node fails the transfer itself)."""
+        decoded = Ticket.decode(ticket, self.secret)
+        remote = Region(decoded.consumed_addr, self._word.element_size())
+        with self._lock:
+            try:
+                transfer = self.transport.read(decoded.node, [(self._word_region, remote)])
+                deadline = time.monotonic() + timeout_s
+                while (state := self.transport.poll(transfer)) == KVPoll.TRANSFERRING:
+                    if time.monotonic() > deadline:
+                        return False
+                    time.sleep(0.0001)
+            except Exception:  # noqa: BLE001  (the peer is gone or unknown: not ended here)
+                log.debug("could not read the slot of %s", decoded.request_id, exc_info=True)
+                return False
+            return state == KVPoll.SUCCESS and int(self._word[0]) == ENDED
+
     def in_flight(self) -> int:
         """Staging blocks taken (0 once every request ended and its transfers drained)."""
         with self._lock:
@@ -701,6 +731,7 @@ class KVSender:
     def close(self) -> None:
         """Unregister the staging blocks (after every handle's ``wait_for_save``)."""
         self.transport.deregister(self.staging)
+        self.transport.deregister(self._word)
 
     def _reclaim_staging(self) -> None:
         """Free staging blocks whose transfers are no longer in flight; a handle given up

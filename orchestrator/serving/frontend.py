@@ -128,7 +128,7 @@ def _decode_error(error: Exception, where: str, admitted: bool) -> ServingError:
 class Frontend:
     def __init__(
         self, prefill_urls: list[str], decode_pipelines: list[list[str]],
-        secret: bytes, timeout_s: float = 60.0, controller: str = "", watch_s: float = 0.5,
+        secret: bytes, timeout_s: float = 60.0, controller: str = "", watch_s: float = 0.1,
         rerun_wait_s: float = 1.0, metrics: Metrics | None = None,
     ) -> None:
         """``decode_pipelines``: each token pipeline's stage urls, stage 0 (its head) first;
@@ -161,8 +161,10 @@ class Frontend:
             self.watcher.start()
 
     def _watch(self, watch_s: float) -> None:
+        # Often: a node is declared dead within ~50 ms of its process's end (the supervisor's
+        # pid watch), and new requests should go elsewhere from then on, not meet it first.
         while not self.stopped.wait(watch_s):
-            self._look(watch_s)
+            self._look(max(watch_s, 1.0))
 
     def _look(self, timeout_s: float) -> None:
         """Ask the controller which nodes are alive and where each stage is now."""
@@ -311,15 +313,29 @@ class Frontend:
                 log.warning("%s; running the request again from its prompt in %.1f s", exc,
                             rerun_wait)
                 self.metrics.rerun("request")
-                self._wait(rerun_wait, is_cancelled)
+                # A pipeline or P-node that comes back meanwhile ends the wait: no backoff
+                # left to sit out once the supervisor has started a lost pipeline afresh.
+                self._wait(rerun_wait, is_cancelled, self._revived_since())
                 rerun_wait = min(2 * rerun_wait, _MAX_RERUN_WAIT_S)
 
-    def _wait(self, seconds: float, is_cancelled: Callable[[], bool]) -> None:
-        """Sleep before a retry; a client that leaves meanwhile ends it at once."""
+    def _revived_since(self) -> Callable[[], bool]:
+        """Whether a node of either pool came back since this call."""
+        def revivals() -> int:
+            return self.decode.revivals + (self.prefill.revivals if self.prefill else 0)
+
+        now = revivals()
+        return lambda: revivals() != now
+
+    def _wait(self, seconds: float, is_cancelled: Callable[[], bool],
+              ready: Callable[[], bool] = lambda: False) -> None:
+        """Sleep before a retry; a client that leaves meanwhile ends it at once, and
+        ``ready()`` ends it early."""
         deadline = time.monotonic() + seconds
         while (left := deadline - time.monotonic()) > 0:
             if is_cancelled() or self.stopped.is_set():
                 raise Cancelled()
+            if ready():
+                return
             time.sleep(min(left, 0.05))
 
     def _generate_once(
@@ -430,13 +446,15 @@ class Frontend:
         tickets: np.ndarray, is_cancelled: Callable[[], bool],
     ) -> tuple[list[int], list[TokenLogProb] | None]:
         """The first token, and its log-prob if the request asked. A client that leaves
-        meanwhile cancels the call: the P-node stops after the layer in progress."""
+        meanwhile ends the wait; the call is not cancelled (Triton 2.51 races a cancellation
+        against a response): the T-side ``end`` marks the request's KV slot ended, which the
+        P-node reads, and it stops after the layer in progress."""
         assert self.prefill is not None
         with self.prefill.assign(len(prompt_ids)) as url:
             inputs = [*request_tensors(prompt_ids, params), tensor("kv_ticket", tickets)]
             answers: queue.Queue = queue.Queue()
             try:
-                call = self.prefill_clients[url].async_infer(
+                self.prefill_clients[url].async_infer(
                     "prefill", inputs, lambda result, error: answers.put((result, error)),
                     request_id=request_id, client_timeout=self.timeout_s,
                     parameters=request_parameters(self.secret, "prefill", "prefill", request_id),
@@ -447,7 +465,6 @@ class Frontend:
                         break
                     except queue.Empty:
                         if is_cancelled():
-                            call.cancel()
                             raise Cancelled() from None
                 if error is not None:
                     raise error

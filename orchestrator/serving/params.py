@@ -5,8 +5,13 @@ honoured, accepted only at its neutral value, or refused with an error naming th
 input and the value (see ``HONOURED``, ``NEUTRAL``, ``REFUSED``). Requests are
 batched as in the backend (``[batch, 1]`` tensors): :meth:`GenerationParams.from_tensors`
 reads one row. Past the frontend the parameters travel as JSON
-(:meth:`GenerationParams.to_json`) and each node checks them again. Greedy is the
-default; a ``temperature`` above zero turns sampling on.
+(:meth:`GenerationParams.to_json`) and each node checks them again.
+
+Two sampling conventions meet here. Inside (:class:`GenerationParams`) a ``temperature``
+of zero is greedy and above zero samples, as in OpenAI's API, whose server builds the
+parameters directly. A Triton request follows TensorRT-LLM's (:func:`trtllm_sampling`):
+greedy unless ``top_k > 1`` or ``top_p > 0``, whatever the temperature, which then
+applies only when sampling.
 """
 
 from __future__ import annotations
@@ -76,6 +81,9 @@ REFUSED: dict[str, str] = {
     "embedding_bias_weights": "embedding bias",
     "decoder_text_input": "encoder-decoder models",
     "image_input": "multimodal input",
+    "image_bytes_input": "multimodal input",
+    "image_url_input": "multimodal input",
+    "video_bytes_input": "multimodal input",
     "num_draft_tokens": "speculative decoding",
     "use_draft_logits": "speculative decoding",
 }
@@ -167,6 +175,7 @@ class GenerationParams:
                                        f"send {new} alone")
         if "max_tokens" not in values:
             raise RequestError("max_tokens is required")
+        trtllm_sampling(values)
         if values.get("end_id") == -1:  # the backend's "no end id"
             del values["end_id"]
         if values.get("pad_id") == -1:
@@ -194,15 +203,13 @@ class GenerationParams:
 
     def check(self) -> None:
         """Ranges that need no model; the vocabulary's are in :func:`check_prompt`."""
-        for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty",
-                     "frequency_penalty"):
+        _check_temperature(self.temperature)
+        for name in ("top_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not math.isfinite(value):
                 raise RequestError(f"{name} must be a finite number, got {value}")
         if self.max_tokens < 1:
             raise RequestError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise RequestError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise RequestError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
@@ -225,6 +232,31 @@ class GenerationParams:
                                f"got {self.num_return_sequences}")
 
 
+def trtllm_sampling(values: dict[str, object]) -> None:
+    """TensorRT-LLM's sampling rule, in place on a request's ``values``: sampling only if
+    ``top_k > 1`` or ``top_p > 0`` (a client's ``temperature`` 1.0 with neither set is
+    greedy, as its backend gives it); ``top_k`` 0 and ``top_p`` 0 mean "no cut"."""
+    top_k, top_p = int(values.get("top_k", 0)), float(values.get("top_p", 0.0))
+    if top_k < 0:
+        raise RequestError(f"top_k must be >= 0, got {top_k}")
+    if not 0.0 <= top_p <= 1.0:  # NaN fails too
+        raise RequestError(f"top_p must be in [0, 1], got {top_p}")
+    sampling = top_k > 1 or top_p > 0
+    temperature = float(values.get("temperature", 1.0 if sampling else 0.0))
+    _check_temperature(temperature)
+    if sampling and temperature > 0:
+        values.update(top_k=top_k, top_p=top_p or 1.0, temperature=temperature)
+    else:  # greedy: one form of it, so equal requests compare equal
+        values.update(top_k=0, top_p=1.0, temperature=0.0)
+
+
+def _check_temperature(value: float) -> None:
+    if not math.isfinite(value):
+        raise RequestError(f"temperature must be a finite number, got {value}")
+    if value < 0:
+        raise RequestError(f"temperature must be >= 0, got {value}")
+
+
 def _one(name: str, array: np.ndarray, kind: str) -> int | float | bool:
     if array.size != 1:
         raise RequestError(f"{name} must hold one value per row, got shape {list(array.shape)}")
@@ -236,10 +268,15 @@ def _one(name: str, array: np.ndarray, kind: str) -> int | float | bool:
 
 
 def _refuse(name: str, array: np.ndarray) -> None:
+    refuse(name, array, REFUSED[name])
+
+
+def refuse(name: str, array: np.ndarray, what: str) -> None:
+    """Raises RequestError if ``array`` holds a value: ``what`` is not supported here."""
     values = [v for v in array.reshape(-1).tolist() if v not in (b"", "")]
     if values:
         shown = values[0] if len(values) == 1 else f"{len(values)} values"
-        raise RequestError(f"{name} ({shown!r}) is refused: {REFUSED[name]} are not "
+        raise RequestError(f"{name} ({shown!r}) is refused: {what} are not "
                            "supported by this server")
 
 

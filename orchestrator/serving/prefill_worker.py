@@ -9,8 +9,10 @@ the caller, which streams it to the client at once, and as the transfer's
 extra bytes, so the T-pipeline knows what to feed next.
 
 A job whose client left (its ``is_cancelled``, asked at most every
-``CANCEL_POLL_S``: each question is a round trip to tritonserver) is not
-started, and a batch whose every job left stops after the layer in progress;
+``CANCEL_POLL_S``: each question is a round trip to tritonserver; or its first
+token stage ended the request, which the P-node reads in that stage's KV slot,
+:meth:`~orchestrator.kv.connector.KVSender.ended`) is not started, and a batch
+whose every job left stops after the layer in progress;
 either way the token stages hear that nothing more will be written into the
 job's KV slots (a signed ABORT), so they reuse them at once.
 """
@@ -85,6 +87,11 @@ class PrefillWorker:
         """Staging blocks still taken (0 between batches once their transfers drained)."""
         return sum(sender.in_flight() for sender in self.senders)
 
+    def _left(self, job: PrefillJob) -> bool:
+        """Its client left: Triton says so (a client's own cancel), or the token stage ended
+        the request (the frontend's signed ``end``: our nodes never cancel a gRPC call)."""
+        return job.is_cancelled() or self.senders[0].ended(job.tickets[0])
+
     def _give_up(self, job: PrefillJob) -> None:
         for sender in self.senders:
             with contextlib.suppress(KVTransferError, ValueError):  # e.g. a bad ticket
@@ -117,7 +124,7 @@ class PrefillWorker:
                 {rid: job.params.sampling(job.prompt_ids) for rid, job in todo.items()},
                 self.save_timeout_s,
                 log_probs,
-                _every(CANCEL_POLL_S, lambda: all(job.is_cancelled() for job in todo.values())),
+                _every(CANCEL_POLL_S, lambda: all(self._left(job) for job in todo.values())),
             )
         except Exception as exc:  # one transfer failed (stream_prefill cannot tell which),
             # or every job's client left

@@ -30,6 +30,7 @@ class Router:
         self.pending: dict[str, int] = dict.fromkeys(nodes, 0)
         self.down_until: dict[str, float] = dict.fromkeys(nodes, 0.0)
         self.down_s = down_s
+        self.revivals = 0  # nodes marked up while down: a request waiting to rerun goes now
         self.lock = threading.Lock()
 
     def pick(self, tokens: int) -> str:
@@ -53,6 +54,8 @@ class Router:
 
     def mark_up(self, node: str) -> None:
         with self.lock:
+            if self.down_until[node] > time.monotonic():
+                self.revivals += 1
             self.down_until[node] = 0.0
 
     @contextmanager

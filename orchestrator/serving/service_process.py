@@ -44,6 +44,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from orchestrator.control.errors import ControlError, ErrorCode, code_of
+from orchestrator.fault.client import report_lost
+from orchestrator.serving.config import NodeConfig
 from orchestrator.serving.metrics import PublishedMetrics, Series
 from orchestrator.serving.params import GenerationParams
 from orchestrator.serving.token_service import ControlRequest, Emit
@@ -96,7 +98,7 @@ class ServiceProcess:
 
     def __init__(self, config_json: str, metrics: PublishedMetrics,
                  start_timeout_s: float = 600.0) -> None:
-        self.metrics = metrics
+        self.metrics, self.config_json = metrics, config_json
         ours, theirs = socket.socketpair()
         with theirs:
             self.process = subprocess.Popen(
@@ -189,8 +191,15 @@ class ServiceProcess:
                 self._dispatch(self.link.conn.recv())
         except (EOFError, OSError):
             pass
-        self._lost("the node's token service exited" if not self._stopping.is_set()
-                   else "the node stopped")
+        if self._stopping.is_set():
+            self._lost("the node stopped")
+            return
+        self._lost("the node's token service exited")
+        # The service's heartbeats ended with it: say so now, not after the timeout.
+        config = NodeConfig.from_json(self.config_json)
+        if config.controller and config.name:
+            report_lost(config.controller, config.name, "its token service ended",
+                        config.secret())
 
     def _dispatch(self, message: tuple) -> None:
         kind = message[0]
@@ -325,7 +334,6 @@ class _Service:
 
 
 def main(fd: int) -> None:
-    from orchestrator.serving.config import NodeConfig
     from orchestrator.serving.node import connect_controller, load_token_service
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -348,6 +356,8 @@ def main(fd: int) -> None:
                 calls.calls.put(message[1:])
     except (EOFError, OSError):
         log.warning("the stub is gone: stopping")
+        if controller is not None:  # this node serves nothing any more: dead now
+            controller.lost("its stub ended")
     calls.calls.put(None)
     calls.thread.join(CALL_TIMEOUT_S)
     if controller is not None:

@@ -19,17 +19,12 @@ from collections.abc import Mapping
 import numpy as np
 from tokenizers import Tokenizer
 
-from orchestrator.engine.log_probs import TokenLogProb, response_tensors
 from orchestrator.serving.limits import RequestLimits
+from orchestrator.serving.outputs import sequence_outputs
 from orchestrator.serving.params import RequestError, parse_words
 
 CONTEXT_TOKENS = 6
 REPLACEMENT = "\ufffd"  # what a decoder prints for an incomplete UTF-8 sequence
-# The backend's perf-metric outputs and their dtypes ([batch, 1] each).
-PERF = {"arrival_time_ns": np.int64, "first_scheduled_time_ns": np.int64,
-        "first_token_time_ns": np.int64, "last_token_time_ns": np.int64,
-        "kv_cache_alloc_new_blocks": np.int32, "kv_cache_reused_blocks": np.int32,
-        "kv_cache_alloc_total_blocks": np.int32}
 TEXT_INPUTS = ("text_input", "stop_words", "bad_words")
 
 
@@ -92,20 +87,28 @@ def encode_batch(tokenizer: Tokenizer, limits: RequestLimits,
 
 def decode_response(tokenizer: Tokenizer, tokens: list[int], context: list[int],
                     meta: Mapping) -> dict[str, np.ndarray]:
-    """One response of one sequence as the backend's output tensors (``[1, ...]``):
-    ``text_output``, ``output_ids``, ``batch_index``, ``sequence_index``, the perf metrics
-    and the log-probs; ``meta`` is :class:`~orchestrator.serving.batch.BatchReply`'s."""
+    """One response of one sequence as the text models' output tensors: ``text_output``
+    1-D (``[1]``: one sequence, one beam), as the backend's postprocessing shapes it, so
+    ``as_numpy("text_output")[0]`` is the text's bytes; ``output_ids`` (this project's:
+    the response's new tokens) and :func:`~orchestrator.serving.outputs.sequence_outputs`."""
     text = response_text(tokenizer, tokens, context, meta["full_text"])
-    outputs = {
-        "text_output": np.array([[text.encode()]], dtype=np.object_),
-        "output_ids": np.array([tokens], dtype=np.int32),
-        "batch_index": np.array([[meta["batch_index"]]], np.int32),
-        "sequence_index": np.array([[meta["sequence_index"]]], np.int32),
-    }
-    for name, value in meta.get("perf", {}).items():
-        outputs[name] = np.array([[value]], dtype=PERF[name])
-    if "log_probs" in meta:
-        lp = meta["log_probs"]
-        outputs |= response_tensors([TokenLogProb.from_list(p) for p in lp["tokens"]],
-                                    lp["cum"], lp["top"])
-    return outputs
+    return {"text_output": np.array([text.encode()], dtype=np.object_),
+            "output_ids": np.array([tokens], dtype=np.int32), **sequence_outputs(meta)}
+
+
+def detokenize_batch(tokenizer: Tokenizer, tokens: np.ndarray, lengths: np.ndarray
+                     ) -> np.ndarray:
+    """The ``postprocessing`` model's work: ``tokens`` ``[batch, beams, n]`` with
+    ``lengths`` ``[batch, beams]`` (each beam's first ``length`` tokens are its own) as
+    one text per beam, 1-D (``[batch * beams]``) as the backend's postprocessing gives it."""
+    if tokens.ndim != 3 or lengths.shape != tokens.shape[:2]:
+        raise RequestError(f"TOKENS_BATCH must be [batch, beams, tokens] and SEQUENCE_LENGTH "
+                           f"[batch, beams], got {list(tokens.shape)} and "
+                           f"{list(lengths.shape)}")
+    texts = []
+    for beam, length in zip(tokens.reshape(-1, tokens.shape[2]), lengths.reshape(-1),
+                            strict=True):
+        if not 0 <= length <= len(beam):
+            raise RequestError(f"SEQUENCE_LENGTH {length} outside [0, {len(beam)}]")
+        texts.append(tokenizer.decode(beam[:length].tolist(), skip_special_tokens=True).encode())
+    return np.array(texts, dtype=np.object_)

@@ -143,8 +143,9 @@ def test_a_node_whose_server_died_is_declared_dead_though_it_runs_on(controller_
                                                                      ) -> None:
     """A Python-backend stub can outlive its tritonserver (seen after a SIGABRT): its
     heartbeats stop with its parent, so the controller declares the node dead and the
-    supervisor starts it again, rather than the stub keeping a dead node alive."""
-    _, address = controller_factory(1.0)
+    supervisor starts it again, rather than the stub keeping a dead node alive. The stub
+    says so as it stops beating: dead at once, not after the (here 30 s) timeout."""
+    _, address = controller_factory(30.0)
     server = subprocess.Popen(  # stands for tritonserver: the node runs as its child
         [sys.executable, "-c", "import subprocess, sys; subprocess.run(sys.argv[1:])",
          sys.executable, str(NODE_PROC), address, "orphan", "0", "1", "0.05"],
@@ -156,7 +157,8 @@ def test_a_node_whose_server_died_is_declared_dead_though_it_runs_on(controller_
         assert node(query_status(address, SECRET), node_id)["alive"]
         os.kill(server.pid, signal.SIGKILL)  # the server only: the node process runs on
         server.wait(timeout=10)
-        wait_until("detection", lambda: not node(query_status(address, SECRET), node_id)["alive"])
+        wait_until("detection", lambda: not node(query_status(address, SECRET), node_id)["alive"],
+                   timeout_s=5.0)
         os.killpg(server.pid, 0)  # the node's process is still there
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -306,6 +308,80 @@ def test_a_reported_node_is_declared_dead_only_if_its_address_is_closed() -> Non
     assert state.status({})["pipelines"]["p"]["failed"] == [1]
     assert state.suspect({"node_id": "n0", "stage": 1}) == {"dead": True}  # said once
     assert state.sweep() == []
+
+
+def test_a_node_reported_lost_is_dead_at_once_and_only_that_incarnation() -> None:
+    """Whoever saw a node's process end (its supervisor, its stub) says so: dead now,
+    without a probe or the heartbeat timeout; a node the controller never had is left
+    alone, and a second report changes nothing."""
+    state = ControllerState(timeout_s=60.0, probe=lambda address: True)
+    for s in range(2):
+        state.register({"node_id": f"n{s}", "pipeline": "p", "stage": s, "depth": 2})
+    assert state.lost({"node_id": "n1", "why": "its tritonserver ended"}) == {"dead": True}
+    assert state.status({})["pipelines"]["p"] | {"acks": []} == {
+        "depth": 2, "state": "paused", "epoch": 1, "failed": [1], "acks": []}
+    assert state.lost({"node_id": "n1"}) == {"dead": True}
+    assert state.status({})["pipelines"]["p"]["epoch"] == 1  # said once
+    assert state.lost({"node_id": "never-registered"}) == {"dead": False}
+    assert [n["node_id"] for n in state.status({})["nodes"] if n["alive"]] == ["n0"]
+    # Its replacement registers under a new id and is alive.
+    state.register({"node_id": "n1-r1", "pipeline": "p", "stage": 1, "depth": 2})
+    assert state.plan({"pipeline": "p"})["plan"]["failed"] == [1]
+
+
+def test_the_supervisors_pid_watch_reports_a_node_whose_process_ended(controller_factory,
+                                                                      tmp_path) -> None:
+    """The supervisor sees its node's tritonserver end (here a child standing for it) and
+    tells the controller: declared dead within a second, though the node's controller
+    client still beats (a stub that outlived its server) and the timeout is 30 s."""
+    from orchestrator.cluster.pid_watch import PidWatch, watching
+    from orchestrator.cluster.watchdog import write_pid
+
+    _, address = controller_factory(30.0)
+    beats = ControllerClient(address, NodeSpec("decode0", 1, 2), SECRET, 0.05,
+                             node_id="decode0s1-r0").start()
+    server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    (tmp_path / "cluster.json").write_text(json.dumps({
+        "controller": {"address": address},
+        "nodes": [{"role": "decode", "pid": server.pid, "config": {"name": "decode0s1-r0"}},
+                  {"role": "frontend", "pid": 1, "config": {"name": "frontend"}}]}))
+    write_pid(tmp_path, "supervisor", os.getpid())  # this process stands for it
+    watch = PidWatch(tmp_path, SECRET)
+    assert not watching(tmp_path)
+    watch.start()
+    try:
+        wait_until("the watch to run", lambda: watching(tmp_path))
+        wait_until("registration", lambda: any(
+            n["node_id"] == "decode0s1-r0" for n in query_status(address, SECRET)["nodes"]))
+        assert node(query_status(address, SECRET), "decode0s1-r0")["alive"]
+        server.kill()
+        detected_s = wait_until("the report", lambda: not node(
+            query_status(address, SECRET), "decode0s1-r0")["alive"], timeout_s=5.0)
+        assert detected_s < 1.0, detected_s
+        assert query_status(address, SECRET)["pipelines"]["decode0"]["failed"] == [1]
+        assert watch.reported == {server.pid}
+    finally:
+        watch.stop.set()
+        watch.join(5)
+        beats.stop()
+        server.kill()
+        server.wait(10)
+
+
+def test_a_killed_process_reads_dying_before_it_is_reaped() -> None:
+    """The pid watch does not wait for a killed process to finish its exit (seconds on a
+    loaded machine): killed is lost."""
+    from orchestrator.cluster.pid_watch import dying
+
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert not dying(process.pid)
+        process.kill()
+        wait_until("the kill to land", lambda: dying(process.pid), timeout_s=5.0)
+    finally:
+        process.kill()
+        process.wait(10)
+    assert not dying(process.pid)  # reaped: nothing to read
 
 
 def test_listening_tells_a_closed_port_from_an_open_one() -> None:

@@ -266,6 +266,26 @@ def test_a_slot_every_prefill_stage_gave_up_on_is_free_at_once(released_first: b
     receiver.reserve("next", 4)  # every writer is done: the slot is free
 
 
+def test_a_sender_reads_that_the_token_stage_ended_its_request() -> None:
+    """The frontend never cancels the P-node's call: it ends the request on the token side,
+    which marks the slot ended; the P-node reads that between layers and stops. A request
+    still running, one that landed whole, and another request's slot read not ended."""
+    cluster = Cluster(1, 1)
+    receiver, sender = cluster.receivers[0], cluster.senders[0]
+    left, stays = cluster.reserve("left", 4), cluster.reserve("stays", 4)
+    handle = sender.start("left", left)  # connected, one layer on its way
+    sender.save_layer(handle, 0, cluster.prompt_caches(torch.randn(MODEL.shape))[0])
+    assert not sender.ended(left[0]) and not sender.ended(stays[0])
+    receiver.release("left")  # its client left: the head ended it
+    assert sender.ended(left[0]) and not sender.ended(stays[0])
+    sender.release(handle)  # it stops: its writers are done, the slot is free again
+    receiver.reserve("next", 4)
+    cluster.send("stays", stays, torch.randn(MODEL.shape), b"x")
+    receiver.wait("stays")
+    receiver.release("stays")  # used: free at once, never marked
+    assert not sender.ended(stays[0])
+
+
 def test_a_prompt_given_up_before_it_started_frees_its_slot() -> None:
     cluster = Cluster(1, 1)
     receiver = cluster.receivers[0]

@@ -111,7 +111,7 @@ def test_sampling_parameters_are_used_and_seeded(cluster, expected):
         ("hello", {"max_tokens": 0}, "max_tokens must be at least 1"),
         ("hello", {"max_tokens": -3}, "max_tokens must be at least 1"),
         ("hello", {"max_tokens": 300}, "exceeds the context of 256"),
-        ("hello", {"max_tokens": 4, "top_p": 0.0}, "top_p must be in"),
+        ("hello", {"max_tokens": 4, "top_p": 2.0}, "top_p must be in"),
         ("hello", {"max_tokens": 4, "temperature": float("nan")}, "temperature must be a fin"),
         ("hello", {"max_tokens": 4, "beam_width": 2}, "beam_width 2 is not supported"),
         ("hello", {"max_tokens": 4, "end_id": 10**6}, "end_id 1000000 outside the vocab"),
@@ -281,7 +281,8 @@ def test_no_model_config_on_any_node_reveals_the_secret(cluster):
         if node.role == "frontend":
             frontend_models = set(models)
         client.close()
-    assert frontend_models == {"ensemble", "preprocessing", "orchestrator", "tensorrt_llm_bls"}
+    assert frontend_models == {"ensemble", "preprocessing", "orchestrator", "tensorrt_llm_bls",
+                               "tensorrt_llm", "postprocessing"}
 
 
 def _first_response(url: str, model: str, tensors: list, parameters: dict | None = None):
@@ -424,7 +425,8 @@ def test_penalties_match_the_reference(cluster, model, penalty):
 
 
 def test_n_samples_differ_and_repeat_with_a_seed(cluster):
-    params = dict(max_tokens=MAX_TOKENS, temperature=1.0, seed=5, num_return_sequences=2)
+    params = dict(max_tokens=MAX_TOKENS, temperature=1.0, top_p=1.0, seed=5,
+                  num_return_sequences=2)
     first = generate_batch(cluster.frontend.grpc_url, PROMPTS[2:3], **params)
     again = generate_batch(cluster.frontend.grpc_url, PROMPTS[2:3], **params)
     assert sorted(first) == [(0, 0), (0, 1)]
@@ -480,7 +482,8 @@ def test_tensorrt_llm_bls_serves_the_same_contract(cluster, expected):
     whole = list(stream_http(cluster.frontend.http_url, PROMPTS[2], model="tensorrt_llm_bls",
                              max_tokens=MAX_TOKENS, stream=False))
     assert len(whole) == 1 and ids_of(whole) == expected[2]
-    sampled = dict(max_tokens=MAX_TOKENS, temperature=1.0, seed=5, num_return_sequences=2)
+    sampled = dict(max_tokens=MAX_TOKENS, temperature=1.0, top_p=1.0, seed=5,
+                   num_return_sequences=2)
     assert ({k: ids_of(c) for k, c in generate_batch(url, PROMPTS[2:3], **sampled).items()}
             == {k: ids_of(c) for k, c in generate_batch(url, PROMPTS[2:3], model=
                                                          "tensorrt_llm_bls", **sampled).items()})

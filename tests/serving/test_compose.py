@@ -93,7 +93,7 @@ def test_kubernetes_manifests_validate_and_match_the_compose_topology():
 
 
 def test_every_node_writes_a_repository(tmp_path):
-    for node, models in [("frontend", 4), ("prefill0", 1), ("decode0s1", 1)]:
+    for node, models in [("frontend", 6), ("prefill0", 1), ("decode0s1", 1)]:
         out = tmp_path / node
         assert repo_main([node, str(out), "--model", "/model", "--decode-depth", "2"]) == 0
         assert len([p for p in out.iterdir() if (p / "config.pbtxt").is_file()]) == models

@@ -34,6 +34,59 @@ def test_defaults_are_greedy_and_roundtrip_through_json():
     assert GenerationParams.from_json(sampled.to_json()) == sampled
 
 
+@pytest.mark.parametrize(
+    ("values", "greedy"),
+    [
+        ({}, True),
+        ({"temperature": 1.0}, True),  # a TensorRT-LLM client's defaults: greedy
+        ({"temperature": 0.7, "top_k": 1}, True),  # top-1 is greedy
+        ({"temperature": 1.3, "top_k": 0, "top_p": 0.0}, True),  # 0: unset
+        ({"top_k": 2}, False),
+        ({"temperature": 0.7, "top_p": 0.5}, False),
+        ({"temperature": 0.0, "top_k": 40}, True),  # a zero temperature stays greedy
+    ],
+)
+def test_tensorrt_llm_sampling_rule(values, greedy):
+    """Greedy unless top_k > 1 or top_p > 0; the temperature applies only when sampling."""
+    tensors = {k: np.array([[v]], np.int32 if k == "top_k" else np.float32)
+               for k, v in values.items()}
+    params = GenerationParams.from_tensors({"max_tokens": np.array([[4]], np.int32),
+                                            **tensors}, row=0)
+    assert params.greedy == greedy
+    if greedy:
+        assert (params.temperature, params.top_k, params.top_p) == (0.0, 0, 1.0)
+    else:
+        assert params.temperature == pytest.approx(values.get("temperature", 1.0))
+        assert params.top_k == values.get("top_k", 0)
+        assert params.top_p == pytest.approx(values.get("top_p", 0.0) or 1.0)
+
+
+def test_openai_parameters_keep_openai_semantics():
+    """The OpenAI server builds GenerationParams itself: temperature alone samples."""
+    assert GenerationParams(4).greedy and GenerationParams(4, temperature=0.0).greedy
+    assert not GenerationParams(4, temperature=1.0).greedy
+
+
+def test_seeded_sampling_repeats_and_seeds_differ():
+    """A seed fixes the sampler's draws: the same seed the same tokens, another seed others."""
+    import torch
+
+    from orchestrator.engine.sampling import Sampler
+
+    logits = torch.randn(1, 64, generator=torch.Generator().manual_seed(0))
+
+    def draws(seed: int) -> list[int]:
+        params = GenerationParams.from_tensors(
+            {"max_tokens": np.array([[4]], np.int32), "top_k": np.array([[50]], np.int32),
+             "temperature": np.array([[1.0]], np.float32),
+             "seed": np.array([[seed]], np.uint64)}, row=0)
+        sampler = Sampler(params.sampling([1, 2, 3]))
+        return [int(sampler(logits)[0]) for _ in range(12)]
+
+    assert draws(3) == draws(3)
+    assert draws(3) != draws(4)
+
+
 def test_rows_are_read_apart_and_aliases_agree():
     tensors = {"max_tokens": np.array([[4], [9]], np.int32),
                "random_seed": np.array([[7], [8]], np.uint64),
@@ -52,7 +105,9 @@ def test_rows_are_read_apart_and_aliases_agree():
         ({"max_tokens": 0}, "max_tokens must be at least 1, got 0"),
         ({"max_tokens": np.array([[1, 2]], np.int32)}, "max_tokens must hold one value"),
         ({"max_tokens": np.array([[1.5]], np.float32)}, "max_tokens must be int"),
-        ({"max_tokens": 4, "top_p": np.array([[0.0]], np.float32)}, r"top_p must be in \(0, 1\]"),
+        ({"max_tokens": 4, "top_p": np.array([[1.5]], np.float32)},
+         r"top_p must be in \[0, 1\], got 1.5"),
+        ({"max_tokens": 4, "top_k": np.array([[-1]], np.int32)}, "top_k must be >= 0, got -1"),
         ({"max_tokens": 4, "temperature": np.array([[np.nan]], np.float32)},
          "temperature must be a finite number, got nan"),
         ({"max_tokens": 4, "temperature": np.array([[np.inf]], np.float32)}, "temperature"),

@@ -2,8 +2,10 @@
 
 Real tritonservers (a frontend, one P-node, one T-node) serve a tiny Llama made deep
 and wide (many layers, a wide MLP) so that a near-context prompt takes long enough to
-prefill for the client to leave in the middle of it. The frontend cancels its call to the
-P-node, which stops after the layer in progress; the P-node's own reports (its metrics) say
+prefill for the client to leave in the middle of it. The frontend never cancels its call to
+the P-node (Triton 2.51 races a cancellation against a response): it ends the request on the
+T-node (a signed op), whose KV slot then reads ended, and the P-node, which reads it between
+layers, stops after the layer in progress; the P-node's own reports (its metrics) say
 it stopped early and holds nothing, and the next request's tokens are the reference's.
 """
 

@@ -33,3 +33,15 @@ def test_down_node_is_skipped_until_its_time_is_up():
     router.down_s = 0
     router.mark_down("a")
     assert router.pick(1) == "a"
+
+
+def test_a_node_marked_up_while_down_counts_as_a_revival():
+    """A request waiting to run again goes as soon as a lost node is back (the frontend
+    watches this count), not after the rest of its backoff."""
+    router = Router(["a", "b"])
+    router.mark_up("a")  # never down: nothing came back
+    assert router.revivals == 0
+    router.mark_down("a")
+    router.mark_up("a")
+    router.mark_up("a")
+    assert router.revivals == 1

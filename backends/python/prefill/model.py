@@ -1,8 +1,8 @@
 """P-node: prefill on the prompt stages, stream each layer's KV to the T-stage of its ticket
 (``kv_ticket``: one per stage of the chosen token pipeline), return the first token. Every
 request must be signed with the cluster secret; failures come back as ``error_code`` and
-``error``. A prefill whose client left (the frontend cancelled its call) stops after the layer
-in progress."""
+``error``. A prefill whose client left (the frontend ended the request on the T-node, whose KV
+slot then reads ended; it never cancels this call) stops after the layer in progress."""
 
 from orchestrator.control.errors import code_of
 from orchestrator.engine.log_probs import encode as encode_log_probs

@@ -1,0 +1,51 @@
+"""One response of one sequence as the TensorRT-LLM backend's output tensors.
+
+The text models (``ensemble``, ``tensorrt_llm_bls``) answer with
+:func:`orchestrator.serving.text.decode_response`, the token model ``tensorrt_llm`` with
+:func:`token_outputs`; both carry :func:`sequence_outputs`. Shapes are the backend's:
+``[batch, beams, ...]`` with one row and one beam per response (each sequence of a
+batched request answers on its own, told apart by ``batch_index`` and
+``sequence_index``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from orchestrator.engine.log_probs import TokenLogProb, response_tensors
+
+# The backend's perf-metric outputs and their dtypes ([1, 1] each); the speculative
+# decoding ones hold their "no drafts" values here.
+PERF = {"arrival_time_ns": np.int64, "first_scheduled_time_ns": np.int64,
+        "first_token_time_ns": np.int64, "last_token_time_ns": np.int64,
+        "kv_cache_alloc_new_blocks": np.int32, "kv_cache_reused_blocks": np.int32,
+        "kv_cache_alloc_total_blocks": np.int32, "acceptance_rate": np.float32,
+        "total_accepted_draft_tokens": np.int32, "total_draft_tokens": np.int32}
+NO_DRAFTS = {"acceptance_rate": 0.0, "total_accepted_draft_tokens": 0, "total_draft_tokens": 0}
+
+
+def sequence_outputs(meta: Mapping) -> dict[str, np.ndarray]:
+    """``batch_index``, ``sequence_index``, the perf metrics and log-probs a response
+    carries; ``meta`` is :class:`~orchestrator.serving.batch.BatchReply`'s."""
+    outputs = {"batch_index": np.array([[meta["batch_index"]]], np.int32),
+               "sequence_index": np.array([[meta["sequence_index"]]], np.int32)}
+    if "perf" in meta:
+        for name, value in (meta["perf"] | NO_DRAFTS).items():
+            outputs[name] = np.array([[value]], dtype=PERF[name])
+    if "log_probs" in meta:
+        lp = meta["log_probs"]
+        outputs |= response_tensors([TokenLogProb.from_list(p) for p in lp["tokens"]],
+                                    lp["cum"], lp["top"])
+    return outputs
+
+
+def token_outputs(tokens: list[int], context: list[int], meta: Mapping
+                  ) -> dict[str, np.ndarray]:
+    """The token model's response: ``output_ids`` ``[1, 1, n]`` (streaming: the new
+    tokens; else the prompt, unless excluded, then every new token) and
+    ``sequence_length`` ``[1, 1]`` (n), as the backend's ``tensorrt_llm`` gives them."""
+    ids = context + tokens if meta["full_text"] else tokens
+    return {"output_ids": np.array(ids, np.int32).reshape(1, 1, len(ids)),
+            "sequence_length": np.array([[len(ids)]], np.int32), **sequence_outputs(meta)}
