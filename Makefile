@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 # Debian's interpreter: the Triton Python-backend stub links its libpython.
 BASE_PYTHON := /usr/bin/python3
 
-.PHONY: install demo test test-deps test-fast lint
+.PHONY: install demo test test-deps test-fast test-slow lint
 
 install: $(VENV)/.installed
 
@@ -30,6 +30,11 @@ test: lint test-deps
 # Everyday tier: unit and in-process tests, no tritonserver.
 test-fast: lint
 	$(VENV)/bin/pytest -q -rs -m "not slow"
+
+# The tier that starts real tritonservers and processes (a SIGTERM, e.g. from `timeout`,
+# tears its clusters down: scripts/check_run_teardown.sh checks that none is left).
+test-slow: install
+	$(VENV)/bin/pytest -q -rs -m slow
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -23,7 +23,6 @@ the same run: a 64 MiB host memcpy and a 64 MiB NIXL WRITE to the receiver.
 from __future__ import annotations
 
 import argparse
-import csv
 import hashlib
 import multiprocessing as mp
 import queue
@@ -35,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from clients.common import write_csv
+from clients.provenance import save_figure
 from orchestrator.engine.checkpoint import PRESETS, make_checkpoint
 from orchestrator.engine.torch_engine import load_engine
 from orchestrator.kv.connector import KVReceiver, KVSender
@@ -386,10 +387,7 @@ def report(rows: list[dict], out: Path) -> None:
             f"NIXL 64 MiB {slices['nixl_gbps']:.2f} GB/s"
         )
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "ablation.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(out / "ablation.csv", rows)
     plot(rows, out / "ablation.png")
     console.print(f"wrote {out / 'ablation.csv'} and {out / 'ablation.png'}")
 
@@ -416,7 +414,7 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_ylabel("slowdown (x)")
     axes[0].legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 

@@ -10,16 +10,17 @@ the bubbles.
 from __future__ import annotations
 
 import argparse
-import csv
 import random
 import statistics
 import time
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from clients.common import dummy_model, model_arguments, write_csv
+from clients.provenance import save_figure
 from orchestrator.engine.reference import load_stages
 from orchestrator.pipeline.local import LocalPipeline
 from orchestrator.pipeline.node import PipelineConfig
@@ -134,9 +135,7 @@ def workload(args: argparse.Namespace, vocab: int) -> tuple[list[list[int]], lis
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="dejavu bench pipeline", description=__doc__)
-    parser.add_argument("--model", help="checkpoint folder (default: a dummy one under --out)")
-    parser.add_argument("--arch", default="gpt2", choices=["gpt2", "opt", "llama"])
-    parser.add_argument("--preset", default="small", help="dummy model size: tiny or small")
+    model_arguments(parser, "gpt2", "small")
     parser.add_argument("--stages", type=int, default=2, help="token pipeline depth")
     parser.add_argument("--layers", help="layers per token stage, e.g. 8,4 (default: even); "
                         "the last stage also holds the LM head")
@@ -165,7 +164,7 @@ def main(argv: list[str]) -> int:
         parser.error(f"--layers takes comma-separated layer counts, got {args.layers!r}")
     torch.set_num_threads(1)  # one core per stage thread, or they fight over both
     args.out.mkdir(parents=True, exist_ok=True)
-    model = args.model or _dummy_model(args)
+    model = args.model or dummy_model(args.out, args.arch, args.preset)
     max_seq = args.prompt_len + args.max_output + 1
 
     # Engines keep no per-request state (the pipelines own the KV): every run shares them.
@@ -215,15 +214,6 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _dummy_model(args: argparse.Namespace) -> Path:
-    from orchestrator.engine.checkpoint import make_checkpoint
-
-    folder = args.out / f"model-{args.arch}-{args.preset}"
-    if not (folder / "config.json").is_file():
-        make_checkpoint(args.arch, args.preset, folder)
-    return folder
-
-
 def _prompt_and_step_time(engines: list, batch: int, prompt_len: int) -> tuple[float, float]:
     """Y and t of the slowest stage, measured on the engines the runs use."""
     ys, ts = [], []
@@ -257,10 +247,7 @@ def _report(results: list[RunResult], out: Path) -> None:
             "-" if r.prefetch_hit is None else f"{r.prefetch_hit:.2f}",
         )
     Console(width=170).print(table)
-    with (out / "pipeline.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(asdict(results[0])))
-        writer.writeheader()
-        writer.writerows(asdict(r) for r in results)
+    write_csv(out / "pipeline.csv", results)
 
 
 def _plot(results: list[RunResult], timelines: dict[str, list[list[Interval]]], out: Path) -> None:
@@ -293,7 +280,7 @@ def _plot(results: list[RunResult], timelines: dict[str, list[list[Interval]]], 
         ax.text(i, 1 - r.mean_busy, f"{r.tokens_per_s:.0f} tok/s\nB={r.batch}", ha="center",
                 va="bottom", fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / "pipeline.png", dpi=110)
+    save_figure(fig, out / "pipeline.png", dpi=110)
     plt.close(fig)
 
 

@@ -40,7 +40,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from clients.common import PROMPTS, reference, write_csv
+from clients.common import PROMPTS, dummy_model, model_arguments, reference, write_csv
+from clients.provenance import provenance
 
 # Each cluster's settings, and the kills made on it in turn (the cluster whole again between
 # two): the spare's takeover last, as the new spare it starts loads for minutes here.
@@ -271,7 +272,8 @@ def write_outputs(out: Path, rows: list[dict], args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     write_csv(out / "recovery.csv", rows)
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    (out / "recovery.json").write_text(json.dumps({"settings": settings, "rows": rows},
+    (out / "recovery.json").write_text(json.dumps({"settings": settings, "rows": rows,
+                                                   **provenance()},
                                                   indent=2) + "\n")
 
 
@@ -291,9 +293,7 @@ def print_table(rows: list[dict], args) -> None:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="dejavu bench recovery",
                                      description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, help="checkpoint folder (default: make one)")
-    parser.add_argument("--arch", default="llama")
-    parser.add_argument("--preset", default="small")
+    model_arguments(parser, "llama", "small")
     parser.add_argument("--depth", type=int, default=2, help="T-stages of the pipeline")
     parser.add_argument("--batch", type=int, default=4, help="requests in the batch")
     parser.add_argument("--tokens", type=int, default=96, help="tokens per request")
@@ -318,10 +318,7 @@ def main(argv: list[str]) -> int:
         parser.error(f"need --depth >= 2, 1 <= --kill-stage < depth, 0 < --kill-at < "
                      f"--tokens, --cases of {', '.join(CASES)}")
     with tempfile.TemporaryDirectory() as tmp:
-        if args.model is None:
-            from orchestrator.engine.checkpoint import make_checkpoint
-
-            args.model = make_checkpoint(args.arch, args.preset, Path(tmp) / "model")
+        args.model = args.model or dummy_model(Path(tmp), args.arch, args.preset)
         expected = reference(args.model, expected_prompts(args.batch), args.tokens,
                              args.max_seq_len)
         rows = [row for name in CLUSTERS  # each cluster's logs stay in runs/<name>

@@ -58,10 +58,13 @@ from clients.common import (
     PROMPTS,
     dummy_model,
     markdown,
+    model_arguments,
+    print_table,
     process_groups,
     reference,
     write_csv,
 )
+from clients.provenance import save_figure, stamp
 
 KILLS = ("prefill0", "decode0s1", "decode0s0", "frontend", "controller", "supervisor")
 LOAD = {  # kind -> weight
@@ -639,17 +642,12 @@ def plot(samples: list[dict], kills: list[Kill], path: Path, title: str) -> None
     axes[0][1].legend(fontsize=7, ncol=2)
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path, dpi=100)
     plt.close(fig)
 
 
 def report(args, result: dict) -> bool:
     """Write and print the tables and the plot; whether the soak met every bar."""
-    from rich.console import Console
-    from rich.table import Table
-
-    from clients.common import fmt
-
     requests = request_rows(result["outcomes"])
     kills = [vars(k) for k in result["kills"]]
     roles_ = role_summary(result["samples"])
@@ -676,17 +674,12 @@ def report(args, result: dict) -> bool:
     tables = [("requests", requests, REQUEST_COLUMNS), ("kills", kills, KILL_COLUMNS),
               ("processes (per role, sampled from /proc)", roles_, ROLE_COLUMNS)]
     md = [summary]
-    console = Console(width=220)
     for title, rows, columns in tables:
         if not rows:
             continue
         md += ["", f"**{title}**", "", markdown(rows, columns)]
-        table = Table(title=title)
-        for header in columns.values():
-            table.add_column(header, justify="right")
-        for row in rows:
-            table.add_row(*(fmt(row[k]) for k in columns))
-        console.print(table)
+        print_table(title, rows, columns, width=220)
+    md += ["", f"_{stamp()}_"]
     (args.out / "soak.md").write_text("\n".join(md) + "\n")
     print(summary)
     print(f"{'PASS' if ok else 'FAIL'}; wrote {args.out}/soak.md, soak.png, soak_requests.csv, "
@@ -702,9 +695,7 @@ def main(argv: list[str]) -> int:
     length = parser.add_mutually_exclusive_group()
     length.add_argument("--minutes", type=float, default=30.0, help="how long the load runs")
     length.add_argument("--seconds", type=float, help="the same, in seconds (short runs)")
-    parser.add_argument("--model", type=Path, help="checkpoint folder (default: make one)")
-    parser.add_argument("--arch", default="llama")
-    parser.add_argument("--preset", default="tiny")
+    model_arguments(parser, "llama", "tiny")
     parser.add_argument("--clients", type=int, default=4, help="concurrent client threads")
     parser.add_argument("--max-tokens", type=int, default=16,
                         help="tokens of each request that runs to its end")

@@ -5,6 +5,7 @@ markdown output of result rows (dicts or dataclasses), and what each process gro
 
 from __future__ import annotations
 
+import argparse
 import csv
 import dataclasses
 import math
@@ -14,6 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from clients.provenance import provenance
 from orchestrator.cluster.devices import Devices
 
 PROMPTS = [
@@ -39,6 +41,16 @@ def reference(model_dir: Path, prompts: list[str], max_tokens: int, max_seq_len:
     tokenizer = load_tokenizer(model_dir)
     engine = load_engine(model_dir, max_seq_len=max_seq_len)
     return generate([engine], [tokenizer.encode(p).ids for p in prompts], max_tokens, eos_id)
+
+
+def model_arguments(parser: argparse.ArgumentParser, arch: str, preset: str) -> None:
+    """A bench's model: ``--model`` (a checkpoint folder), else a dummy ``--arch``
+    ``--preset`` one (:func:`dummy_model`)."""
+    parser.add_argument("--model", type=Path, help="checkpoint folder (default: a dummy one)")
+    parser.add_argument("--arch", default=arch, choices=["gpt2", "opt", "llama"],
+                        help="the dummy model's architecture")
+    parser.add_argument("--preset", default=preset, help="the dummy model's size (tiny, small, "
+                        "...)")
 
 
 def dummy_model(folder: Path, arch: str, preset: str) -> Path:
@@ -88,8 +100,9 @@ def _as_dict(row) -> dict:
 
 
 def write_csv(path: Path, rows: list) -> None:
-    """One line per row, the first row's fields as the header."""
-    dicts = [_as_dict(r) for r in rows]
+    """One line per row, the first row's fields as the header, then the run's ``date`` and
+    ``commit`` (:func:`clients.provenance.provenance`) on every row."""
+    dicts = [_as_dict(r) | provenance() for r in rows]
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(dicts[0]))
         writer.writeheader()
@@ -109,6 +122,19 @@ def markdown(rows: list, columns: dict[str, str]) -> str:
     lines = ["| " + " | ".join(columns.values()) + " |", "|" + "---:|" * len(columns)]
     lines += ["| " + " | ".join(fmt(d[key]) for key in columns) + " |" for d in dicts]
     return "\n".join(lines)
+
+
+def print_table(title: str, rows: list, columns: dict[str, str], width: int = 200) -> None:
+    """``rows`` on the terminal (rich): ``columns`` maps each field to its header."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for header in columns.values():
+        table.add_column(header, justify="right")
+    for row in map(_as_dict, rows):
+        table.add_row(*(fmt(row[key]) for key in columns))
+    Console(width=width).print(table)
 
 
 def metric(address: str, name: str, **labels: str) -> float:

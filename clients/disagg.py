@@ -43,7 +43,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from clients.common import dummy_model, markdown, on_machine, write_csv
+from clients.common import dummy_model, markdown, model_arguments, on_machine, write_csv
+from clients.provenance import save_figure
 from orchestrator.cluster.devices import Devices
 
 MODES = ("colocated", "colocated-pipeline", "disaggregated")
@@ -237,7 +238,7 @@ def plot(points: list[Point], path: Path) -> None:
         ax.legend()
     fig.suptitle("disaggregated vs colocated (data and pipeline parallel) at equal devices")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 
@@ -253,9 +254,7 @@ COLUMNS = {
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="dejavu bench disagg",
                                      description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, help="model folder (default: a dummy one)")
-    parser.add_argument("--arch", default="gpt2")
-    parser.add_argument("--preset", default="small")
+    model_arguments(parser, "gpt2", "small")
     parser.add_argument("--trace", choices=["conv", "code"], default="conv")
     parser.add_argument("--requests", type=int, default=16, help="requests per rate")
     parser.add_argument("--rates", type=float, nargs="+",

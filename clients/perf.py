@@ -34,7 +34,15 @@ from pathlib import Path
 
 import numpy as np
 
-from clients.common import Machines, dummy_model, fmt, markdown, on_machine, write_csv
+from clients.common import (
+    Machines,
+    dummy_model,
+    markdown,
+    model_arguments,
+    on_machine,
+    print_table,
+    write_csv,
+)
 from orchestrator.cluster.devices import Devices
 from orchestrator.cluster.tritonserver import ServerError
 
@@ -396,18 +404,6 @@ GENAI_COLUMNS = {
 }
 
 
-def print_table(title: str, rows: list, columns: dict[str, str]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=title)
-    for header in columns.values():
-        table.add_column(header, justify="right")
-    for row in rows:
-        table.add_row(*(fmt(getattr(row, key)) for key in columns))
-    Console(width=200).print(table)
-
-
 # -- the command -----------------------------------------------------------------------------
 
 
@@ -449,9 +445,7 @@ def _needs_openai(args) -> bool:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="dejavu bench serving",
                                      description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, help="model folder (default: make a dummy one)")
-    parser.add_argument("--arch", default="llama", help="dummy model's architecture")
-    parser.add_argument("--preset", default="tiny", help="dummy model's size")
+    model_arguments(parser, "llama", "tiny")
     parser.add_argument("--url", help="gRPC host:port of a running frontend (no local cluster)")
     parser.add_argument("--http-url", help="its HTTP host:port (genai-perf), with --url")
     parser.add_argument("--openai-url", help="its OpenAI-compatible API, http://host:port "

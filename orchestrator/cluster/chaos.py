@@ -4,9 +4,10 @@ Reads the state file that ``dejavu up`` wrote. ``kill`` signals a node's whole
 process group (the tritonserver and its Python-backend stubs: the launcher
 starts each node in a session of its own), waits until it is gone and removes
 the shared-memory regions a killed node leaves in /dev/shm. ``controller``
-names the fault controller, ``supervisor`` and ``watchdog`` the two that start
-lost processes again. ``drop`` makes a T-node of a replicating pipeline
-lose its transport connection to the next stage (the process lives on).
+names the fault controller, ``openai`` the OpenAI-compatible API, ``supervisor``
+and ``watchdog`` the two that start lost processes again. ``drop`` makes a
+T-node of a replicating pipeline lose its transport connection to the next
+stage (the process lives on).
 """
 
 from __future__ import annotations
@@ -28,12 +29,12 @@ SIGNALS = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM}
 
 
 def targets(state: dict, run_dir: str | Path) -> dict[str, dict]:
-    """Every process that can be killed, by name: the nodes, the controller, the supervisor
-    and its watchdog."""
+    """Every process that can be killed, by name: the nodes, the controller, the OpenAI API,
+    the supervisor and its watchdog."""
     found = {node["name"]: node for node in state["nodes"]}
-    if (state.get("controller") or {}).get("pid"):
-        found["controller"] = {"name": "controller", "role": "controller",
-                               **state["controller"]}
+    for role in ("controller", "openai"):
+        if (state.get(role) or {}).get("pid"):
+            found[role] = {"name": role, "role": role, **state[role]}
     for role in ("supervisor", "watchdog"):
         pid = read_pid(Path(run_dir), role)
         if pid is not None:
@@ -81,7 +82,8 @@ def drop(target: dict, secret_file: str) -> int:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="dejavu chaos", description=__doc__.splitlines()[0])
     parser.add_argument("action", choices=["list", "kill", "drop"])
-    parser.add_argument("node", nargs="?", help="a node's name (see list); kill: or controller")
+    parser.add_argument("node", nargs="?", help="a node's name (see list); kill: or "
+                        "controller, openai, supervisor, watchdog")
     parser.add_argument("--signal", choices=list(SIGNALS), default="KILL")
     parser.add_argument("--dir", default="runs/local", help="the cluster's folder")
     args = parser.parse_args(argv)

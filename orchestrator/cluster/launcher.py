@@ -53,7 +53,6 @@ from pathlib import Path
 from orchestrator.cluster.devices import Devices, parse_assignments
 from orchestrator.cluster.topology import Topology, decode_name, node_configs, write_node_repo
 from orchestrator.cluster.tritonserver import (
-    ROOT,
     ServerError,
     TritonServer,
     alive,
@@ -64,7 +63,7 @@ from orchestrator.cluster.tritonserver import (
     stop_processes,
     stop_servers,
 )
-from orchestrator.cluster.watchdog import STATE_FILE, STOPPING, read_pid, spawn
+from orchestrator.cluster.watchdog import STATE_FILE, STOPPING, read_pid, spawn, start_module
 from orchestrator.control.auth import UMASK, admin_token, load_secret, new_secret, write_secret
 from orchestrator.fault import ReplicateMode
 from orchestrator.pipeline import DEAD_AFTER_S, SwapMode
@@ -72,6 +71,7 @@ from orchestrator.serving.config import NodeConfig, Role
 
 Call = Callable[[str, str, list[bytes]], bytes]  # (node url, op, args) -> reply
 SECRET_FILE = "secret"
+OPENAI_STANDBY = "openai.standby"  # the FIFO the OpenAI API's warm spare waits on
 
 
 @dataclass
@@ -145,8 +145,6 @@ class Cluster:
         # Readable by this user only; the models get its path, never the secret.
         self.secret_file = write_secret(self.run_dir / SECRET_FILE, new_secret())
         admin = admin_token(load_secret(self.secret_file))
-        self.openai = (OpenAIApi(self.run_dir / "logs" / "openai.log", port=free_port())
-                       if openai else None)
         self.controller = Controller(self.run_dir / "logs" / "controller.log", port=free_port(),
                                      timeout_s=controller_timeout_s, secret_file=self.secret_file)
         self.backend_dir = make_backend_dir(self.run_dir / "backends")
@@ -180,6 +178,9 @@ class Cluster:
             shutil.rmtree(server.repo, ignore_errors=True)
             write_node_repo(server.repo, config)
             self.nodes.append(Node(config, server))
+        self.openai = (OpenAIApi(self.run_dir / "logs" / "openai.log", port=free_port(),
+                                 grpc_url=self.frontend.grpc_url, model_dir=self.model_dir)
+                       if openai else None)
 
     @classmethod
     def from_spec(cls, spec: dict, **kwargs) -> Cluster:
@@ -214,7 +215,7 @@ class Cluster:
             for node in self.nodes:
                 node.server.launch()
             if self.openai is not None:  # it needs no node to start: while they load
-                self.openai.start(self.frontend.grpc_url, self.model_dir, timeout_s)
+                self.openai.start(timeout_s)
             for node in self.nodes:
                 node.server.wait_ready(timeout_s)
             pipelines = [stages for stages in self.decode_pipelines() if len(stages) > 1]
@@ -311,20 +312,17 @@ def device_params(devices: Devices | None) -> dict:
 
 @dataclass
 class HelperProcess:
-    """A cluster process that is not a tritonserver (the controller, the OpenAI API): started
-    in its own session (Ctrl-C in a shell must not stop it) with its output in ``log_path``."""
+    """A cluster process that is not a tritonserver (the controller, the OpenAI API), its
+    output in ``log_path`` (:func:`orchestrator.cluster.watchdog.start_module`)."""
 
     log_path: Path
     process: subprocess.Popen | None = None
 
     def spawn(self, args: list[str], what: str, ready, timeout_s: float) -> None:
         """Start ``python -m args`` and wait until ``ready(lines logged since)`` is true."""
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
-            seen = log.tell()  # started again: only this run's lines count
-            self.process = subprocess.Popen([sys.executable, "-m", *args], stdout=log,
-                                            stderr=subprocess.STDOUT, cwd=ROOT,
-                                            start_new_session=True, umask=UMASK)
+        # Started again: only this run's lines count.
+        seen = self.log_path.stat().st_size if self.log_path.exists() else 0
+        self.process = start_module(args, self.log_path)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -359,6 +357,13 @@ class Controller(HelperProcess):
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    @classmethod
+    def described(cls, state: dict) -> Controller:
+        """The controller a cluster's state file describes (to start it again)."""
+        c = state["controller"]
+        return cls(Path(c["log"]), port=int(c["address"].rsplit(":", 1)[1]),
+                   timeout_s=float(c["timeout_s"]), secret_file=Path(state["secret_file"]))
+
     def start(self, timeout_s: float = 30.0) -> None:
         listening = f"controller listening on {self.address}"
         self.spawn(["orchestrator.fault.controller", "--port", str(self.port), "--timeout-s",
@@ -375,15 +380,31 @@ class OpenAIApi(HelperProcess):
     """The OpenAI-compatible API's process (``python -m orchestrator.serving.openai_server``)."""
 
     port: int = 0
+    grpc_url: str = ""  # the frontend's
+    model_dir: Path | None = None  # its tokenizer
+
+    @classmethod
+    def described(cls, state: dict) -> OpenAIApi:
+        """The OpenAI API a cluster's state file describes (to start it again)."""
+        api = state["openai"]
+        return cls(Path(api["log"]), port=int(api["url"].split(":")[2].split("/")[0]),
+                   grpc_url=state["frontend"]["grpc"], model_dir=Path(state["model_dir"]))
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
 
-    def start(self, grpc_url: str, model_dir: Path, timeout_s: float = 60.0) -> None:
-        self.spawn(["orchestrator.serving.openai_server", "--grpc-url", grpc_url,
-                    "--model-dir", str(model_dir), "--port", str(self.port)],
-                   "OpenAI API", lambda _: self.answers(), timeout_s)
+    def arguments(self) -> list[str]:
+        return ["orchestrator.serving.openai_server", "--grpc-url", self.grpc_url,
+                "--model-dir", str(self.model_dir), "--port", str(self.port)]
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        self.spawn(self.arguments(), "OpenAI API", lambda _: self.answers(), timeout_s)
+
+    def start_standby(self, fifo: Path) -> subprocess.Popen:
+        """A warm spare on this port: it loads, then serves once ``fifo`` is opened for
+        writing (:func:`promote_standby`); not waited for."""
+        return start_module([*self.arguments(), "--standby", str(fifo)], self.log_path)
 
     def answers(self) -> bool:
         try:
@@ -394,6 +415,20 @@ class OpenAIApi(HelperProcess):
 
     def describe(self) -> dict:
         return {"url": self.url, "pid": self.pid, "log": str(self.log_path)}
+
+
+def promote_standby(fifo: Path) -> bool:
+    """Tell the OpenAI API's warm spare waiting on ``fifo`` to serve; False if none waits
+    (still loading, or gone)."""
+    try:
+        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:  # ENXIO: no reader
+        return False
+    try:
+        os.write(fd, b"\n")
+    finally:
+        os.close(fd)
+    return True
 
 
 def connect_pipeline(call: Call, urls: list[str], replicate: bool = False) -> None:
@@ -424,6 +459,18 @@ def read_state(run_dir: str | Path) -> dict:
 
 def _dir_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dir", default="runs/local", help="the cluster's folder")
+
+
+def _running(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace | None:
+    """``parser``'s arguments and ``--dir``; None, said on stderr, if no cluster runs there."""
+    _dir_argument(parser)
+    args = parser.parse_args(argv)
+    try:
+        read_state(args.dir)
+    except FileNotFoundError as exc:
+        print(exc, file=sys.stderr)
+        return None
+    return args
 
 
 def topology_arguments(parser: argparse.ArgumentParser) -> None:
@@ -531,13 +578,10 @@ def _devices(node: dict) -> str:
 def status_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="dejavu status", description="show the local cluster")
     parser.add_argument("--json", action="store_true", help="print the state as JSON")
-    _dir_argument(parser)
-    args = parser.parse_args(argv)
-    try:
-        state = read_state(args.dir)
-    except FileNotFoundError as exc:
-        print(exc, file=sys.stderr)
+    args = _running(parser, argv)
+    if args is None:
         return 1
+    state = read_state(args.dir)
     for node in state["nodes"]:
         node["ready"] = is_ready(node["http"])
     view = controller_view(state)
@@ -596,14 +640,10 @@ def controller_view(state: dict) -> dict:
 
 def down_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="dejavu down", description="stop the local cluster")
-    _dir_argument(parser)
-    args = parser.parse_args(argv)
-    try:
-        stopped = stop_described(args.dir)
-    except FileNotFoundError as exc:
-        print(exc, file=sys.stderr)
+    args = _running(parser, argv)
+    if args is None:
         return 1
-    for what in stopped:
+    for what in stop_described(args.dir):
         print(f"stopped {what}")
     (Path(args.dir) / STATE_FILE).unlink(missing_ok=True)
     return 0
@@ -630,7 +670,9 @@ def stop_described(run_dir: str | Path) -> list[str]:
     if (state.get("controller") or {}).get("pid"):
         stop_processes([state["controller"]["pid"]], timeout_s=5.0)
         stopped.append("the controller")
-    if (state.get("openai") or {}).get("pid"):
-        stop_processes([state["openai"]["pid"]], timeout_s=5.0)
+    api = state.get("openai") or {}
+    if api.get("pid"):
+        stop_processes([api["pid"], *([api["standby_pid"]] if api.get("standby_pid") else [])],
+                       timeout_s=5.0)
         stopped.append("the OpenAI API")
     return stopped

@@ -28,18 +28,18 @@ after the heartbeat timeout.
 It also keeps the processes the controller does not watch: a lost controller
 is started again on its port (the nodes register again and re-send their acks,
 so a stage lost meanwhile is declared dead then and recovered as above), a
-lost frontend on its ports, and a lost watchdog
+lost frontend on its ports, a lost OpenAI API on its port (a warm spare
+of it, loaded and waiting, serves at once), and a lost watchdog
 (:mod:`orchestrator.cluster.watchdog`), which in turn starts a lost supervisor.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
+import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import asdict, replace
@@ -49,11 +49,25 @@ import grpc
 
 from orchestrator.cluster.chaos import kill
 from orchestrator.cluster.devices import node_devices
-from orchestrator.cluster.launcher import STATE_FILE, Controller, connect_pipeline, read_state
+from orchestrator.cluster.launcher import (
+    OPENAI_STANDBY,
+    STATE_FILE,
+    Controller,
+    OpenAIApi,
+    connect_pipeline,
+    promote_standby,
+    read_state,
+)
 from orchestrator.cluster.pid_watch import PidWatch
 from orchestrator.cluster.topology import write_node_repo
 from orchestrator.cluster.tritonserver import ServerError, TritonServer, alive, clean_shm
-from orchestrator.cluster.watchdog import keep, stopping, write_atomic
+from orchestrator.cluster.watchdog import (
+    MODULES,
+    keep,
+    keeper_arguments,
+    stopping,
+    write_atomic,
+)
 from orchestrator.control.auth import admin_token, load_secret
 from orchestrator.control.client import ControlClient
 from orchestrator.fault.client import query_status
@@ -63,6 +77,7 @@ from orchestrator.serving.config import NodeConfig, Role
 
 log = logging.getLogger("dejavu.supervisor")
 PLAN_POLL_S = 0.02  # the head is paused meanwhile: ask often
+STANDBY_EVERY_S = 5.0
 
 
 class Supervisor:
@@ -81,6 +96,7 @@ class Supervisor:
         self.link_check_s, self.next_link_check = 1.0, 0.0
         self.paused_since: dict[str, float] = {}  # pipeline -> first seen paused, all alive
         self.watchdog: subprocess.Popen | None = None  # the one it started last
+        self.next_standby = 0.0  # when an OpenAI API spare may start next
         state = read_state(run_dir)
         self.secret = load_secret(state["secret_file"])
         self.control = ControlClient(self.secret, call_timeout_s)
@@ -125,27 +141,13 @@ class Supervisor:
                 self.check_links(state, view)
 
     def keep_processes(self, state: dict) -> None:
-        """Start the watchdog, the controller and the frontend again if they are gone (the
-        nodes come back through the controller's view: :meth:`recover`)."""
+        """Start the watchdog, the controller, the OpenAI API and the frontend again if they
+        are gone (the nodes come back through the controller's view: :meth:`recover`)."""
         self.watchdog = keep(self.run_dir, "watchdog", self.watchdog)
-        controller = state["controller"]
-        if not alive(controller["pid"]) and not stopping(self.run_dir):
-            log.warning("the controller is gone (pid %s); starting it again", controller["pid"])
-            again = Controller(Path(controller["log"]),
-                               port=int(controller["address"].rsplit(":", 1)[1]),
-                               timeout_s=float(controller["timeout_s"]),
-                               secret_file=Path(state["secret_file"]))
-            try:
-                again.start()
-            except ServerError:
-                log.exception("the controller did not start; trying again")
-                return
-            except BaseException:  # stopped meanwhile: leave no controller behind
-                again.stop()
-                raise
-            self.children.append(again.process)
-            controller["pid"] = again.process.pid
-            self.write_state(state)
+        if not alive(state["controller"]["pid"]) and not stopping(self.run_dir):
+            self.start_again(state, "controller", Controller.described(state))
+        if state.get("openai") and not stopping(self.run_dir):
+            self.keep_openai(state)
         for node in state["nodes"]:
             if node["role"] == "frontend" and not alive(node["pid"]) and not stopping(
                     self.run_dir):
@@ -154,6 +156,47 @@ class Supervisor:
                     self.ready(self.launch(state, node), node)
                 except ServerError:
                     log.exception("the frontend did not start; trying again")
+
+    def keep_openai(self, state: dict) -> None:
+        """A lost OpenAI API: its warm spare serves in its place (no start, no imports: a
+        fraction of a second), or, if none is ready, a new one starts; then a new spare
+        starts, not waited for."""
+        api, fifo = state["openai"], self.run_dir / OPENAI_STANDBY
+        if not alive(api["pid"]):
+            if api.get("standby_pid") and promote_standby(fifo):
+                log.warning("the openai is gone (pid %s); its standby (pid %s) serves",
+                            api["pid"], api["standby_pid"])
+                api["pid"], api["standby_pid"] = api["standby_pid"], None
+                self.write_state(state)
+            else:
+                self.start_again(state, "openai", OpenAIApi.described(state))
+        if (not (api.get("standby_pid") and alive(api["standby_pid"]))
+                and time.monotonic() >= self.next_standby):
+            # At most one start per STANDBY_EVERY_S: a spare that cannot start must not
+            # become a loop of interpreters loading.
+            self.next_standby = time.monotonic() + STANDBY_EVERY_S
+            if not fifo.exists():
+                os.mkfifo(fifo, 0o600)
+            standby = OpenAIApi.described(state).start_standby(fifo)
+            self.children.append(standby)
+            api["standby_pid"] = standby.pid
+            self.write_state(state)
+
+    def start_again(self, state: dict, key: str, helper: Controller | OpenAIApi) -> None:
+        """Start the lost ``state[key]`` process (the controller, the OpenAI API) and record
+        its new pid; one that fails to start is tried again at the next poll."""
+        log.warning("the %s is gone (pid %s); starting it again", key, state[key]["pid"])
+        try:
+            helper.start()
+        except ServerError:
+            log.exception("the %s did not start; trying again", key)
+            return
+        except BaseException:  # stopped meanwhile: leave none behind
+            helper.stop()
+            raise
+        self.children.append(helper.process)
+        state[key]["pid"] = helper.pid
+        self.write_state(state)
 
     def check_links(self, state: dict, view: dict) -> None:
         """A head paused for a repair while the controller sees every stage alive (for
@@ -368,15 +411,7 @@ def _stages(state: dict, pipeline: int) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m orchestrator.cluster.supervisor",
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument("--dir", type=Path, required=True, help="the cluster's folder")
-    parser.add_argument("--poll-s", type=float, default=0.2)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s "
-                        "%(message)s")
-    # Exit at once, even while waiting for a node: what it launched is in the state file.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    args = keeper_arguments(MODULES["supervisor"], __doc__.splitlines()[0], 0.2, argv)
     supervisor = Supervisor(args.dir.resolve(), args.poll_s)
     print(f"supervisor watching {args.dir}", flush=True)
     supervisor.run()

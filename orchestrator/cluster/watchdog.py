@@ -54,14 +54,21 @@ def stopping(run_dir: Path) -> bool:
     return (run_dir / STOPPING).exists() or not (run_dir / STATE_FILE).exists()
 
 
-def spawn(run_dir: Path, role: str) -> subprocess.Popen:
-    """Start the cluster's ``role`` (supervisor | watchdog), logging to ``logs/<role>.log``."""
-    log_path = run_dir / "logs" / f"{role}.log"
+def start_module(args: list[str], log_path: Path) -> subprocess.Popen:
+    """``python -m args`` in a session of its own (Ctrl-C in a shell must not stop it; a
+    kill of its group takes its children too), its output appended to ``log_path``."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as out:
-        process = subprocess.Popen([sys.executable, "-m", MODULES[role], "--dir", str(run_dir)],
-                                   stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-                                   start_new_session=True, umask=UMASK)
+        return subprocess.Popen([sys.executable, "-m", *args], stdout=out,
+                                stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+                                umask=UMASK)
+
+
+def spawn(run_dir: Path, role: str) -> subprocess.Popen:
+    """Start the cluster's ``role`` (supervisor | watchdog), logging to ``logs/<role>.log``,
+    and record its pid."""
+    process = start_module([MODULES[role], "--dir", str(run_dir)],
+                           run_dir / "logs" / f"{role}.log")
     write_pid(run_dir, role, process.pid)
     return process
 
@@ -80,14 +87,22 @@ def keep(run_dir: Path, role: str, child: subprocess.Popen | None) -> subprocess
     return spawn(run_dir, role)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m orchestrator.cluster.watchdog",
-                                     description=__doc__.splitlines()[0])
+def keeper_arguments(prog: str, description: str, poll_s: float,
+                     argv: list[str] | None) -> argparse.Namespace:
+    """The supervisor's and the watchdog's start: ``--dir`` and ``--poll-s``, logging, and
+    an exit at once on SIGTERM (even mid-wait: what either started is on record)."""
+    parser = argparse.ArgumentParser(prog=f"python -m {prog}", description=description)
     parser.add_argument("--dir", type=Path, required=True, help="the cluster's folder")
-    parser.add_argument("--poll-s", type=float, default=0.5)
+    parser.add_argument("--poll-s", type=float, default=poll_s)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s "
+                        "%(message)s")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = keeper_arguments(MODULES["watchdog"], __doc__.splitlines()[0], 0.5, argv)
     run_dir = args.dir.resolve()
     child = None
     while not stopping(run_dir):

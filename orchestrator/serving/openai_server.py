@@ -33,6 +33,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -650,13 +651,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-prompt-bytes", type=int, default=None,
                         help="a longer prompt is refused before it is tokenized (default: "
                              "the context times the tokenizer's longest token)")
+    parser.add_argument("--standby", type=Path, metavar="FIFO",
+                        help="a warm spare: load, then serve only once FIFO is opened for "
+                        "writing (the cluster's supervisor keeps one)")
     args = parser.parse_args(argv)
     import uvicorn
 
     server = OpenAIServer(args.grpc_url, args.model_dir, args.model_name, args.triton_model,
                           args.max_prompt_bytes)
-    uvicorn.run(create_app(server, args.max_body_bytes), host=args.host, port=args.port,
-                log_level="warning")
+    app = create_app(server, args.max_body_bytes)
+    if args.standby is not None:
+        # Read and write (Linux): the open returns at once, so the FIFO shows as held, and
+        # the read waits for the supervisor's byte.
+        go = os.open(args.standby, os.O_RDWR)
+        os.read(go, 1)
+        os.close(go)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 
 if __name__ == "__main__":

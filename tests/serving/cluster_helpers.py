@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from clients import breakdown, common
 from clients.common import PROMPTS as ALL_PROMPTS
@@ -37,12 +38,42 @@ def reference(model_dir: Path, prompts: list[str], max_tokens: int) -> list[list
     return common.reference(model_dir, prompts, max_tokens, MAX_SEQ_LEN)
 
 
+def module_cluster(folder: str, up: Callable[..., object] = cluster_up, **kwargs):
+    """A module-scoped fixture: one cluster, ``up(model, <tmp>/<folder>N, **kwargs)``, that
+    the module's tests share (assign it to the fixture's name)."""
+
+    @pytest.fixture(scope="module")
+    def fixture(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+        with up(model, tmp_path_factory.mktemp(folder), **kwargs) as cluster:
+            yield cluster
+
+    return fixture
+
+
+def module_reference(prompts: list[str], max_tokens: int):
+    """A module-scoped fixture: the reference's tokens for ``prompts`` (assign it to the
+    fixture's name)."""
+
+    @pytest.fixture(scope="module")
+    def fixture(model: Path) -> list[list[int]]:
+        return reference(model, prompts, max_tokens)
+
+    return fixture
+
+
 def run_concurrently(protocol: str, url: str, prompts: list[str], **params) -> list[list]:
     """Every prompt at once; each result is that request's list of chunks."""
     run = stream_grpc if protocol == "grpc" else stream_http
     with ThreadPoolExecutor(len(prompts)) as pool:
         futures = [pool.submit(lambda p=p: list(run(url, p, **params))) for p in prompts]
         return [f.result(timeout=120) for f in futures]
+
+
+def ids_concurrently(protocol: str, url: str, prompts: list[str], max_tokens: int
+                     ) -> list[list[int]]:
+    """Every prompt at once (:func:`run_concurrently`): each request's token ids."""
+    return [ids_of(chunks) for chunks in run_concurrently(protocol, url, prompts,
+                                                          max_tokens=max_tokens)]
 
 
 def stream_orchestrator(url: str, prompt_ids: list[int], max_tokens: int, secret: bytes):

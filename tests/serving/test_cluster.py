@@ -23,12 +23,12 @@ from cluster_helpers import (
     PROMPTS,
     assert_log_probs_match_reference,
     cancel_rounds,
-    cluster_up,
     eventually,
     first_tokens,
     ids_of,
     metric,
-    reference,
+    module_cluster,
+    module_reference,
     report_cancels,
     run_concurrently,
     stream_orchestrator,
@@ -58,15 +58,8 @@ pytestmark = pytest.mark.slow
 MAX_TOKENS = 12
 
 
-@pytest.fixture(scope="module")
-def cluster(model, tmp_path_factory):
-    with cluster_up(model, tmp_path_factory.mktemp("disaggregated"), prefill=1, decode=1) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def expected(model):
-    return reference(model, PROMPTS, MAX_TOKENS)
+cluster = module_cluster("disaggregated", prefill=1, decode=1)
+expected = module_reference(PROMPTS, MAX_TOKENS)
 
 
 def secret(cluster) -> bytes:

@@ -11,10 +11,10 @@ from cluster_helpers import (
     assert_all_freed,
     cluster_up,
     fault_cluster,
+    ids_concurrently,
     ids_of,
     kill_mid_stream,
     reference,
-    run_concurrently,
 )
 
 from orchestrator.cluster.launcher import read_state
@@ -29,8 +29,7 @@ def test_colocated_matches_reference(model, tmp_path):
         assert not cluster.role("prefill")
         urls = {"grpc": cluster.frontend.grpc_url, "http": cluster.frontend.http_url}
         for protocol, url in urls.items():
-            results = run_concurrently(protocol, url, PROMPTS, max_tokens=MAX_TOKENS)
-            assert [ids_of(chunks) for chunks in results] == expected
+            assert ids_concurrently(protocol, url, PROMPTS, MAX_TOKENS) == expected
 
 
 def test_a_colocated_depth_2_pipeline_matches_reference_and_resumes_a_lost_stage(
@@ -40,9 +39,8 @@ def test_a_colocated_depth_2_pipeline_matches_reference_and_resumes_a_lost_stage
     expected = reference(model, PROMPTS, FAULT_TOKENS)
     with fault_cluster(model, tmp_path, colocated=True, decode_depth=2) as cluster:
         assert not cluster.role("prefill")
-        results = run_concurrently("grpc", cluster.frontend.grpc_url, PROMPTS,
-                                   max_tokens=FAULT_TOKENS)
-        assert [ids_of(chunks) for chunks in results] == expected
+        url = cluster.frontend.grpc_url
+        assert ids_concurrently("grpc", url, PROMPTS, FAULT_TOKENS) == expected
         requests = kill_mid_stream(cluster, PROMPTS[:4], ["decode0s1"])
         assert [r.error for r in requests] == [None] * 4
         assert [ids_of(r.chunks) for r in requests] == expected[:4]

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cluster_helpers import PROMPTS, ids_of, reference
+from cluster_helpers import PROMPTS, ids_of, module_reference
 
 from clients.generate import stream_http
 from orchestrator.cluster.tritonserver import ROOT, free_port, is_ready
@@ -110,9 +110,7 @@ def leaked_shm() -> list[str]:
             if p.name.startswith(tuple(f"dejavu_{n}_8001_" for n in NODES))]
 
 
-@pytest.fixture(scope="module")
-def expected(model):
-    return reference(model, PROMPTS[:4], MAX_TOKENS)
+expected = module_reference(PROMPTS[:4], MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")

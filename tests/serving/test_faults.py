@@ -10,21 +10,23 @@ import json
 import os
 import signal
 import time
+import urllib.request
+from pathlib import Path
 
 import pytest
 from cluster_helpers import (
     PROMPTS,
-    cluster_up,
     eventually,
+    ids_concurrently,
     ids_of,
     metric,
-    reference,
-    run_concurrently,
+    module_cluster,
+    module_reference,
 )
 
 from clients.generate import stream_grpc
 from orchestrator.cluster import chaos
-from orchestrator.cluster.launcher import read_state, status_main
+from orchestrator.cluster.launcher import OPENAI_STANDBY, read_state, status_main
 from orchestrator.cluster.tritonserver import alive, is_ready
 from orchestrator.cluster.watchdog import read_pid
 
@@ -33,16 +35,8 @@ MAX_TOKENS = 8
 CONTROLLER_TIMEOUT_S = 3.0
 
 
-@pytest.fixture(scope="module")
-def cluster(model, tmp_path_factory):
-    with cluster_up(model, tmp_path_factory.mktemp("faults"), prefill=2, decode=1,
-                    controller_timeout_s=CONTROLLER_TIMEOUT_S) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def expected(model):
-    return reference(model, PROMPTS * 2, MAX_TOKENS)
+cluster = module_cluster("faults", prefill=2, decode=1, controller_timeout_s=CONTROLLER_TIMEOUT_S)
+expected = module_reference(PROMPTS * 2, MAX_TOKENS)
 
 
 def status(cluster, capsys) -> tuple[int, dict]:
@@ -83,8 +77,7 @@ def test_a_killed_prefill_node_costs_a_pause_not_an_error(cluster, expected, cap
     dead = cluster.role("prefill")[0].server
     # Killed just before a burst: the router has not seen it fail, so JSQ sends it some.
     chaos_kill(cluster, dead.name, capsys)
-    results = run_concurrently("grpc", cluster.frontend.grpc_url, prompts, max_tokens=MAX_TOKENS)
-    assert [ids_of(chunks) for chunks in results] == expected
+    assert ids_concurrently("grpc", cluster.frontend.grpc_url, prompts, MAX_TOKENS) == expected
     retried = reruns(cluster)
     assert retried >= 1  # the burst did meet the dead node
 
@@ -109,14 +102,11 @@ def test_a_killed_prefill_node_costs_a_pause_not_an_error(cluster, expected, cap
     deadline = time.monotonic() + 30
     while metric(dead, "dejavu_requests", outcome="finished") == 0:
         assert time.monotonic() < deadline, "the restarted P-node got no prompt"
-        results = run_concurrently("grpc", cluster.frontend.grpc_url, prompts[:4],
-                                   max_tokens=MAX_TOKENS)
-        assert [ids_of(chunks) for chunks in results] == expected[:4]
+        assert ids_concurrently("grpc", cluster.frontend.grpc_url, prompts[:4],
+                                MAX_TOKENS) == expected[:4]
     # Serving again, it takes its prompts at the first try: no prompt runs twice.
     retried, finished = reruns(cluster), metric(dead, "dejavu_requests", outcome="finished")
-    results = run_concurrently("grpc", cluster.frontend.grpc_url, prompts,
-                               max_tokens=MAX_TOKENS)
-    assert [ids_of(chunks) for chunks in results] == expected
+    assert ids_concurrently("grpc", cluster.frontend.grpc_url, prompts, MAX_TOKENS) == expected
     eventually(lambda: metric(dead, "dejavu_requests", outcome="finished"),
                lambda n: n > finished)
     assert metric(dead, "dejavu_requests", outcome="failed") == 0
@@ -136,9 +126,8 @@ def wait_for(what: str, ok, timeout_s: float) -> None:
 
 
 def serves_every_request_once(cluster, expected) -> None:
-    results = run_concurrently("grpc", cluster.frontend.grpc_url, PROMPTS * 2,
-                               max_tokens=MAX_TOKENS)
-    assert [ids_of(chunks) for chunks in results] == expected
+    url = cluster.frontend.grpc_url
+    assert ids_concurrently("grpc", url, PROMPTS * 2, MAX_TOKENS) == expected
 
 
 def test_serving_goes_on_without_the_controller_and_it_comes_back(cluster, expected, capsys):
@@ -164,6 +153,46 @@ def test_a_killed_frontend_is_started_again(cluster, expected, capsys):
     wait_for("a new frontend", lambda: frontend_pid() != before and alive(frontend_pid()), 60)
     wait_for("the frontend ready", lambda: is_ready(cluster.frontend.http_url), 120)
     serves_every_request_once(cluster, expected)
+
+
+def complete(cluster, prompt: str) -> str:
+    """A greedy completion through the OpenAI API of the state file (raises if it is down)."""
+    body = json.dumps({"model": cluster.model_dir.name, "prompt": prompt,
+                       "max_tokens": MAX_TOKENS, "temperature": 0}).encode()
+    url = read_state(cluster.run_dir)["openai"]["url"]
+    request = urllib.request.Request(f"{url}/completions", body,
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return json.loads(response.read())["choices"][0]["text"]
+
+
+def standby_waiting(cluster) -> bool:
+    """The OpenAI API's warm spare is loaded: it holds the FIFO it waits on open."""
+    pid = read_state(cluster.run_dir)["openai"].get("standby_pid")
+    fifo = str(cluster.run_dir / OPENAI_STANDBY)
+    try:
+        return pid is not None and any(os.readlink(fd) == fifo
+                                       for fd in Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:  # gone meanwhile
+        return False
+
+
+def test_a_killed_openai_api_serves_again_within_5_s(cluster, capsys):
+    assert chaos.main(["list", "--dir", str(cluster.run_dir)]) == 0
+    assert "openai " in capsys.readouterr().out
+    before, text = read_state(cluster.run_dir)["openai"]["pid"], complete(cluster, PROMPTS[2])
+    wait_for("the OpenAI API's standby loaded", lambda: standby_waiting(cluster), 60)
+    chaos_kill(cluster, "openai", capsys)
+    killed = time.monotonic()
+    while True:  # the supervisor starts it again on its port
+        try:
+            again = complete(cluster, PROMPTS[2])
+            break
+        except OSError:  # refused, reset: not back yet
+            assert time.monotonic() - killed < 5.0, "the OpenAI API not back within 5 s"
+            time.sleep(0.05)
+    assert again == text
+    assert read_state(cluster.run_dir)["openai"]["pid"] not in (None, before)
 
 
 def test_a_killed_supervisor_is_started_again_and_still_recovers_nodes(cluster, expected,

@@ -8,10 +8,10 @@ from cluster_helpers import (
     PROMPTS,
     cluster_up,
     eventually,
+    ids_concurrently,
     ids_of,
     metric,
     reference,
-    run_concurrently,
 )
 
 from clients.generate import stream_grpc
@@ -26,8 +26,7 @@ def test_two_by_two_then_a_decode_node_dies(tiny_model, tmp_path):
     expected = reference(model, prompts, MAX_TOKENS)
     with cluster_up(model, tmp_path, prefill=2, decode=2) as cluster:
         url = cluster.frontend.grpc_url
-        results = run_concurrently("grpc", url, prompts, max_tokens=MAX_TOKENS)
-        assert [ids_of(chunks) for chunks in results] == expected
+        assert ids_concurrently("grpc", url, prompts, MAX_TOKENS) == expected
 
         # Both T-nodes idle: JSQ picks decode0 first. Stop it.
         dead = cluster.role("decode")[0].server
@@ -39,5 +38,4 @@ def test_two_by_two_then_a_decode_node_dies(tiny_model, tmp_path):
         eventually(lambda: metric(cluster.frontend, "dejavu_reruns", what="request"),
                    lambda n: n > rerun)
         # The router leaves the dead node out; the survivors serve every request.
-        results = run_concurrently("grpc", url, prompts[:4], max_tokens=MAX_TOKENS)
-        assert [ids_of(chunks) for chunks in results] == expected[:4]
+        assert ids_concurrently("grpc", url, prompts[:4], MAX_TOKENS) == expected[:4]

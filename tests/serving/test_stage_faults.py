@@ -22,6 +22,8 @@ from cluster_helpers import (
     ids_of,
     kill_mid_stream,
     metric,
+    module_cluster,
+    module_reference,
     reference,
 )
 
@@ -47,16 +49,8 @@ def recoveries(cluster: Cluster) -> list[dict]:
     return repairs(cluster, "resumed", "recomputed")
 
 
-@pytest.fixture(scope="module")
-def expected(model):
-    return reference(model, PROMPTS[:4], FAULT_TOKENS)
-
-
-@pytest.fixture(scope="module")
-def depth2(model, tmp_path_factory):
-    with fault_cluster(model, tmp_path_factory.mktemp("depth2"), decode=1,
-                       decode_depth=2) as cluster:
-        yield cluster
+expected = module_reference(PROMPTS[:4], FAULT_TOKENS)
+depth2 = module_cluster("depth2", fault_cluster, decode=1, decode_depth=2)
 
 
 def test_a_killed_stage_resumes_from_its_replicas_twice_in_a_row(depth2, expected):
