@@ -238,7 +238,9 @@ def is_ready(http_url: str) -> bool:
 def stop_processes(pids: list[int], timeout_s: float = 15.0) -> None:
     """SIGTERM all at once, then SIGKILL what is left after ``timeout_s``, and what is left
     of each one's process group (pgid == pid where started with ``start_new_session``): a
-    Python-backend stub whose finalize hangs outlives its server, and ignores SIGTERM."""
+    Python-backend stub whose finalize hangs outlives its server, and ignores SIGTERM.
+    Never init or this process itself (a state file that names them is not ours to act on)."""
+    pids = [pid for pid in pids if pid > 1 and pid not in (os.getpid(), os.getpgrp())]
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)

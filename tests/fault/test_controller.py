@@ -367,6 +367,7 @@ def test_the_supervisors_pid_watch_reports_a_node_whose_process_ended(controller
         beats.stop()
         server.kill()
         server.wait(10)
+        (tmp_path / "cluster.json").unlink()  # it names this process and init: no cluster
 
 
 def test_a_killed_process_reads_dying_before_it_is_reaped() -> None:
