@@ -16,10 +16,17 @@ from orchestrator.cluster.devices import Devices
 from orchestrator.engine.config import ModelConfig
 from orchestrator.planner import workload as wl
 from orchestrator.planner.kv_sink import TRANSPORTS
-from orchestrator.planner.perf_model import Profile, Workload, profile_from_config, profile_live
+from orchestrator.planner.perf_model import (
+    Profile,
+    Workload,
+    profile_from_config,
+    profile_live,
+    timings_from_engine_profile,
+)
 from orchestrator.planner.planner import Plan, plan
 from orchestrator.planner.search import exhaustive
 from orchestrator.planner.simulator import SimResult
+from orchestrator.profiles.profile import load_profile
 
 GB = 1e9
 
@@ -43,6 +50,9 @@ def _plan_parser() -> argparse.ArgumentParser:
                     "(as in serving), or local (one process, memmove)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads while profiling (more oversubscribe shared cores)")
+    ap.add_argument("--engine-profile", help="take Y and t from this engine profile (a file or "
+                    "a shipped name, the emulated engine's cost model) instead of profiling; "
+                    "m from --m (default 1)")
     ap.add_argument("--Y", type=float, help="what-if: prompt time (s), skips profiling")
     ap.add_argument("--t", type=float, help="what-if: token step time (s)")
     ap.add_argument("--m", type=float, help="what-if: streaming overhead factor")
@@ -59,7 +69,9 @@ def plan_main(argv: list[str]) -> int:
     ap = _plan_parser()
     args = ap.parse_args(argv)
     typed = [args.Y, args.t, args.m]
-    if any(v is not None for v in typed) and None in typed:
+    if args.engine_profile and (args.Y is not None or args.t is not None):
+        ap.error("--engine-profile gives Y and t: drop --Y and --t")
+    if not args.engine_profile and any(v is not None for v in typed) and None in typed:
         ap.error("what-if planning needs all of --Y, --t and --m")
     try:
         machines = [Devices.parse(d) for d in args.devices]
@@ -67,7 +79,15 @@ def plan_main(argv: list[str]) -> int:
         if args.machines < 1 or args.memory_gb <= 0:
             raise ValueError("--machines must be >= 1 and --memory-gb positive")
         memory = args.memory_gb * GB
-        if args.Y is not None:
+        if args.engine_profile:
+            engine_profile = load_profile(args.engine_profile)
+            Y, t = timings_from_engine_profile(engine_profile, workload)
+            profile = profile_from_config(
+                ModelConfig.from_dir(args.model), workload, memory, Y, t,
+                1.0 if args.m is None else args.m, args.dtype,
+                source=f"engine profile {engine_profile.name}")
+            m_raw = None
+        elif args.Y is not None:
             cfg = ModelConfig.from_dir(args.model)
             profile = profile_from_config(cfg, workload, memory, args.Y, args.t, args.m, args.dtype)
             m_raw = None
