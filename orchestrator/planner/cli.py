@@ -26,7 +26,7 @@ from orchestrator.planner.perf_model import (
 from orchestrator.planner.planner import Plan, plan
 from orchestrator.planner.search import exhaustive
 from orchestrator.planner.simulator import SimResult
-from orchestrator.profiles.profile import load_profile
+from orchestrator.profiles.profile import EngineProfile, load_profile
 
 GB = 1e9
 
@@ -158,6 +158,8 @@ def _simulate_parser() -> argparse.ArgumentParser:
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--rate", type=float, help="Poisson arrivals per second (default: all at 0)")
     ap.add_argument("--profile", type=Path, help="a spec written by `dejavu plan` to calibrate")
+    ap.add_argument("--engine-profile", help="time every pass by this engine profile (file or "
+                    "shipped name): the emulated engine's cost model")
     ap.add_argument("--prompt-len", type=int, default=512, help="synthetic prompts")
     ap.add_argument("--new-tokens", type=int, default=128, help="synthetic N")
     ap.add_argument("--early-stops", action="store_true", help="synthetic: stop in 1..N")
@@ -195,10 +197,11 @@ def _requests(args) -> list[wl.Request]:
     return wl.poisson(reqs, args.rate, args.seed) if args.rate else reqs
 
 
-def best_per_policy(profile: Profile, requests: list[wl.Request], machines: int) -> dict:
+def best_per_policy(profile: Profile, requests: list[wl.Request], machines: int,
+                    cost: EngineProfile | None = None) -> dict:
     """The shortest makespan each policy reaches with ``machines``: {policy: (layout, result)}."""
     best: dict[str, tuple] = {}
-    for layout, result in exhaustive(profile, requests, machines):
+    for layout, result in exhaustive(profile, requests, machines, cost=cost):
         best.setdefault(result.policy, (layout, result))
     return best
 
@@ -212,12 +215,13 @@ def simulate_main(argv: list[str]) -> int:
         if args.profile:
             profile = Profile.from_dict(json.loads(args.profile.read_text())["planner"]["profile"])
         requests = _requests(args)
+        cost = load_profile(args.engine_profile) if args.engine_profile else None
     except (ValueError, FileNotFoundError, KeyError) as e:
         ap.exit(2, f"dejavu simulate: error: {e}\n")
     rows = []
     for machines in counts:
         try:
-            best = best_per_policy(profile, requests, machines)
+            best = best_per_policy(profile, requests, machines, cost)
             pick = plan(profile, machines).layout
         except ValueError as e:  # the model does not fit on this few machines
             Console().print(f"D={machines}: {e}")

@@ -107,6 +107,12 @@ def test_simulate_writes_table_csv_and_png(tmp_path, capsys):
     assert all(float(r["makespan_s"]) > 0 for r in rows)
     png = (out / "makespan.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 5000
+    timed = tmp_path / "timed"
+    assert main(["simulate", "--trace", "conv", "--machines", "2", "--requests", "8",
+                 "--engine-profile", "splitwise-llama2-70b-h100", "--out", str(timed)]) == 0
+    timed_rows = list(csv.DictReader((timed / "simulate.csv").open()))
+    assert {r["makespan_s"] for r in timed_rows}.isdisjoint(
+        r["makespan_s"] for r in rows if r["machines"] == "2")
 
 
 def test_shipped_traces_load():
