@@ -156,6 +156,18 @@ def summarize(mode: str, layout: str, rate: float, jobs: list[Job], times: list[
     )
 
 
+@dataclass(frozen=True)
+class Pools:
+    """Splitwise's disaggregated layout: a pool of P-nodes and one of T-nodes, one machine
+    each, any request's prompt on any P-node and its tokens on any T-node."""
+
+    prefill: int
+    decode: int
+
+    def __str__(self) -> str:
+        return f"{self.prefill}P+{self.decode}T pools"
+
+
 def cluster_for(mode: str, model_dir: Path, machines: list, run_dir: Path, batch: int,
                 max_seq_len: int, split, profile: str = ""):
     """The cluster of ``mode`` on ``machines`` (core sets): colocated one T-node each, or
@@ -173,6 +185,11 @@ def cluster_for(mode: str, model_dir: Path, machines: list, run_dir: Path, batch
     elif mode == "colocated-pipeline":
         devices = {decode_name(0, i, len(machines)): m for i, m in enumerate(machines)}
         kwargs = dict(prefill=0, decode=1, decode_depth=len(machines), colocated=True)
+    elif isinstance(split, Pools):
+        names = [f"prefill{i}" for i in range(split.prefill)] + [
+            decode_name(j, 0, 1) for j in range(split.decode)]
+        devices = dict(zip(names, machines, strict=True))
+        kwargs = dict(prefill=split.prefill, decode=split.decode)
     else:
         spec = {"prefill": {"pipelines": split.replicas, "depth": split.prompt_depth},
                 "decode": {"pipelines": split.replicas, "depth": split.token_depth}}
@@ -211,7 +228,8 @@ def profiles(model_dir: Path, workload, machine: Devices, engine_profile: str = 
 
 
 def predictions(model_dir: Path, lengths: list[tuple[int, int]], batch: int,
-                machine: Devices, machines: int, engine_profile: str = ""):
+                machine: Devices, machines: int, engine_profile: str = "",
+                pools: Pools | None = None):
     """The planner on a profile of one ``machine`` at the workload's mean lengths (live, or
     ``engine_profile``'s): its pick, each layout's predicted requests/s, and the unloaded
     prefill time per token and step."""
@@ -225,11 +243,17 @@ def predictions(model_dir: Path, lengths: list[tuple[int, int]], batch: int,
     picked = plan(profile, machines)
     split = picked.layout if not picked.layout.colocated else Layout(1, 1, machines - 1)
 
-    def rps(layout: Layout) -> float:  # machines microbatches of ``batch`` per I seconds
+    def rps(layout: Layout | Pools) -> float:  # machines microbatches of ``batch`` per I s
+        if isinstance(layout, Pools):  # the slower pool bounds: I_p = m Y, I_t = N t per node
+            p = profile
+            return batch * min(layout.prefill / (p.m * p.Y), layout.decode / (p.N * p.t))
         return machines * batch / score(profile, machines, layout)
+
+    split = pools or split
 
     return {
         "pick": str(picked.layout), "split": split, "Y/t": picked.ratio,
+        "real_split": picked.real_split,
         "colocated_rps": rps(Layout(machines, 1)), "disaggregated_rps": rps(split),
         "colocated-pipeline_rps": rps(Layout(1, machines)),
         "prompt_s_per_token": unloaded.prompt_time_per_token, "step_s": unloaded.t,
@@ -300,6 +324,9 @@ def main(argv: list[str]) -> int:
                         help="run every node on the emulated engine with this engine profile "
                         "(file or shipped name, e.g. splitwise-llama2-70b-h100); the planner "
                         "predicts from the same profile")
+    parser.add_argument("--pools", type=int, nargs=2, metavar=("P", "T"),
+                        help="disaggregated as Splitwise's pools: P P-nodes and T T-nodes, "
+                        "one machine each (default: the planner's split into pipelines)")
     parser.add_argument("--out", type=Path, default=Path("bench_out/disagg"))
     args = parser.parse_args(argv)
     from rich.progress import Progress
@@ -323,10 +350,14 @@ def main(argv: list[str]) -> int:
               f"{min(p for p, _ in lengths)}-{max(p for p, _ in lengths)} tokens, outputs "
               f"{min(n for _, n in lengths)}-{max(n for _, n in lengths)}; profiling...",
               flush=True)
+        pools = Pools(*args.pools) if args.pools else None
+        if pools and (min(args.pools) < 1 or sum(args.pools) != len(machines)):
+            raise ValueError(f"--pools must split the {len(machines)} machines, both >= 1")
         pred = predictions(model_dir, lengths, args.batch, machines[0], len(machines),
-                           args.profile)
+                           args.profile, pools)
         rates = args.rates or [f * pred["colocated_rps"] for f in (0.25, 0.5, 1.0, 1.5)]
-        print(f"planner: Y/t {pred['Y/t']:.1f}, picks {pred['pick']}; predicted colocated "
+        print(f"planner: Y/t {pred['Y/t']:.1f}, picks {pred['pick']}, real split D_p "
+              f"{pred['real_split'][0]:.2f} D_t {pred['real_split'][1]:.2f}; predicted colocated "
               f"{pred['colocated_rps']:.2f} req/s, colocated pipeline "
               f"{pred['colocated-pipeline_rps']:.2f} req/s, {pred['split']} "
               f"{pred['disaggregated_rps']:.2f} req/s", flush=True)
