@@ -400,6 +400,13 @@ def main(argv: list[str]) -> int:
           f"step {pred['step_s'] * 1e3:.1f} ms (at batch {args.batch}: "
           f"{pred['batch_step_s'] * 1e3:.1f} ms); SLO TTFT <= {args.ttft_slo:g}x, mean TBT <= "
           f"{args.tbt_slo:g}x; machines {' '.join(map(str, machines))}")
+    if args.profile:
+        from orchestrator.engine.emulated import load_emulated_engine
+        from orchestrator.profiles.profile import load_profile
+
+        engine = load_emulated_engine(str(model_dir), load_profile(args.profile), max_seq_len=1)
+        print(f"emulated engine on {args.profile}: KV bytes per token {engine.kv_scale:.3g}x "
+              "the profile's")
     print(f"wrote {args.out}/disagg.csv, disagg.png")
     return 0
 
