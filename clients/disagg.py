@@ -157,12 +157,25 @@ def summarize(mode: str, layout: str, rate: float, jobs: list[Job], times: list[
     )
 
 
+@dataclass(frozen=True)
+class Pools:
+    """Splitwise's disaggregated layout: a pool of P-nodes and one of T-nodes, one machine
+    each, any request's prompt on any P-node and its tokens on any T-node."""
+
+    prefill: int
+    decode: int
+
+    def __str__(self) -> str:
+        return f"{self.prefill}P+{self.decode}T pools"
+
+
 def cluster_for(mode: str, model_dir: Path, machines: list, run_dir: Path, batch: int,
-                max_seq_len: int, split):
+                max_seq_len: int, split, profile: str = ""):
     """The cluster of ``mode`` on ``machines`` (core sets): colocated one T-node each, or
     one stage each of one pipeline; disaggregated the planner's ``split`` (a
     :class:`~orchestrator.planner.planner.Layout`): its P-nodes, each on its D_p machines,
-    and its token pipelines, a stage per machine. No mode replicates its KV."""
+    and its token pipelines, a stage per machine. No mode replicates its KV. ``profile``:
+    every node runs the emulated engine on it (empty: the torch engine)."""
     from orchestrator.cluster.launcher import Cluster, spread_devices
     from orchestrator.cluster.topology import decode_name
     from orchestrator.fault import ReplicateMode
@@ -173,6 +186,11 @@ def cluster_for(mode: str, model_dir: Path, machines: list, run_dir: Path, batch
     elif mode == "colocated-pipeline":
         devices = {decode_name(0, i, len(machines)): m for i, m in enumerate(machines)}
         kwargs = dict(prefill=0, decode=1, decode_depth=len(machines), colocated=True)
+    elif isinstance(split, Pools):
+        names = [f"prefill{i}" for i in range(split.prefill)] + [
+            decode_name(j, 0, 1) for j in range(split.decode)]
+        devices = dict(zip(names, machines, strict=True))
+        kwargs = dict(prefill=split.prefill, decode=split.decode)
     else:
         spec = {"prefill": {"pipelines": split.replicas, "depth": split.prompt_depth},
                 "decode": {"pipelines": split.replicas, "depth": split.token_depth}}
@@ -181,34 +199,62 @@ def cluster_for(mode: str, model_dir: Path, machines: list, run_dir: Path, batch
                       decode=split.replicas, decode_depth=split.token_depth)
     return Cluster.up(model_dir, run_dir=run_dir / mode, max_batch=batch,
                       max_seq_len=max_seq_len, devices=devices,
-                      replicate=ReplicateMode.OFF, **kwargs)
+                      replicate=ReplicateMode.OFF, profile=profile, **kwargs)
+
+
+def profiles(model_dir: Path, workload, machine: Devices, engine_profile: str = ""):
+    """The planner's profile of ``workload`` and of its batch-1 twin (unloaded): measured live
+    on one ``machine``, or read from ``engine_profile``'s cost model (the emulated engine's)."""
+    from dataclasses import replace
+
+    from orchestrator.engine.config import ModelConfig
+    from orchestrator.planner.perf_model import (
+        profile_from_config,
+        profile_live,
+        timings_from_engine_profile,
+    )
+    from orchestrator.profiles.profile import load_profile
+
+    memory = 80e9  # the model fits one machine: memory does not bound the layouts here
+    single = replace(workload, batch=1)
+    if engine_profile:
+        cost, cfg = load_profile(engine_profile), ModelConfig.from_dir(model_dir)
+        return tuple(profile_from_config(cfg, w, memory, *timings_from_engine_profile(cost, w),
+                                         1.0, source=f"engine profile {cost.name}")
+                     for w in (workload, single))
+    device = "cuda" if machine.kind == "cuda" else "cpu"
+    with on_machine(machine):
+        return tuple(profile_live(model_dir, w, memory, device, reps=2, transport="local")[0]
+                     for w in (workload, single))
 
 
 def predictions(model_dir: Path, lengths: list[tuple[int, int]], batch: int,
-                machine: Devices, machines: int):
-    """The planner on a live profile on one ``machine`` at the workload's mean lengths:
-    its pick, each layout's predicted requests/s, and the unloaded prefill time per token
-    and step."""
-    from orchestrator.planner.perf_model import Workload, profile_live
+                machine: Devices, machines: int, engine_profile: str = "",
+                pools: Pools | None = None):
+    """The planner on a profile of one ``machine`` at the workload's mean lengths (live, or
+    ``engine_profile``'s): its pick, each layout's predicted requests/s, and the unloaded
+    prefill time per token and step."""
+    from orchestrator.planner.perf_model import Workload
     from orchestrator.planner.planner import Layout, plan, score
 
     prompt = round(statistics.fmean(p for p, _ in lengths))
     new = round(statistics.fmean(n for _, n in lengths))
-    memory = 80e9  # the model fits one machine: memory does not bound the layouts here
-    device = "cuda" if machine.kind == "cuda" else "cpu"
-    with on_machine(machine):
-        profile, _ = profile_live(model_dir, Workload(prompt, new, batch), memory, device,
-                                  reps=2, transport="local")
-        unloaded, _ = profile_live(model_dir, Workload(prompt, new, 1), memory, device,
-                                   reps=2, transport="local")
+    profile, unloaded = profiles(model_dir, Workload(prompt, new, batch), machine,
+                                 engine_profile)
     picked = plan(profile, machines)
     split = picked.layout if not picked.layout.colocated else Layout(1, 1, machines - 1)
 
-    def rps(layout: Layout) -> float:  # machines microbatches of ``batch`` per I seconds
+    def rps(layout: Layout | Pools) -> float:  # machines microbatches of ``batch`` per I s
+        if isinstance(layout, Pools):  # the slower pool bounds: I_p = m Y, I_t = N t per node
+            p = profile
+            return batch * min(layout.prefill / (p.m * p.Y), layout.decode / (p.N * p.t))
         return machines * batch / score(profile, machines, layout)
+
+    split = pools or split
 
     return {
         "pick": str(picked.layout), "split": split, "Y/t": picked.ratio,
+        "real_split": picked.real_split,
         "colocated_rps": rps(Layout(machines, 1)), "disaggregated_rps": rps(split),
         "colocated-pipeline_rps": rps(Layout(1, machines)),
         "prompt_s_per_token": unloaded.prompt_time_per_token, "step_s": unloaded.t,
@@ -273,6 +319,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--ttft-slo", type=float, default=10.0)
     parser.add_argument("--tbt-slo", type=float, default=2.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", default="",
+                        help="run every node on the emulated engine with this engine profile "
+                        "(file or shipped name, e.g. splitwise-llama2-70b-h100); the planner "
+                        "predicts from the same profile")
+    parser.add_argument("--pools", type=int, nargs=2, metavar=("P", "T"),
+                        help="disaggregated as Splitwise's pools: P P-nodes and T T-nodes, "
+                        "one machine each (default: the planner's split into pipelines)")
     parser.add_argument("--out", type=Path, default=Path("bench_out/disagg"))
     args = parser.parse_args(argv)
     from rich.progress import Progress
@@ -296,9 +349,14 @@ def main(argv: list[str]) -> int:
               f"{min(p for p, _ in lengths)}-{max(p for p, _ in lengths)} tokens, outputs "
               f"{min(n for _, n in lengths)}-{max(n for _, n in lengths)}; profiling...",
               flush=True)
-        pred = predictions(model_dir, lengths, args.batch, machines[0], len(machines))
+        pools = Pools(*args.pools) if args.pools else None
+        if pools and (min(args.pools) < 1 or sum(args.pools) != len(machines)):
+            raise ValueError(f"--pools must split the {len(machines)} machines, both >= 1")
+        pred = predictions(model_dir, lengths, args.batch, machines[0], len(machines),
+                           args.profile, pools)
         rates = args.rates or [f * pred["colocated_rps"] for f in (0.25, 0.5, 1.0, 1.5)]
-        print(f"planner: Y/t {pred['Y/t']:.1f}, picks {pred['pick']}; predicted colocated "
+        print(f"planner: Y/t {pred['Y/t']:.1f}, picks {pred['pick']}, real split D_p "
+              f"{pred['real_split'][0]:.2f} D_t {pred['real_split'][1]:.2f}; predicted colocated "
               f"{pred['colocated_rps']:.2f} req/s, colocated pipeline "
               f"{pred['colocated-pipeline_rps']:.2f} req/s, {pred['split']} "
               f"{pred['disaggregated_rps']:.2f} req/s", flush=True)
@@ -315,7 +373,7 @@ def main(argv: list[str]) -> int:
 
             for mode in args.modes:
                 with cluster_for(mode, model_dir, machines, args.out / "cluster", args.batch,
-                                 max_seq_len, pred["split"]) as cluster:
+                                 max_seq_len, pred["split"], args.profile) as cluster:
                     layout = {"colocated": f"{len(machines)}x colocated",
                               "colocated-pipeline": f"colocated depth {len(machines)}",
                               }.get(mode, str(pred["split"]))
@@ -341,6 +399,13 @@ def main(argv: list[str]) -> int:
           f"step {pred['step_s'] * 1e3:.1f} ms (at batch {args.batch}: "
           f"{pred['batch_step_s'] * 1e3:.1f} ms); SLO TTFT <= {args.ttft_slo:g}x, mean TBT <= "
           f"{args.tbt_slo:g}x; machines {' '.join(map(str, machines))}")
+    if args.profile:
+        from orchestrator.engine.emulated import load_emulated_engine
+        from orchestrator.profiles.profile import load_profile
+
+        engine = load_emulated_engine(str(model_dir), load_profile(args.profile), max_seq_len=1)
+        print(f"emulated engine on {args.profile}: KV bytes per token {engine.kv_scale:.3g}x "
+              "the profile's")
     print(f"wrote {args.out}/disagg.csv, disagg.png")
     return 0
 

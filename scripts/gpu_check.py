@@ -14,7 +14,10 @@ the two processes is host-staged. It writes one JSON report:
 - ``delta``: a token step's KV delta copied per slice (2 x layers x heads copies) against
   one buffered copy (DejaVu reports 95x);
 - ``swap``: a microbatch's KV swapped in from pinned host memory on a copy stream while
-  another computes: overlap fraction, and the largest batch under a fixed device budget.
+  another computes: overlap fraction, and the largest batch under a fixed device budget;
+- ``profile``: the torch engine's engine profile on the device (Llama dummy weights, the
+  format of ``dejavu profile``), also written beside the report as
+  ``<report stem>-profile.json`` for ``--engine emulated --profile``.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import torch.multiprocessing as mp
 from orchestrator.engine.checkpoint import make_checkpoint
 from orchestrator.engine.reference import generate
 from orchestrator.engine.torch_engine import load_engine
+from orchestrator.profiles.measure import measure_profile
 
 PROMPTS = [[5, 17, 42, 7, 99, 3, 250, 11], [300, 2, 8, 64, 128, 9]]
 
@@ -231,6 +235,18 @@ def check_swap(device: Device, model: Path, prompt_len: int, batch: int) -> dict
             "largest_batch_swapped": budget // slot // 2}  # the computing one + the next
 
 
+def check_profile(device: Device, model: Path, out: Path) -> dict:
+    """The engine profile of ``model`` on the device (a small grid on the CPU stand-in)."""
+    grid = (([8, 32], [1, 4], [8, 32]) if not device.cuda else
+            ([128, 512, 1024, 2048], [1, 4, 16, 64], [128, 512, 1024]))
+    engine = load_engine(model, device=device.name, max_seq_len=max(grid[0] + grid[2]) + 8)
+    with torch.no_grad():
+        profile = measure_profile(engine, *grid, reps=3,
+                                  name=f"torch-{model.name}-{device.name}")
+    profile.save(out)
+    return {"file": str(out), **profile.to_dict()}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu", action="store_true", help="the CPU stands in for CUDA")
@@ -252,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
         report["streaming"] = check_streaming(device, models["gpt2"], prompt_len)
         report["delta"] = check_delta(device, models["gpt2"])
         report["swap"] = check_swap(device, models["llama"], prompt_len, 8)
+        report["profile"] = check_profile(
+            device, models["llama"], args.out.with_name(f"{args.out.stem}-profile.json"))
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
     ok = all(r["token_exact_fp32"] for r in report["exact"].values())

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.profiles.profile import load_profile
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -28,3 +30,5 @@ def test_gpu_check_runs_on_the_cpu(tmp_path):
     swap = report["swap"]
     assert 0 <= swap["overlap_fraction"] <= 1
     assert swap["largest_batch_swapped"] > swap["largest_batch_resident"]
+    profile = load_profile(out.with_name("report-profile.json"))  # the emulated engine's input
+    assert profile.decode_batch == (1, 4) and all(v > 0 for v in profile.prefill_ms)

@@ -487,6 +487,13 @@ def topology_arguments(parser: argparse.ArgumentParser) -> None:
                         help="microbatch swapping on the T-stages")
     parser.add_argument("--max-batch", type=int, default=16, help="sequences per microbatch")
     parser.add_argument("--max-seq-len", type=int, help="KV slot size (default: model's)")
+    parser.add_argument("--engine", choices=["torch", "emulated"], default="torch",
+                        help="torch: the model's real compute (default); emulated: each step "
+                        "sleeps --profile's time, tokens are a hash of the sequence, KV is "
+                        "real bytes in the model's layout")
+    parser.add_argument("--profile", default="",
+                        help="engine profile for --engine emulated: a file, or a shipped "
+                        "name (e.g. splitwise-llama2-70b-h100)")
     parser.add_argument("--replicate", choices=list(ReplicateMode), default=ReplicateMode.ON,
                         help="T-stages stream KV replicas to the next stage (disk: to local "
                         "disk); a lost stage is started again and resumes from them "
@@ -502,7 +509,20 @@ def topology_from(args: argparse.Namespace) -> Topology:
 def settings_from(args: argparse.Namespace) -> dict:
     """The node settings :func:`topology_arguments` parsed, as NodeConfig fields."""
     return {"max_seq_len": args.max_seq_len, "swap": args.swap, "replicate": args.replicate,
-            "max_batch": args.max_batch}
+            "max_batch": args.max_batch, "profile": engine_profile(args.engine, args.profile)}
+
+
+def engine_profile(engine: str, profile: str) -> str:
+    """The nodes' ``profile`` field for ``--engine``/``--profile``, checked before any node
+    starts: a file's absolute path (nodes run elsewhere), a shipped name as it is."""
+    if (engine == "emulated") != bool(profile):
+        raise ValueError("--engine emulated needs --profile, and --profile needs it")
+    if not profile:
+        return ""
+    from orchestrator.profiles.profile import load_profile
+
+    load_profile(profile)  # a clear error now rather than in every node's log
+    return str(Path(profile).resolve()) if Path(profile).exists() else profile
 
 
 def up_main(argv: list[str]) -> int:

@@ -16,10 +16,17 @@ from orchestrator.cluster.devices import Devices
 from orchestrator.engine.config import ModelConfig
 from orchestrator.planner import workload as wl
 from orchestrator.planner.kv_sink import TRANSPORTS
-from orchestrator.planner.perf_model import Profile, Workload, profile_from_config, profile_live
+from orchestrator.planner.perf_model import (
+    Profile,
+    Workload,
+    profile_from_config,
+    profile_live,
+    timings_from_engine_profile,
+)
 from orchestrator.planner.planner import Plan, plan
 from orchestrator.planner.search import exhaustive
 from orchestrator.planner.simulator import SimResult
+from orchestrator.profiles.profile import EngineProfile, load_profile
 
 GB = 1e9
 
@@ -43,6 +50,9 @@ def _plan_parser() -> argparse.ArgumentParser:
                     "(as in serving), or local (one process, memmove)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads while profiling (more oversubscribe shared cores)")
+    ap.add_argument("--engine-profile", help="take Y and t from this engine profile (a file or "
+                    "a shipped name, the emulated engine's cost model) instead of profiling; "
+                    "m from --m (default 1)")
     ap.add_argument("--Y", type=float, help="what-if: prompt time (s), skips profiling")
     ap.add_argument("--t", type=float, help="what-if: token step time (s)")
     ap.add_argument("--m", type=float, help="what-if: streaming overhead factor")
@@ -59,7 +69,9 @@ def plan_main(argv: list[str]) -> int:
     ap = _plan_parser()
     args = ap.parse_args(argv)
     typed = [args.Y, args.t, args.m]
-    if any(v is not None for v in typed) and None in typed:
+    if args.engine_profile and (args.Y is not None or args.t is not None):
+        ap.error("--engine-profile gives Y and t: drop --Y and --t")
+    if not args.engine_profile and any(v is not None for v in typed) and None in typed:
         ap.error("what-if planning needs all of --Y, --t and --m")
     try:
         machines = [Devices.parse(d) for d in args.devices]
@@ -67,7 +79,15 @@ def plan_main(argv: list[str]) -> int:
         if args.machines < 1 or args.memory_gb <= 0:
             raise ValueError("--machines must be >= 1 and --memory-gb positive")
         memory = args.memory_gb * GB
-        if args.Y is not None:
+        if args.engine_profile:
+            engine_profile = load_profile(args.engine_profile)
+            Y, t = timings_from_engine_profile(engine_profile, workload)
+            profile = profile_from_config(
+                ModelConfig.from_dir(args.model), workload, memory, Y, t,
+                1.0 if args.m is None else args.m, args.dtype,
+                source=f"engine profile {engine_profile.name}")
+            m_raw = None
+        elif args.Y is not None:
             cfg = ModelConfig.from_dir(args.model)
             profile = profile_from_config(cfg, workload, memory, args.Y, args.t, args.m, args.dtype)
             m_raw = None
@@ -138,6 +158,8 @@ def _simulate_parser() -> argparse.ArgumentParser:
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--rate", type=float, help="Poisson arrivals per second (default: all at 0)")
     ap.add_argument("--profile", type=Path, help="a spec written by `dejavu plan` to calibrate")
+    ap.add_argument("--engine-profile", help="time every pass by this engine profile (file or "
+                    "shipped name): the emulated engine's cost model")
     ap.add_argument("--prompt-len", type=int, default=512, help="synthetic prompts")
     ap.add_argument("--new-tokens", type=int, default=128, help="synthetic N")
     ap.add_argument("--early-stops", action="store_true", help="synthetic: stop in 1..N")
@@ -175,10 +197,11 @@ def _requests(args) -> list[wl.Request]:
     return wl.poisson(reqs, args.rate, args.seed) if args.rate else reqs
 
 
-def best_per_policy(profile: Profile, requests: list[wl.Request], machines: int) -> dict:
+def best_per_policy(profile: Profile, requests: list[wl.Request], machines: int,
+                    cost: EngineProfile | None = None) -> dict:
     """The shortest makespan each policy reaches with ``machines``: {policy: (layout, result)}."""
     best: dict[str, tuple] = {}
-    for layout, result in exhaustive(profile, requests, machines):
+    for layout, result in exhaustive(profile, requests, machines, cost=cost):
         best.setdefault(result.policy, (layout, result))
     return best
 
@@ -192,12 +215,13 @@ def simulate_main(argv: list[str]) -> int:
         if args.profile:
             profile = Profile.from_dict(json.loads(args.profile.read_text())["planner"]["profile"])
         requests = _requests(args)
+        cost = load_profile(args.engine_profile) if args.engine_profile else None
     except (ValueError, FileNotFoundError, KeyError) as e:
         ap.exit(2, f"dejavu simulate: error: {e}\n")
     rows = []
     for machines in counts:
         try:
-            best = best_per_policy(profile, requests, machines)
+            best = best_per_policy(profile, requests, machines, cost)
             pick = plan(profile, machines).layout
         except ValueError as e:  # the model does not fit on this few machines
             Console().print(f"D={machines}: {e}")

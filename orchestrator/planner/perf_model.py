@@ -242,6 +242,15 @@ def profile_from_config(
     )
 
 
+def timings_from_engine_profile(engine_profile, workload: Workload) -> tuple[float, float]:
+    """(Y, t) of ``workload`` from an engine profile's cost model, the one the emulated engine
+    sleeps: Y one prefill of the microbatch's prompt tokens, t its mean token step (context
+    from prompt_len to prompt_len + N, so the middle)."""
+    Y = engine_profile.prefill_s(workload.batch * workload.prompt_len)
+    t = engine_profile.decode_s(workload.batch, workload.prompt_len + workload.new_tokens / 2)
+    return Y, t
+
+
 def profile_live(
     model_dir: str | Path,
     workload: Workload,

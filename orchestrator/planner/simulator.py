@@ -15,6 +15,11 @@ The model, and where it is simplified:
   prompt pass costs ``Y/d`` per stage with Y linear in the microbatch's prompt
   tokens; a token pass costs ``t/d`` whatever the context length or how many
   requests are left (token steps are memory-bound).
+- With an engine profile (``cost``, the emulated engine's cost model) a prompt pass
+  costs ``cost.prefill_s`` of the microbatch's prompt tokens and a token pass
+  ``cost.decode_s`` at the requests still generating and their mean context, so
+  the simulator, the planner (``dejavu plan --engine-profile``) and the emulated
+  engine read one cost model.
 - Disaggregated prompts pay the streaming factor m; the KV then waits in the
   token pool's host memory until a token slot frees (no transfer time beyond m,
   no memory limit on that wait).
@@ -27,6 +32,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import statistics
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,6 +41,7 @@ import numpy as np
 
 from orchestrator.planner.perf_model import Profile
 from orchestrator.planner.workload import Request
+from orchestrator.profiles.profile import EngineProfile
 
 
 class EventLoop:
@@ -202,9 +209,10 @@ class _Cluster:
     """Prompt pipelines feed token pipelines; colocated when they are the same pipelines."""
 
     def __init__(
-        self, profile: Profile, prompt_depths: list[int], token_depths: list[int] | None
+        self, profile: Profile, prompt_depths: list[int], token_depths: list[int] | None,
+        cost: EngineProfile | None = None,
     ):
-        self.profile, self.loop = profile, EventLoop()
+        self.profile, self.cost, self.loop = profile, cost, EventLoop()
         self.colocated = token_depths is None
         self.prompt_pipes = [Pipeline(self.loop, d, self._prompt_or_token) for d in prompt_depths]
         self.token_pipes = (
@@ -231,12 +239,25 @@ class _Cluster:
     def _dispatch(self) -> None:
         while self.streamed and (pipe := _least_loaded(self.token_pipes)):
             pipe.in_flight += 1
-            pipe.submit(self.streamed.popleft(), self.profile.t)
+            mb = self.streamed.popleft()
+            pipe.submit(mb, self._step_time(mb))
         while self.waiting and (pipe := _least_loaded(self.prompt_pipes)):
             mb = self.waiting.popleft()
             pipe.in_flight += 1
-            prompt_time = self.profile.prompt_time_per_token * mb.prompt_tokens
-            pipe.submit(mb, self.prompt_factor * prompt_time)
+            pipe.submit(mb, self.prompt_factor * self._prompt_time(mb))
+
+    def _prompt_time(self, mb: Microbatch) -> float:
+        if self.cost is None:
+            return self.profile.prompt_time_per_token * mb.prompt_tokens
+        return self.cost.prefill_s(mb.prompt_tokens)
+
+    def _step_time(self, mb: Microbatch) -> float:
+        """The microbatch's next token pass: its live requests at their mean context."""
+        if self.cost is None:
+            return self.profile.t
+        done = len(mb.step_times)
+        live = [r for r in mb.requests if r.output_len > done]
+        return self.cost.decode_s(len(live), statistics.fmean(r.prompt_len + done for r in live))
 
     def _prompt_or_token(self, pipe: Pipeline, mb: Microbatch) -> None:
         if not math.isnan(mb.prompt_done):
@@ -244,7 +265,7 @@ class _Cluster:
             return
         mb.prompt_done = self.loop.now
         if self.colocated:
-            pipe.submit(mb, self.profile.t)
+            pipe.submit(mb, self._step_time(mb))
         else:
             pipe.in_flight -= 1
             self.streamed.append(mb)
@@ -253,7 +274,7 @@ class _Cluster:
     def _token_pass(self, pipe: Pipeline, mb: Microbatch) -> None:
         mb.step_times.append(self.loop.now)
         if len(mb.step_times) < mb.steps:
-            pipe.submit(mb, self.profile.t)
+            pipe.submit(mb, self._step_time(mb))
             return
         pipe.in_flight -= 1
         self.done.append(mb)
@@ -262,12 +283,13 @@ class _Cluster:
 
 def simulate_colocated(
     profile: Profile, requests: list[Request], depth: int, pipelines: int = 1,
-    batch: int | None = None,
+    batch: int | None = None, cost: EngineProfile | None = None,
 ) -> SimResult:
-    """``pipelines`` colocated pipelines of ``depth`` machines each."""
+    """``pipelines`` colocated pipelines of ``depth`` machines each (``cost``: step times
+    from this engine profile instead of the profile's Y and t)."""
     if depth < 1 or pipelines < 1:
         raise ValueError(f"need depth >= 1 and pipelines >= 1, got {depth}, {pipelines}")
-    cluster = _Cluster(profile, [depth] * pipelines, None)
+    cluster = _Cluster(profile, [depth] * pipelines, None, cost)
     done = cluster.run(microbatches(requests, batch or profile.workload.batch))
     policy = "colocated" if pipelines == 1 else "colocated-dp"
     return summarize(policy, f"{pipelines}x depth {depth}", depth * pipelines,
@@ -276,14 +298,14 @@ def simulate_colocated(
 
 def simulate_disaggregated(
     profile: Profile, requests: list[Request], prompt_depth: int, token_depth: int,
-    replicas: int = 1, batch: int | None = None,
+    replicas: int = 1, batch: int | None = None, cost: EngineProfile | None = None,
 ) -> SimResult:
     """``replicas`` x (prompt pipeline of ``prompt_depth`` + token pipeline of ``token_depth``)."""
     if prompt_depth < 1 or token_depth < 1 or replicas < 1:
         raise ValueError(
             f"need depths and replicas >= 1, got {prompt_depth}, {token_depth}, {replicas}"
         )
-    cluster = _Cluster(profile, [prompt_depth] * replicas, [token_depth] * replicas)
+    cluster = _Cluster(profile, [prompt_depth] * replicas, [token_depth] * replicas, cost)
     done = cluster.run(microbatches(requests, batch or profile.workload.batch))
     return summarize("disaggregated", f"{replicas}x (P{prompt_depth}+T{token_depth})",
                      (prompt_depth + token_depth) * replicas,

@@ -52,6 +52,8 @@ class NodeConfig:
     stage: int = 0  # T-node: its stage (0: the head)
     prefill_depth: int = 1  # P-node: prompt stages, all in its one process
     max_seq_len: int | None = None  # KV slot size; None: the model's
+    profile: str = ""  # an engine profile (file or shipped name): the emulated engine on it
+    # (orchestrator/engine/emulated.py); empty: the torch engine
     max_batch: int = 16  # sequences per microbatch
     num_slots: int | None = None  # prompt KVs held before admission; None: the pipeline's
     reserve_ttl_s: float | None = None  # an unused prompt KV slot is freed after this;

@@ -8,13 +8,15 @@ from collections.abc import Callable
 import torch
 
 from orchestrator.engine.base import Engine
-from orchestrator.engine.reference import load_stages
+from orchestrator.engine.config import ModelConfig
+from orchestrator.engine.factory import load_stage_engine, load_stage_engines
 from orchestrator.fault import ReplicateMode
 from orchestrator.fault.client import ControllerClient, NodeSpec
 from orchestrator.fault.disk_replication import DiskReplication
 from orchestrator.fault.node_replication import NodeReplication
 from orchestrator.fault.stage_recovery import RecoveryOps
 from orchestrator.kv.transport.base import Transport
+from orchestrator.layout import StageSpec
 from orchestrator.pipeline.node import PipelineConfig, StageNode
 from orchestrator.serving.config import NodeConfig, Role
 from orchestrator.serving.metrics import Metrics
@@ -27,8 +29,8 @@ def load_prefill_worker(config: NodeConfig, metrics: Metrics | None = None) -> P
     from orchestrator.kv.transport.nixl import NixlTransport  # loads UCX: only where needed
 
     torch.set_num_threads(config.threads)
-    engines = load_stages(config.model_dir, config.prefill_depth, device=config.device,
-                          max_seq_len=config.max_seq_len)
+    engines = load_stage_engines(config.model_dir, config.prefill_depth, config.device,
+                                 config.profile, config.max_seq_len)
     transport = NixlTransport(name=config.name or None)
     secret = config.secret()
     senders = [KVSender(transport, e.kv_layout, secret, max_inflight=16) for e in engines]
@@ -60,6 +62,11 @@ def stage_service(config: NodeConfig, metrics: Metrics | None,
         recover_timeout_s=config.recover_timeout_s if config.replicates else None, **slots,
     )
     secret = config.secret()
+    if engine is None and config.profile:  # the emulated engine: StageNode loads only torch's
+        spec = StageSpec.split(ModelConfig.from_dir(config.model_dir).num_layers,
+                               config.depth)[config.stage]
+        engine = load_stage_engine(config.model_dir, spec, config.device, config.profile,
+                                   config.max_seq_len)
     model_dir = None if engine is not None else config.model_dir  # one or the other
     node = StageNode(model_dir, config.stage, pipeline_config, secret=secret,
                      device=config.device, name=config.name or None, engine=engine,

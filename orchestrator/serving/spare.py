@@ -18,7 +18,7 @@ import threading
 from dataclasses import replace
 
 from orchestrator.engine.config import ModelConfig
-from orchestrator.engine.torch_engine import load_engine
+from orchestrator.engine.factory import load_stage_engine
 from orchestrator.fault.client import ControllerClient
 from orchestrator.kv.transport.base import Transport
 from orchestrator.layout import StageSpec
@@ -39,8 +39,8 @@ class SpareService:
 
         self.config, self.metrics = config, metrics or Metrics()
         specs = StageSpec.split(ModelConfig.from_dir(config.model_dir).num_layers, config.depth)
-        self.engines = {x: load_engine(config.model_dir, specs[x], config.device,
-                                       max_seq_len=config.max_seq_len)
+        self.engines = {x: load_stage_engine(config.model_dir, specs[x], config.device,
+                                             config.profile, config.max_seq_len)
                         for x in range(1, config.depth)}
         self.transports: dict[str, Transport] = {
             f"{config.name}-{kind}": stage_transport(f"{config.name}-{kind}")

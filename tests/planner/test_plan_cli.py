@@ -13,6 +13,7 @@ from orchestrator.cli import main
 from orchestrator.engine.config import ModelConfig
 from orchestrator.planner.perf_model import Profile, layer_param_count
 from orchestrator.planner.workload import load_trace
+from orchestrator.profiles.profile import load_profile
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
@@ -106,6 +107,12 @@ def test_simulate_writes_table_csv_and_png(tmp_path, capsys):
     assert all(float(r["makespan_s"]) > 0 for r in rows)
     png = (out / "makespan.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 5000
+    timed = tmp_path / "timed"
+    assert main(["simulate", "--trace", "conv", "--machines", "2", "--requests", "8",
+                 "--engine-profile", "splitwise-llama2-70b-h100", "--out", str(timed)]) == 0
+    timed_rows = list(csv.DictReader((timed / "simulate.csv").open()))
+    assert {r["makespan_s"] for r in timed_rows}.isdisjoint(
+        r["makespan_s"] for r in rows if r["machines"] == "2")
 
 
 def test_shipped_traces_load():
@@ -113,3 +120,20 @@ def test_shipped_traces_load():
     conv, code = load_trace("conv"), load_trace("code")
     assert len(conv) == 19366 and len(code) == 8819
     assert conv[0].arrival == 0.0 and all(r.prompt_len > 0 for r in code)
+
+
+def test_plan_reads_the_engine_profile_the_emulated_engine_sleeps(tiny_model, tmp_path):
+    out = tmp_path / "spec.json"
+    name = "splitwise-llama2-70b-h100"
+    assert main(["plan", "--model", str(tiny_model("llama")), "--machines", "8",
+                 "--prompt-len", "1024", "--new-tokens", "128", "--batch", "4",
+                 "--engine-profile", name, "--m", "1.04", "--out", str(out)]) == 0
+    profile = Profile.from_dict(json.loads(out.read_text())["planner"]["profile"])
+    cost = load_profile(name)
+    assert cost.prefill_s(4 * 1024) == pytest.approx(profile.Y)
+    assert profile.t == pytest.approx(cost.decode_s(4, 1024 + 64))
+    assert profile.m == 1.04 and profile.source["Y"] == f"engine profile {name}"
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--model", str(tiny_model("llama")), "--engine-profile", name,
+              "--Y", "1"])
+    assert e.value.code == 2

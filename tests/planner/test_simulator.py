@@ -10,7 +10,8 @@ from orchestrator.planner.perf_model import Profile, Workload
 from orchestrator.planner.planner import Layout, plan
 from orchestrator.planner.search import exhaustive, simulate_layout
 from orchestrator.planner.simulator import simulate_colocated, simulate_disaggregated
-from orchestrator.planner.workload import load_trace, poisson, sample, synthetic
+from orchestrator.planner.workload import Request, load_trace, poisson, sample, synthetic
+from orchestrator.profiles.profile import load_profile
 
 
 def profile(Y: float, t: float = 0.01, m: float = 1.0, N: int = 32, M: float = 1e9,
@@ -129,3 +130,17 @@ def test_winner_flips_where_the_planner_says():
             sim_flip = ratio
     assert sim_flip is not None and sim_flip >= threshold
     print(f"threshold {threshold:.2f}, simulated flip at Y/t = {sim_flip}")
+
+
+def test_engine_profile_times_every_pass_by_its_live_batch_and_context():
+    """One cost model: a microbatch's passes cost what the emulated engine would sleep."""
+    cost = load_profile("splitwise-llama2-70b-h100")
+    reqs = [Request(0, 0.0, 600, 3), Request(1, 0.0, 1000, 5)]  # one stops after 3 tokens
+    p = profile(Y=1.0, batch=2)
+    colo = simulate_colocated(p, reqs, depth=1, cost=cost)
+    steps = [cost.decode_s(2, 800 + k) for k in range(3)] + [
+        cost.decode_s(1, 1000 + k) for k in range(3, 5)]
+    assert colo.makespan == pytest.approx(cost.prefill_s(1600) + sum(steps))
+    dis = simulate_disaggregated(p, reqs, 1, 1, cost=cost)
+    assert dis.makespan == pytest.approx(colo.makespan)  # m = 1, nothing else in the way
+    assert simulate_colocated(p, reqs, depth=1).makespan != pytest.approx(colo.makespan)
