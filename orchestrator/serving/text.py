@@ -31,7 +31,9 @@ TEXT_INPUTS = ("text_input", "stop_words", "bad_words")
 def encode_prompt(tokenizer: Tokenizer, text: str) -> list[int]:
     if not text:
         raise RequestError("empty prompt: text_input is empty")
-    ids = tokenizer.encode(text).ids
+    # encode_batch releases the GIL while it works (encode holds it): a long prompt does not
+    # stall the other requests' threads in this process meanwhile.
+    ids = tokenizer.encode_batch([text])[0].ids
     if not ids:
         raise RequestError(f"prompt {text[:40]!r} has no tokens")
     return ids
