@@ -23,10 +23,10 @@ import tritonclient.grpc as grpcclient
 from cluster_helpers import (
     MAX_SEQ_LEN,
     PROMPTS,
-    cluster_up,
     first_tokens,
     ids_of,
     metric,
+    module_cluster,
     reference,
     stream_orchestrator,
 )
@@ -52,11 +52,7 @@ HUGE_PROMPT_BYTES = 50_000_000
 HUGE_ROUNDS = 5  # an unused KV slot reservation on the T-node is freed after this
 
 
-@pytest.fixture(scope="module")
-def cluster(model, tmp_path_factory):
-    with cluster_up(model, tmp_path_factory.mktemp("hostile"), prefill=1, decode=1,
-                    reserve_ttl_s=RESERVE_TTL_S) as c:
-        yield c
+cluster = module_cluster("hostile", prefill=1, decode=1, reserve_ttl_s=RESERVE_TTL_S)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from cluster_helpers import PROMPTS, cluster_up, reference
+from cluster_helpers import PROMPTS, module_cluster, reference
 from hostile_procs import stream
 from tritonclient.utils import InferenceServerException
 
@@ -29,11 +29,7 @@ ROUNDS = 5
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
 
-@pytest.fixture(scope="module")
-def cluster(model, tmp_path_factory):
-    with cluster_up(model, tmp_path_factory.mktemp("openai-hostile"), prefill=1,
-                    decode=1) as c:
-        yield c
+cluster = module_cluster("openai-hostile", prefill=1, decode=1)
 
 
 @pytest.fixture(scope="module")

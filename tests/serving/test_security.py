@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from cluster_helpers import cluster_up, ids_of, reference
+from cluster_helpers import ids_of, module_cluster, reference
 from tritonclient.utils import InferenceServerException
 
 from clients.common import PROMPTS
@@ -40,10 +40,7 @@ MAX_TOKENS = 8
 NOBODY = 65534
 
 
-@pytest.fixture(scope="module")
-def cluster(model, tmp_path_factory):
-    with cluster_up(model, tmp_path_factory.mktemp("security"), prefill=1, decode=1) as c:
-        yield c
+cluster = module_cluster("security", prefill=1, decode=1)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from functools import partial
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from cluster_helpers import MAX_SEQ_LEN, PROMPTS, cluster_up, reference
+from cluster_helpers import MAX_SEQ_LEN, PROMPTS, module_cluster, reference
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from clients import common
@@ -31,10 +31,7 @@ MAX_TOKENS = 12
 TIMEOUT_S = 120.0
 
 
-@pytest.fixture(scope="module")
-def cluster(model, tmp_path_factory):
-    with cluster_up(model, tmp_path_factory.mktemp("trtllm-clients"), prefill=1, decode=1) as c:
-        yield c
+cluster = module_cluster("trtllm-clients", prefill=1, decode=1)
 
 
 @pytest.fixture(scope="module")
