@@ -92,6 +92,7 @@ def test_bench_serving_against_a_real_cluster(tiny_model, tmp_path):
         assert requests == REQUESTS * int(row["concurrency"])  # every request completed
         assert tokens == requests * MAX_TOKENS
         low, high = map(float, row.pop("served_over_bare_range").split("-"))
+        assert row.pop("commit") and row.pop("date").startswith("20")  # its provenance
         numbers = {k: float(v) for k, v in row.items() if k not in ("mode", "concurrency")}
         # the reported round is the median one of the two (the lower), in their range
         assert numbers["rounds"] == 2 and low == pytest.approx(
