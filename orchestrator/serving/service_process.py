@@ -46,9 +46,9 @@ from multiprocessing.connection import Connection
 from orchestrator.control.errors import ControlError, ErrorCode, code_of
 from orchestrator.fault.client import report_lost
 from orchestrator.serving.config import NodeConfig
+from orchestrator.serving.control_request import ControlRequest, Emit
 from orchestrator.serving.metrics import PublishedMetrics, Series
 from orchestrator.serving.params import GenerationParams
-from orchestrator.serving.token_service import ControlRequest, Emit
 
 log = logging.getLogger(__name__)
 

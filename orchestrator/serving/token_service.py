@@ -46,6 +46,7 @@ from orchestrator.fault.stage_recovery import RecoveryOps
 from orchestrator.pipeline.head import PipelineHead
 from orchestrator.pipeline.node import StageNode
 from orchestrator.pipeline.sequence import FinishReason, Sequence
+from orchestrator.serving.control_request import ControlRequest, Emit  # re-exported
 from orchestrator.serving.feed import FeedRow, RowSink
 from orchestrator.serving.metrics import Metrics
 from orchestrator.serving.params import GenerationParams, RequestError, check_prompt
@@ -53,18 +54,6 @@ from orchestrator.serving.params import GenerationParams, RequestError, check_pr
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class ControlRequest:
-    """A control operation's inputs: the Triton request id, the prompt's length (``reserve``)
-    and its arguments (the ``peers`` tensor)."""
-
-    request_id: str = ""
-    prompt_len: int = 0
-    args: tuple[bytes, ...] = ()
-
-
-# new tokens, their log-probs (None: not asked for), is this the last response
-Emit = Callable[[list[int], list[TokenLogProb] | None, bool], None]
 @dataclass(eq=False)
 class _Feed:
     """Where the tokens of the requests naming this feed go."""

@@ -10,9 +10,9 @@ the cluster secret; failures come back as ``error_code`` and ``error``."""
 from orchestrator.control.errors import ErrorCode, code_of
 from orchestrator.engine.log_probs import encode as encode_log_probs
 from orchestrator.serving import pb
+from orchestrator.serving.control_request import ControlRequest
 from orchestrator.serving.params import GenerationParams
 from orchestrator.serving.service_process import ServiceProcess
-from orchestrator.serving.token_service import ControlRequest
 
 
 class TritonPythonModel:
