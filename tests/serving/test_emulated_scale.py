@@ -47,7 +47,6 @@ MAX_PROMPT = 4096  # tokens; the conversation trace's longest is 14,050
 MAX_NEW = 64  # tokens per request; the trace's median is 129
 # Trace rows: the replay, the kill round (sent at once: all in flight at the kill), after.
 REPLAY, KILLED, AFTER = range(0, 24), range(24, 36), range(36, 48)
-DEAD_AFTER_S = 3.0  # as the fault tests: a silent node is lost after this
 STARTED = 0.0  # seconds the cluster took to come up
 
 
@@ -70,9 +69,11 @@ class _Timed:
         self.context.__exit__(*exc)
 
 
+# The default heartbeat timeout (5 s), not the fault tests' 3 s: the kill is seen from the
+# process's end (the supervisor's pid watch) at once, and on a shared 2-core host at load 50
+# a P-node's heartbeats were once late by 3 s (declared dead, restarted: no request lost).
 sixteen = module_cluster("sixteen", _Timed, max_seq_len=MAX_PROMPT + MAX_NEW, profile=PROFILE,
-                         openai=False, dead_after_s=DEAD_AFTER_S,
-                         controller_timeout_s=DEAD_AFTER_S, **LAYOUT)
+                         openai=False, **LAYOUT)
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,11 @@ def finish(requests: list[Request], timeout_s: float = 150.0) -> None:
     for r in requests:
         r.join(max(0.0, deadline - time.monotonic()))
         assert not r.is_alive(), "a request still streaming at the deadline"
+
+
+def longest_wait(requests: list[Request]) -> float:
+    """The longest a client waited between two responses."""
+    return max(b - a for r in requests for a, b in pairwise(r.times))
 
 
 def assert_token_exact(requests: list[Request], vocab: int) -> None:
@@ -235,6 +241,7 @@ def test_sixteen_nodes_come_up_and_replay_the_conversation_trace(sixteen, model)
     assert_token_exact(requests, vocab)
     MEASURED["replay_s"] = max(r.times[-1] for r in requests) - min(r.sent for r in requests)
     MEASURED["tokens"] = sum(len(r.ids) for r in requests)
+    MEASURED["normal_pause_s"] = longest_wait(requests)
     # every token pipeline served some of them
     assert all(metric_admitted(sixteen, p) > 0 for p in range(LAYOUT["decode"]))
     assert_all_freed(sixteen)
@@ -266,8 +273,9 @@ def test_a_killed_t_stage_moves_to_the_spare_and_the_cluster_serves_on(sixteen, 
     busy = max(held(sixteen, "s2").items(), key=lambda item: item[1]["kv"])
     victim = busy[0]
     in_flight = [r for r in requests if len(r.ids) < r.job.max_tokens]
-    killed_at = time.monotonic()
-    assert chaos.main(["kill", victim, "--dir", str(sixteen.run_dir)]) == 0
+    killed_at, killed_wall = time.monotonic(), time.time()
+    assert chaos.main(["kill", victim, "--dir", str(sixteen.run_dir)]) == 0  # waits for its end
+    MEASURED["ended_s"] = time.monotonic() - killed_at
     finish(requests)
     assert_token_exact(requests, vocab)
     after = read_state(sixteen.run_dir)
@@ -275,12 +283,11 @@ def test_a_killed_t_stage_moves_to_the_spare_and_the_cluster_serves_on(sixteen, 
     assert (stage["grpc"], stage["pid"]) == (spare["grpc"], spare["pid"])  # the spare took it
     resumed = [r for r in after.get("repairs", []) if r["outcome"] == "resumed"]
     assert len(resumed) == 1, after.get("repairs")
-    # The client's pause: the longest wait for a response across the kill, of the requests
-    # in flight then; against their usual wait before it.
-    pauses = [b - a for r in in_flight for a, b in pairwise(r.times) if b > killed_at]
-    usual = sorted(b - a for r in in_flight for a, b in pairwise(r.times) if b <= killed_at)
-    MEASURED["pause_s"] = max(pauses)
-    MEASURED["usual_gap_s"] = usual[len(usual) // 2] if usual else 0.0
+    MEASURED["resumed_s"] = resumed[0]["at"] - killed_wall
+    # The client's pause (as ``dejavu bench recovery`` has it): the longest wait between two
+    # responses across the kill, of the requests in flight then.
+    MEASURED["pause_s"] = max(b - a for r in in_flight for a, b in pairwise(r.times)
+                              if b > killed_at)
     MEASURED["in_flight"] = len(in_flight)
 
     # A new spare where the lost node was, loaded: 16 nodes again.
@@ -299,6 +306,9 @@ def test_a_killed_t_stage_moves_to_the_spare_and_the_cluster_serves_on(sixteen, 
     assert_token_exact(requests, vocab)
     assert_all_freed(sixteen)
     print(f"\nkilled {victim} with {len(in_flight)} requests in flight: all token-exact; "
-          f"the longest client pause {MEASURED['pause_s']:.2f} s (median wait before it "
-          f"{MEASURED['usual_gap_s'] * 1000:.0f} ms); a new spare ready "
-          f"{MEASURED['new_spare_s']:.1f} s after the kill; {len(AFTER)} more served")
+          f"the longest client pause {MEASURED['pause_s']:.2f} s (undisturbed "
+          f"{MEASURED.get('normal_pause_s', 0):.2f} s): the killed node took "
+          f"{MEASURED['ended_s']:.2f} s to end, its pipeline resumed on the spare "
+          f"{MEASURED['resumed_s']:.2f} s after the kill; a new spare ready "
+          f"{MEASURED['new_spare_s']:.1f} s after the kill; {len(AFTER)} more served; "
+          f"repairs: {[(r['pipeline'], r['outcome']) for r in after['repairs']]}")
