@@ -65,7 +65,7 @@ class _Timed:
         STARTED = time.monotonic() - began
         return cluster
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.context.__exit__(*exc)
 
 
@@ -230,6 +230,7 @@ def test_sixteen_nodes_come_up_and_replay_the_conversation_trace(sixteen, model)
     MEASURED["up_s"] = STARTED
     MEASURED["processes"] = len(pids)
     MEASURED["rss_mib"], MEASURED["pss_mib"] = memory_mib(pids)
+    assert MEASURED["pss_mib"] < 12 * 1024  # half this 24 GiB host (6.5 GiB measured)
     idle = CpuWindow(sixteen.run_dir, min_s=5.0)  # a measuring window, not a wait for state
     MEASURED["idle_cores"] = idle.cores()
 
