@@ -209,6 +209,7 @@ def engine_profile_of(model_dir: Path, lengths: list[tuple[int, int]], batch: in
     """The engine profile the predictions read: ``engine_profile``'s (the emulated engine
     sleeps on it), else the torch engine measured on one ``machine`` over a grid that spans
     the workload (prompts, batch 1 to ``batch``, contexts)."""
+    from orchestrator.engine.config import ModelConfig
     from orchestrator.engine.torch_engine import load_engine
     from orchestrator.profiles.measure import measure_profile
     from orchestrator.profiles.profile import load_profile
@@ -216,12 +217,16 @@ def engine_profile_of(model_dir: Path, lengths: list[tuple[int, int]], batch: in
     if engine_profile:
         return load_profile(engine_profile)
     longest = max(p + n for p, n in lengths)
-    prompts = sorted({min(max(p for p, _ in lengths), x) for x in (8, 32, 128, 512)})
+    # Prefill up to a batch of the longest prompts (a colocated step prefills them together)
+    positions = ModelConfig.from_dir(model_dir).max_positions
+    most = min(positions - 4, batch * max(p for p, _ in lengths))
+    prompts = sorted({min(most, x) for x in (8, 32, 128, 512, most)})
     contexts = sorted({min(longest, x) for x in (16, 128, 512)})
     batches = sorted({1, 2, batch} | {b for b in (4, 8, 16) if b < batch})
     device = "cuda" if machine.kind == "cuda" else "cpu"
     with on_machine(machine):
-        engine = load_engine(model_dir, stage=None, device=device, max_seq_len=longest + 4)
+        engine = load_engine(model_dir, stage=None, device=device,
+                             max_seq_len=max(most, longest) + 4)
         return measure_profile(engine, prompts, batches, contexts, reps=2,
                                name=f"{model_dir.name}-{machine}")
 
