@@ -23,9 +23,10 @@ first gap also holds its wait for a slot in a T-node's batch, the others
 are decode steps, and prompts that interrupt them), and goodput: the
 requests/s that met the SLO (TTFT <= ``ttft_slo`` x the unloaded prefill of
 its prompt, its mean TBT <= ``tbt_slo`` x the unloaded token step; unloaded =
-the bare engine on one machine's cores), next to the planner's predicted
-throughput for that layout from a live profile on one machine (Y, t, m at the
-workload's mean lengths and the cluster's batch). Output: ``disagg.csv``,
+the bare engine on one machine's cores), next to the requests/s the planner's capacity
+model and the serving simulator predict at saturation for that layout, from one engine
+profile (the emulated engine's, or the torch engine measured on one machine over the
+workload's lengths and the cluster's batch). Output: ``disagg.csv``,
 ``disagg.png``, a table.
 """
 
@@ -73,6 +74,7 @@ class Point:
     slo_met: float  # fraction of requests
     goodput_rps: float
     predicted_rps: float  # the planner's, for this layout
+    simulated_rps: float = math.nan  # the serving simulator's, at saturation
 
 
 def scaled_requests(trace: str, count: int, seed: int, prompt_scale: float,
@@ -202,64 +204,77 @@ def cluster_for(mode: str, model_dir: Path, machines: list, run_dir: Path, batch
                       replicate=ReplicateMode.OFF, profile=profile, **kwargs)
 
 
-def profiles(model_dir: Path, workload, machine: Devices, engine_profile: str = ""):
-    """The planner's profile of ``workload`` and of its batch-1 twin (unloaded): measured live
-    on one ``machine``, or read from ``engine_profile``'s cost model (the emulated engine's)."""
-    from dataclasses import replace
-
+def engine_profile_of(model_dir: Path, lengths: list[tuple[int, int]], batch: int,
+                      machine: Devices, engine_profile: str = ""):
+    """The engine profile the predictions read: ``engine_profile``'s (the emulated engine
+    sleeps on it), else the torch engine measured on one ``machine`` over a grid that spans
+    the workload (prompts, batch 1 to ``batch``, contexts)."""
     from orchestrator.engine.config import ModelConfig
-    from orchestrator.planner.perf_model import (
-        profile_from_config,
-        profile_live,
-        timings_from_engine_profile,
-    )
+    from orchestrator.engine.torch_engine import load_engine
+    from orchestrator.profiles.measure import measure_profile
     from orchestrator.profiles.profile import load_profile
 
-    memory = 80e9  # the model fits one machine: memory does not bound the layouts here
-    single = replace(workload, batch=1)
     if engine_profile:
-        cost, cfg = load_profile(engine_profile), ModelConfig.from_dir(model_dir)
-        return tuple(profile_from_config(cfg, w, memory, *timings_from_engine_profile(cost, w),
-                                         1.0, source=f"engine profile {cost.name}")
-                     for w in (workload, single))
+        return load_profile(engine_profile)
+    longest = max(p + n for p, n in lengths)
+    # Prefill up to a batch of the longest prompts (a colocated step prefills them together)
+    positions = ModelConfig.from_dir(model_dir).max_positions
+    most = min(positions - 4, batch * max(p for p, _ in lengths))
+    prompts = sorted({min(most, x) for x in (8, 32, 128, 512, most)})
+    contexts = sorted({min(longest, x) for x in (16, 128, 512)})
+    batches = sorted({1, 2, batch} | {b for b in (4, 8, 16) if b < batch})
     device = "cuda" if machine.kind == "cuda" else "cpu"
     with on_machine(machine):
-        return tuple(profile_live(model_dir, w, memory, device, reps=2, transport="local")[0]
-                     for w in (workload, single))
+        engine = load_engine(model_dir, stage=None, device=device,
+                             max_seq_len=max(most, longest) + 4)
+        return measure_profile(engine, prompts, batches, contexts, reps=2,
+                               name=f"{model_dir.name}-{machine}")
 
 
 def predictions(model_dir: Path, lengths: list[tuple[int, int]], batch: int,
                 machine: Devices, machines: int, engine_profile: str = "",
                 pools: Pools | None = None):
-    """The planner on a profile of one ``machine`` at the workload's mean lengths (live, or
-    ``engine_profile``'s): its pick, each layout's predicted requests/s, and the unloaded
-    prefill time per token and step."""
-    from orchestrator.planner.perf_model import Workload
-    from orchestrator.planner.planner import Layout, plan, score
+    """The planner's capacity model and the serving simulator on one engine profile (the
+    emulated engine's, or the torch engine measured on one ``machine``) at the workload's
+    lengths: the planner's pick, each layout's predicted and simulated requests/s at
+    saturation, and the unloaded prefill time per token and step."""
+    from orchestrator.engine.config import ModelConfig
+    from orchestrator.planner.capacity import Capacity
+    from orchestrator.planner.perf_model import (
+        Workload,
+        profile_from_config,
+        timings_from_engine_profile,
+    )
+    from orchestrator.planner.planner import Layout, plan, predict_rps
+    from orchestrator.planner.search import saturating, simulate_serving
 
+    cost = engine_profile_of(model_dir, lengths, batch, machine, engine_profile)
     prompt = round(statistics.fmean(p for p, _ in lengths))
     new = round(statistics.fmean(n for _, n in lengths))
-    profile, unloaded = profiles(model_dir, Workload(prompt, new, batch), machine,
-                                 engine_profile)
-    picked = plan(profile, machines)
-    split = picked.layout if not picked.layout.colocated else Layout(1, 1, machines - 1)
-
-    def rps(layout: Layout | Pools) -> float:  # machines microbatches of ``batch`` per I s
-        if isinstance(layout, Pools):  # the slower pool bounds: I_p = m Y, I_t = N t per node
-            p = profile
-            return batch * min(layout.prefill / (p.m * p.Y), layout.decode / (p.N * p.t))
-        return machines * batch / score(profile, machines, layout)
-
-    split = pools or split
-
-    return {
-        "pick": str(picked.layout), "split": split, "Y/t": picked.ratio,
-        "real_split": picked.real_split,
-        "colocated_rps": rps(Layout(machines, 1)), "disaggregated_rps": rps(split),
-        "colocated-pipeline_rps": rps(Layout(1, machines)),
-        "prompt_s_per_token": unloaded.prompt_time_per_token, "step_s": unloaded.t,
-        "batch_step_s": profile.t,
-    }
+    workload = Workload(prompt, new, batch)
+    profile = profile_from_config(ModelConfig.from_dir(model_dir), workload, 80e9,
+                                  *timings_from_engine_profile(cost, workload), 1.0,
+                                  source=f"engine profile {cost.name}")
+    capacity = Capacity.of(lengths, cost, batch)
+    picked = plan(profile, machines, capacity)
+    # The disaggregated mode runs the pick, or the best disaggregated layout when the
+    # planner colocates (every candidate's pipelines fit the model's layers).
+    best = next(s.layout for s in picked.candidates if not s.layout.colocated)
+    chosen = Layout.pools(pools.prefill, pools.decode) if pools else (
+        best if picked.layout.colocated else picked.layout)
+    split = Pools(chosen.replicas, chosen.token_count) if chosen.is_pools else chosen
+    layouts = {"colocated": Layout(machines, 1), "colocated-pipeline": Layout(1, machines),
+               "disaggregated": chosen}
+    requests = saturating(lengths)
+    out = {"pick": str(picked.layout), "split": split, "Y/t": picked.ratio,
+           "real_split": picked.real_split, "profile": cost.name,
+           "prompt_s_per_token": cost.prefill_s(prompt) / prompt,
+           "step_s": cost.decode_s(1, capacity.demand.context),
+           "batch_step_s": capacity.decode_s(capacity.slots)}
+    for mode, layout in layouts.items():
+        out[f"{mode}_rps"] = predict_rps(capacity, layout)
+        out[f"{mode}_sim_rps"] = simulate_serving(cost, requests, layout, batch)
+    return out
 
 
 def plot(points: list[Point], path: Path) -> None:
@@ -294,6 +309,7 @@ COLUMNS = {
     "tbt_p50_ms": "TBT p50 ms", "tbt_p99_ms": "TBT p99 ms",
     "tbt_p99_running_ms": "TBT p99 running ms", "slo_met": "SLO met",
     "goodput_rps": "goodput req/s", "predicted_rps": "planner req/s",
+    "simulated_rps": "simulator req/s",
 }
 
 
@@ -388,6 +404,7 @@ def main(argv: list[str]) -> int:
                             mode, layout, rate, jobs, times, pred["prompt_s_per_token"],
                             pred["step_s"], args.ttft_slo, args.tbt_slo,
                             pred[f"{mode}_rps"]))
+                        points[-1].simulated_rps = pred[f"{mode}_sim_rps"]
     except (ServerError, RuntimeError, ValueError, OSError) as exc:
         print(f"dejavu bench disagg: {exc}", file=sys.stderr)
         return 1

@@ -36,6 +36,7 @@ import statistics
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -166,10 +167,10 @@ class Pipeline:
     """``depth`` stages serving passes FIFO; a pass is one microbatch through every stage."""
 
     def __init__(
-        self, loop: EventLoop, depth: int, on_pass: Callable[[Pipeline, Microbatch], None]
+        self, loop: EventLoop, depth: int, on_pass: Callable[[Pipeline, Any], None]
     ):
         self.loop, self.depth, self.on_pass = loop, depth, on_pass
-        self.queues: list[deque[tuple[Microbatch, float]]] = [deque() for _ in range(depth)]
+        self.queues: list[deque[tuple[Any, float]]] = [deque() for _ in range(depth)]
         self.busy = [False] * depth
         self.in_flight = 0
         self.busy_seconds = 0.0
@@ -178,7 +179,8 @@ class Pipeline:
     def has_slot(self) -> bool:
         return self.in_flight < self.depth
 
-    def submit(self, mb: Microbatch, whole_model_time: float) -> None:
+    def submit(self, mb: Any, whole_model_time: float) -> None:
+        """``mb``: a :class:`Microbatch`, or the serving simulator's step."""
         self.queues[0].append((mb, whole_model_time / self.depth))
         self._start(0)
 
@@ -190,7 +192,7 @@ class Pipeline:
         self.busy_seconds += duration
         self.loop.after(duration, lambda: self._finish(stage, mb, duration))
 
-    def _finish(self, stage: int, mb: Microbatch, duration: float) -> None:
+    def _finish(self, stage: int, mb: Any, duration: float) -> None:
         self.busy[stage] = False
         if stage + 1 < self.depth:
             self.queues[stage + 1].append((mb, duration))
@@ -310,3 +312,183 @@ def simulate_disaggregated(
     return summarize("disaggregated", f"{replicas}x (P{prompt_depth}+T{token_depth})",
                      (prompt_depth + token_depth) * replicas,
                      [t for mb in done for t in mb.request_times()], cluster.busy_seconds())
+
+
+# -- the serving system, as it schedules ---------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Seq:
+    request: Request
+    pipe: _TokenPipe
+    generated: int = 0  # tokens made so far, the first included
+    first_token: float = math.nan
+    tokens: list[float] = field(default_factory=list)  # times of the tokens after the first
+
+    @property
+    def context(self) -> int:
+        """What the emulated engine's step reads: the mean KV length + 1."""
+        return self.request.prompt_len + self.generated
+
+
+class _TokenPipe:
+    """A token pipeline as :class:`~orchestrator.pipeline.head.PipelineHead` runs it: ``depth``
+    microbatches of up to ``slots`` sequences, refilled from one waiting queue at each
+    microbatch's step; colocated, joining prompts are prefilled in that step before the
+    others' token step; every stage serves steps FIFO at 1/depth of the whole-model time."""
+
+    def __init__(self, sim: ServingSimulator, depth: int) -> None:
+        self.sim, self.depth = sim, depth
+        self.stages = Pipeline(sim.loop, depth, self._returned)
+        self.running: list[list[_Seq]] = [[] for _ in range(depth)]
+        self.in_flight = [False] * depth
+        self.waiting: deque[_Seq] = deque()
+        self.pending_tokens = 0  # the frontend's router: tokens still to generate here
+
+    def issue_idle(self) -> None:
+        for mb in range(self.depth):
+            if not self.in_flight[mb]:
+                self._issue(mb)
+
+    def _issue(self, mb: int) -> None:
+        running, new = self.running[mb], []
+        while self.waiting and len(running) + len(new) < self.sim.slots:
+            new.append(self.waiting.popleft())
+        if self.sim.colocated:
+            prefill, decode = new, list(running)
+        else:
+            prefill, decode = [], running + new
+        if not prefill and not decode:
+            return
+        cost, seconds = self.sim.cost, 0.0
+        if prefill:
+            seconds += cost.prefill_s(sum(s.request.prompt_len for s in prefill))
+        if decode:
+            seconds += cost.decode_s(len(decode), statistics.fmean(s.context for s in decode))
+        self.running[mb] = running + new
+        self.in_flight[mb] = True
+        self.stages.submit(_Step(mb, prefill, decode), seconds)
+
+    def _returned(self, _pipe: Pipeline, step: _Step) -> None:
+        now = self.sim.loop.now
+        for seq in step.prefill:
+            seq.first_token, seq.generated = now, 1
+        for seq in step.decode:
+            seq.tokens.append(now)
+            seq.generated += 1
+        for seq in step.prefill + step.decode:
+            self.pending_tokens -= 1
+            if seq.generated >= seq.request.output_len:
+                self.running[step.microbatch].remove(seq)
+                self.sim.finished(seq)
+        self.in_flight[step.microbatch] = False
+        self._issue(step.microbatch)
+
+
+@dataclass(eq=False)
+class _Step:
+    microbatch: int
+    prefill: list[_Seq]
+    decode: list[_Seq]
+
+
+class _PromptNode:
+    """A P-node: one streamed prefill at a time, FIFO (Triton gives its model one request
+    per call; its stages run in turn in one process)."""
+
+    def __init__(self, sim: ServingSimulator) -> None:
+        self.sim = sim
+        self.queue: deque[_Seq] = deque()
+        self.queued_tokens = 0
+        self.busy = False
+        self.busy_seconds = 0.0
+
+    def add(self, seq: _Seq) -> None:
+        self.queue.append(seq)
+        self.queued_tokens += seq.request.prompt_len
+        self._next()
+
+    def _next(self) -> None:
+        if self.busy or not self.queue:
+            return
+        seq = self.queue.popleft()
+        seconds = self.sim.m * self.sim.cost.prefill_s(seq.request.prompt_len)
+        self.busy, self.busy_seconds = True, self.busy_seconds + seconds
+
+        def done() -> None:
+            self.busy = False
+            self.queued_tokens -= seq.request.prompt_len
+            seq.first_token, seq.generated = self.sim.loop.now, 1
+            seq.pipe.pending_tokens -= 1
+            if seq.generated >= seq.request.output_len:
+                self.sim.finished(seq)
+            else:
+                seq.pipe.waiting.append(seq)
+                seq.pipe.issue_idle()
+            self._next()
+
+        self.sim.loop.after(seconds, done)
+
+
+class ServingSimulator:
+    """The serving system at request level, timed by an engine profile: the frontend's
+    shortest-queue routers (pending tokens), its seats (each token pipeline holds
+    depth x batch sequences and ``prompt_slots`` waiting ones), P-nodes and token
+    pipelines as above. ``colocated``: ``token_pipelines`` colocated pipelines, no
+    P-nodes. The same scheduling :mod:`~orchestrator.planner.capacity` models in closed
+    form."""
+
+    def __init__(self, cost: EngineProfile, batch: int, prompt_nodes: int, token_pipelines: int,
+                 token_depth: int, m: float = 1.0, prompt_slots: int = 16) -> None:
+        if batch < 1 or token_pipelines < 1 or token_depth < 1 or prompt_nodes < 0 or m < 1:
+            raise ValueError("need batch, token pipelines and depth >= 1, P-nodes >= 0, m >= 1")
+        self.cost, self.slots, self.m = cost, batch, m
+        self.colocated = prompt_nodes == 0
+        self.loop = EventLoop()
+        self.pipes = [_TokenPipe(self, token_depth) for _ in range(token_pipelines)]
+        self.prompt_nodes = [_PromptNode(self) for _ in range(prompt_nodes)]
+        self.seats = token_pipelines * (token_depth * batch + prompt_slots)
+        self.queue: deque[Request] = deque()  # waiting for a seat at the frontend
+        self.done: list[_Seq] = []
+
+    def run(self, requests: list[Request]) -> list[RequestTimes]:
+        for r in requests:
+            self.loop.at(r.arrival, lambda r=r: (self.queue.append(r), self._seat()))
+        self.loop.run()
+        if len(self.done) != len(requests):
+            raise RuntimeError(f"simulation ended with {len(requests) - len(self.done)} "
+                               "unfinished")
+        return [RequestTimes(s.request, s.first_token, s.tokens)
+                for s in sorted(self.done, key=lambda s: s.request.id)]
+
+    def finished(self, seq: _Seq) -> None:
+        self.done.append(seq)
+        self.seats += 1
+        self._seat()
+
+    def _seat(self) -> None:
+        while self.queue and self.seats > 0:
+            self.seats -= 1
+            request = self.queue.popleft()
+            pipe = min(self.pipes, key=lambda p: p.pending_tokens)
+            pipe.pending_tokens += request.output_len
+            seq = _Seq(request, pipe)
+            if self.colocated:
+                pipe.waiting.append(seq)
+                pipe.issue_idle()
+            else:
+                min(self.prompt_nodes, key=lambda n: n.queued_tokens).add(seq)
+
+
+def sustained_rps(times: list[RequestTimes], middle: float = 0.6) -> float:
+    """Requests/s at saturation: tokens made in the middle ``middle`` of the run (between
+    the completions that leave (1-middle)/2 of the requests on each side), over the mean
+    tokens a request makes. The edges (filling, draining) are left out."""
+    ends = sorted(r.tokens[-1] if r.tokens else r.first_token for r in times)
+    edge = (1 - middle) / 2
+    lo, hi = ends[int(edge * (len(ends) - 1))], ends[round((1 - edge) * (len(ends) - 1))]
+    if hi <= lo:
+        raise ValueError("too few requests to measure a sustained rate")
+    made = sum(lo < t <= hi for r in times for t in (r.first_token, *r.tokens))
+    per_request = statistics.fmean(1 + len(r.tokens) for r in times)
+    return made / (hi - lo) / per_request

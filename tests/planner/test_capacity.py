@@ -1,0 +1,124 @@
+"""The capacity model (analytic) against the serving simulator (event-driven), both on one
+engine profile; Splitwise's pool layout; no pipeline deeper than the model's layers."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.engine.config import ModelConfig
+from orchestrator.planner import workload as wl
+from orchestrator.planner.capacity import Capacity
+from orchestrator.planner.perf_model import Workload, profile_from_config
+from orchestrator.planner.planner import Layout, plan, predict_rps
+from orchestrator.planner.search import saturating, simulate_serving
+from orchestrator.planner.simulator import RequestTimes, sustained_rps
+from orchestrator.profiles.profile import EngineProfile, Machine, load_profile
+
+LAYOUTS = [Layout(1, 1), Layout(2, 1), Layout(1, 2), Layout(1, 4), Layout(1, 1, 1),
+           Layout(1, 1, 2), Layout.pools(1, 3), Layout.pools(3, 1)]
+
+
+def linear_profile() -> EngineProfile:
+    """A CPU-like engine: the token step grows linearly with the batch (50 ms a sequence),
+    prefill 1 ms a token."""
+    return EngineProfile(
+        name="linear", model="synthetic", machine=Machine("cpu", "1 core"),
+        prefill_tokens=(1.0, 1000.0), prefill_ms=(1.0, 1000.0),
+        decode_batch=(1.0, 16.0), decode_context=(1.0, 4096.0),
+        decode_ms=((50.0, 50.0), (800.0, 800.0)),
+        kv_bytes_per_token=1.0, kv_memory_bytes=1e12, source="synthetic")
+
+
+def trace_lengths(trace: str, scale: float = 1.0) -> list[tuple[int, int]]:
+    picked = wl.sample(wl.load_trace(trace), 300, seed=0)
+    return [(max(8, round(r.prompt_len * scale)), max(2, round(r.output_len * scale)))
+            for r in picked]
+
+
+def assert_agree(cost: EngineProfile, lengths: list[tuple[int, int]], batch: int,
+                 layouts: list[Layout], within: float = 0.10) -> None:
+    capacity = Capacity.of(lengths, cost, batch)
+    requests = saturating(lengths, count=1500)
+    for layout in layouts:
+        predicted = predict_rps(capacity, layout)
+        simulated = simulate_serving(cost, requests, layout, batch)
+        assert abs(predicted / simulated - 1) <= within, (str(layout), predicted, simulated)
+
+
+def test_a_linear_step_leaves_no_batching_gain():
+    """On a CPU-like profile a T-node serves as many requests/s at batch 1 as at 16 (its
+    step grows with the batch); its throughput is batch / step(batch), not one microbatch
+    per step time."""
+    lengths = [(100, 20)] * 10
+    rates = [Capacity.of(lengths, linear_profile(), b).token_rps(1) for b in (1, 4, 16)]
+    assert rates == pytest.approx([rates[0]] * 3)
+    assert rates[0] == pytest.approx(1 / (19 * 0.05))  # n - 1 steps of 50 ms each
+    gpu = load_profile("splitwise-llama2-70b-h100")
+    assert Capacity.of(lengths, gpu, 16).token_rps(1) > 8 * Capacity.of(lengths, gpu,
+                                                                        1).token_rps(1)
+
+
+def test_colocated_steps_pay_for_the_prompts_that_join():
+    """Colocated depth 1: each step decodes the batch less the joiners and prefills the
+    B/n prompts that join (Y + N t would leave the decode of a full batch alone)."""
+    cost, lengths = linear_profile(), [(200, 10)] * 10
+    capacity = Capacity.of(lengths, cost, 4)
+    step = 0.4 * 0.2 + 3.6 * 0.05  # 0.4 prompts of 200 ms, 3.6 sequences of 50 ms
+    assert capacity.colocated_step_s(1) == pytest.approx(step)
+    assert capacity.colocated_rps(1) == pytest.approx(4 / (10 * step))
+
+
+def test_linear_profile_planner_and_simulator_agree():
+    assert_agree(linear_profile(), trace_lengths("conv", 0.25), 4, LAYOUTS)
+
+
+@pytest.mark.parametrize("trace", ["conv", "code"])
+def test_h100_profile_planner_and_simulator_agree(trace):
+    assert_agree(load_profile("splitwise-llama2-70b-h100"), trace_lengths(trace), 16, LAYOUTS)
+
+
+def test_kv_memory_caps_the_batch():
+    cost = linear_profile()
+    lengths = [(100, 20)] * 4
+    assert Capacity.of(lengths, cost, 16).slots == 16
+    small = Capacity.of(lengths, cost, 16, kv_scale=cost.kv_memory_bytes / (3 * 120))
+    assert small.slots == 3  # three sequences of 120 tokens fit
+
+
+def test_sustained_rate_leaves_out_filling_and_draining():
+    """Ten requests of 2 tokens, one done every second from t=10: 1 req/s in the middle,
+    whatever the first and last took."""
+    times = [RequestTimes(wl.Request(i, 0.0, 8, 2), 9.5 + i, [10.0 + i]) for i in range(10)]
+    times[0] = RequestTimes(times[0].request, 0.5, [1.0])  # an early one
+    times[-1] = RequestTimes(times[-1].request, 50.0, [60.0])  # a straggler
+    assert sustained_rps(times) == pytest.approx(1.0)
+
+
+def test_pools_layout():
+    pools = Layout.pools(2, 6)
+    assert (str(pools), pools.machines, pools.token_count) == ("2P+6T pools", 8, 6)
+    cost, lengths = linear_profile(), [(100, 20)] * 4
+    capacity = Capacity.of(lengths, cost, 4)
+    assert predict_rps(capacity, pools) == pytest.approx(
+        min(2 * capacity.prompt_rps(), 6 * capacity.token_rps(1)))
+    with pytest.raises(ValueError):
+        Layout.pools(0, 3)
+
+
+def test_planner_knows_pools_and_caps_depth_at_the_layers(tiny_model):
+    """8 machines, a 4-layer model: pools are candidates, no pipeline is deeper than 4,
+    and on a GPU profile with long outputs the planner picks a disaggregated layout whose
+    pools serve more than 8 colocated machines."""
+    cfg = ModelConfig.from_dir(tiny_model("llama"))
+    cost = load_profile("splitwise-llama2-70b-h100")
+    lengths = trace_lengths("conv")
+    workload = Workload(1000, 200, 16)
+    profile = profile_from_config(cfg, workload, 80e9, 0.1, 0.03, 1.0)
+    for capacity in (None, Capacity.of(lengths, cost, 16)):
+        picked = plan(profile, 8, capacity)
+        assert all(s.layout.deepest <= cfg.num_layers for s in picked.candidates)
+        assert any(s.layout.is_pools for s in picked.candidates)
+    spec = picked.to_spec("model")
+    assert spec["machines"] == 8 and picked.model == "capacity"
+    colocated = next(s for s in picked.candidates if s.layout == Layout(8, 1))
+    assert picked.best.rps >= colocated.rps
