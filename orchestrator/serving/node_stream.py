@@ -46,7 +46,7 @@ class Cancelled(Exception):
 
 
 class StreamTimeout(TimeoutError):
-    """The node sent a request nothing for its whole timeout."""
+    """The node sent nothing at all, to any request, for a request's whole timeout."""
 
 
 @dataclass
@@ -66,6 +66,9 @@ class NodeStream:
         self.url, self.secret, self.listener = url, secret, listener
         self.feed_id = f"feed-{uuid.uuid4().hex}"
         self.broken: Exception | None = None
+        # When the node last sent anything: a request queued for a slot in a full batch
+        # hears nothing of its own for as long as the batch runs, yet is not lost.
+        self.heard_at = time.monotonic()
         self._queues: dict[str, queue.Queue] = {}
         self._lock = threading.Lock()
         self._feed_ended = threading.Event()
@@ -111,6 +114,7 @@ class NodeStream:
 
     def _dispatch(self, result: grpcclient.InferResult | None, error: Exception | None) -> None:
         """On tritonclient's stream thread: hand each response to its request."""
+        self.heard_at = time.monotonic()
         if error is not None:  # tritonclient gives no request id with one: the stream is lost
             self._break(error)
             return
@@ -128,6 +132,7 @@ class NodeStream:
 
     def _deliver(self, rows: list[FeedRow]) -> None:
         """On the listener's thread: the feed's tokens of one step."""
+        self.heard_at = time.monotonic()
         for rid, tokens, log_probs, done in rows:
             self._put(rid, _Tokens(tokens, log_probs, done))
 
@@ -231,7 +236,9 @@ class RequestStream:
                 if is_cancelled():
                     raise Cancelled()
             if now >= deadline:
-                raise StreamTimeout(f"decode node {self.node.url} sent nothing for "
+                deadline = self.node.heard_at + self.timeout_s  # still stepping: keep waiting
+            if now >= deadline:
+                raise StreamTimeout(f"decode node {self.node.url} sent nothing at all for "
                                     f"{self.timeout_s:.0f} s")
             try:
                 item = self.responses.get(timeout=min(deadline, self._cancel_check_at) - now)

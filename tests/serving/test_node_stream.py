@@ -4,6 +4,8 @@ in either order (the real stream to real tritonservers: test_cluster.py and the 
 from __future__ import annotations
 
 import queue
+import threading
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -32,7 +34,8 @@ def stream(*items: object, timeout_s: float = 5.0) -> RequestStream:
     responses: queue.Queue = queue.Queue()
     for item in items:
         responses.put(item)
-    return RequestStream(SimpleNamespace(url="t:1"), "r", responses, timeout_s)
+    node = SimpleNamespace(url="t:1", heard_at=time.monotonic())
+    return RequestStream(node, "r", responses, timeout_s)
 
 
 def never_cancelled() -> bool:
@@ -75,3 +78,25 @@ def test_a_failure_a_lost_stream_a_silent_node_and_a_client_that_left():
         stream(timeout_s=0.1).tokens(never_cancelled)
     with pytest.raises(Cancelled):
         stream(timeout_s=5.0).tokens(lambda: True)
+
+
+def test_a_request_queued_behind_a_running_batch_waits_while_its_node_steps():
+    """Silence on a request alone is not a lost node: its node's other traffic (a full
+    batch's steps) keeps it waiting past its own timeout."""
+    request = stream(timeout_s=0.1)
+    stop = threading.Event()
+
+    def node_steps_then_admits() -> None:
+        until = time.monotonic() + 0.4  # four of the request's timeouts
+        while time.monotonic() < until and not stop.wait(0.02):
+            request.node.heard_at = time.monotonic()
+        request.responses.put(_Tokens([7], None, True))
+        request.responses.put(Result(True))
+
+    stepping = threading.Thread(target=node_steps_then_admits)
+    stepping.start()
+    try:
+        assert request.tokens(never_cancelled) == ([7], None, True)
+    finally:
+        stop.set()
+        stepping.join(5)
