@@ -120,7 +120,7 @@ HI = [{"role": "user", "content": "Hi"}]
 # name: (route, the body's fields besides model and max_tokens, status, part of the message)
 BODIES: dict[str, tuple[str, dict, int, str]] = {
     "prompt over the prompt byte limit": (
-        COMPLETIONS, {"prompt": "w" * 1_000_000}, 400, "exceeds the limit"),
+        COMPLETIONS, {"prompt": "w" * 1_000_000}, 400, "exceeds the prompt limit"),
     "lone surrogate in a prompt": (
         COMPLETIONS, {"prompt": "Hi \ud800"}, 400, "not valid Unicode"),
     "lone surrogate in a stop word": (
