@@ -137,8 +137,10 @@ def run_perf_analyzer(tools: Tools, grpc_url: str, mode: str, concurrency: int, 
     """Exactly ``requests`` streamed requests at ``concurrency`` (after ``concurrency`` warm-up);
     ``data``: perf_analyzer's input data for ``model`` (default: ``prompt`` for the ensemble)."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    # end_id -1: no end token, every request runs to max_tokens (absent, the ensemble stops
+    # at the tokenizer's end token, as the backend's does)
     data = data or {"data": [{"text_input": [prompt], "max_tokens": [max_tokens],
-                              "stream": [True]}]}
+                              "end_id": [-1], "stream": [True]}]}
     (out_dir / "input.json").write_text(json.dumps(data))
     cmd = [
         str(tools.perf_analyzer), "-m", model, "-u", grpc_url, "-i", "grpc", "--streaming",
@@ -249,15 +251,17 @@ class GenaiPoint:
 
 def _tool_target(api: str, where: Endpoints) -> list[str]:
     """The model, endpoint and URL arguments genai-perf and aiperf share for ``api``."""
+    # end_id -1 on the ensemble, ignore_eos on the OpenAI API: every request runs to
+    # max_tokens, as the bare engine's do (a random prompt may otherwise draw the end id at
+    # once, and the tools drop an empty request)
     if api == "kserve":
-        return ["-m", MODEL, "--endpoint-type", "kserve", "-u", where.grpc]
+        return ["-m", MODEL, "--endpoint-type", "kserve", "-u", where.grpc,
+                "--extra-inputs", "end_id:-1"]
     if api == "generate":
         return ["-m", MODEL, "--endpoint-type", "generate", "-u", where.http,
-                "--endpoint", f"v2/models/{MODEL}/generate_stream"]
+                "--endpoint", f"v2/models/{MODEL}/generate_stream", "--extra-inputs", "end_id:-1"]
     if where.openai is None:
         raise BenchError(f"the {api} API needs the cluster's OpenAI-compatible server")
-    # every request runs to max_tokens, as the bare engine's do (vLLM's extension; a random
-    # prompt may otherwise draw the end id at once, and the tools drop an empty request)
     return ["-m", where.served_model, "--endpoint-type", api, "-u", where.openai,
             "--extra-inputs", "ignore_eos:true"]
 

@@ -18,10 +18,11 @@ from functools import partial
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from cluster_helpers import MAX_SEQ_LEN, PROMPTS, module_cluster, reference
+from cluster_helpers import MAX_SEQ_LEN, PROMPTS, ids_of, module_cluster, reference
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from clients import common
+from clients.generate import stream_grpc, stream_http
 from clients.perf import install_tools, run_perf_analyzer
 from orchestrator.engine.config import ModelConfig
 from orchestrator.engine.tokenizer import load_tokenizer
@@ -41,7 +42,9 @@ def eos(model) -> int:
 
 @pytest.fixture(scope="module")
 def expected(model):
-    """Greedy reference ids (the text client sends no end id)."""
+    """Greedy reference ids, ending at the tokenizer's end token: the text client sends no
+    end id, and the ensemble then ends at the tokenizer's, as the backend's preprocessing
+    fills it in."""
     return reference(model, PROMPTS, MAX_TOKENS)
 
 
@@ -157,6 +160,33 @@ def test_token_client_gets_the_reference_ids(cluster, model, expected_to_end, eo
     # Streaming: only the new tokens; else the prompt and then the new tokens.
     assert got == [([] if streaming else ids) + new
                    for ids, new in zip(prompt_ids, expected_to_end, strict=False)]
+
+
+def test_without_end_id_text_requests_end_at_the_tokenizers_end_token_token_ones_do_not(
+        cluster, model):
+    """The backend's preprocessing fills a missing END_ID with the tokenizer's end token, so
+    ``ensemble`` and ``tensorrt_llm_bls`` (which calls preprocessing) stop there; ``end_id``
+    -1 runs on to max_tokens, and so does ``tensorrt_llm`` called without ``end_id`` (no
+    end token, as the backend's). A prompt whose greedy text ends early shows it."""
+    max_tokens = 64
+    to_end = reference(model, PROMPTS, max_tokens)
+    i = next(i for i, ids in enumerate(to_end) if len(ids) < max_tokens)
+    full = reference(model, PROMPTS[i:i + 1], max_tokens, to_end=False)[0]
+    assert full[: len(to_end[i])] == to_end[i] and len(full) == max_tokens
+    grpc, http = cluster.frontend.grpc_url, cluster.frontend.http_url
+    for name in ("ensemble", "tensorrt_llm_bls"):
+        for streaming in (True, False):
+            assert ids_of(stream_grpc(grpc, PROMPTS[i], streaming, name,
+                                      max_tokens=max_tokens)) == to_end[i], (name, streaming)
+        assert ids_of(stream_http(http, PROMPTS[i], False, name,
+                                  max_tokens=max_tokens)) == to_end[i], name
+        assert ids_of(stream_grpc(grpc, PROMPTS[i], True, name, max_tokens=max_tokens,
+                                  end_id=-1)) == full, name
+    request = token_request([load_tokenizer(model).encode(PROMPTS[i]).ids], True, 0, 0)
+    request = {k: v for k, v in request.items() if k not in ("end_id", "pad_id")}
+    request["request_output_len"][:] = max_tokens
+    got = stream(grpc, "tensorrt_llm", request)
+    assert [t for r in got for t in r.as_numpy("output_ids")[0][0]] == full
 
 
 def test_postprocessing_decodes_the_token_models_ids(cluster, model, expected):
