@@ -494,6 +494,11 @@ def topology_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", default="",
                         help="engine profile for --engine emulated: a file, or a shipped "
                         "name (e.g. splitwise-llama2-70b-h100)")
+    parser.add_argument("--trtllm-decoupled", choices=["true", "false"], default="true",
+                        help="the tensorrt_llm model's transaction policy, the TensorRT-LLM "
+                        "backend's decoupled_mode: true streams (default); false serves a "
+                        "unary ModelInfer (one response, all the tokens), refusing "
+                        "streaming and batches as the backend does")
     parser.add_argument("--replicate", choices=list(ReplicateMode), default=ReplicateMode.ON,
                         help="T-stages stream KV replicas to the next stage (disk: to local "
                         "disk); a lost stage is started again and resumes from them "
@@ -509,7 +514,8 @@ def topology_from(args: argparse.Namespace) -> Topology:
 def settings_from(args: argparse.Namespace) -> dict:
     """The node settings :func:`topology_arguments` parsed, as NodeConfig fields."""
     return {"max_seq_len": args.max_seq_len, "swap": args.swap, "replicate": args.replicate,
-            "max_batch": args.max_batch, "profile": engine_profile(args.engine, args.profile)}
+            "max_batch": args.max_batch, "profile": engine_profile(args.engine, args.profile),
+            "trtllm_decoupled": args.trtllm_decoupled == "true"}
 
 
 def engine_profile(engine: str, profile: str) -> str:

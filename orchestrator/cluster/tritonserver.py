@@ -86,14 +86,23 @@ def _parameter(key: str, value: str) -> str:
     return f'parameters {{ key: "{key}" value: {{ string_value: "{escaped}" }} }}\n'
 
 
-def add_model(repo: Path, model: str, params: dict[str, str] | None = None) -> None:
-    """Copy ``model``'s config (plus ``params``) and its model.py into ``repo``."""
+DECOUPLED = "model_transaction_policy { decoupled: true }"
+
+
+def add_model(repo: Path, model: str, params: dict[str, str] | None = None,
+              decoupled: bool = True) -> None:
+    """Copy ``model``'s config (plus ``params``) and its model.py into ``repo``;
+    ``decoupled`` false: a decoupled model's config made non-decoupled."""
     config = CONFIGS / model / "config.pbtxt"
     if not config.exists():
         raise ValueError(f"no model {model!r} in {CONFIGS}")
     version = repo / model / "1"
     version.mkdir(parents=True, exist_ok=True)
     text = config.read_text()
+    if not decoupled:
+        if DECOUPLED not in text:
+            raise ValueError(f"model {model!r} is not decoupled")
+        text = text.replace(DECOUPLED, "model_transaction_policy { decoupled: false }")
     text += "".join(_parameter(k, str(v)) for k, v in (params or {}).items())
     (repo / model / "config.pbtxt").write_text(text)
     code = MODEL_CODE / model / "model.py"

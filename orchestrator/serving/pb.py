@@ -80,6 +80,11 @@ def node_config(args: dict) -> NodeConfig:
     return NodeConfig.from_json(parameters["config"]["string_value"])
 
 
+def decoupled(args: dict) -> bool:
+    """Whether the model is deployed decoupled (its config's model_transaction_policy)."""
+    return pb_utils.using_decoupled_model_transaction_policy(json.loads(args["model_config"]))
+
+
 def inputs(request, names: list[str]) -> dict[str, np.ndarray | None]:
     """Each named input as numpy, ``None`` where an optional input was not sent."""
     found = {}

@@ -232,3 +232,59 @@ def test_perf_analyzer_streams_the_token_models_reference_ids(cluster, model, ex
     for request in export["experiments"][0]["requests"]:
         streamed = [np.ravel(r["output_ids"]).tolist() for r in request["response_outputs"]]
         assert [t for ids in streamed for t in ids] == expected_to_end[0]
+
+
+# -- tensorrt_llm deployed non-decoupled (the backend's decoupled_mode:false) --------------
+
+unary = module_cluster("trtllm-unary", prefill=1, decode=1, trtllm_decoupled=False)
+
+
+def test_a_non_decoupled_tensorrt_llm_answers_a_unary_infer_with_every_token(
+        unary, model, expected_to_end, eos):
+    """``--trtllm-decoupled false``: the token client's default mode (no ``--streaming``), a
+    unary ModelInfer over gRPC and over HTTP, gets one response holding the prompt and every
+    new token; the ensemble still streams."""
+    import tritonclient.http as httpclient
+
+    prompt = load_tokenizer(model).encode(PROMPTS[0]).ids
+    request = token_request([prompt], False, eos, 0)
+    want = prompt + expected_to_end[0]
+    with grpcclient.InferenceServerClient(unary.frontend.grpc_url) as client:
+        config = client.get_model_config("tensorrt_llm").config
+        assert not config.model_transaction_policy.decoupled
+        result = client.infer("tensorrt_llm", [tensor(k, v) for k, v in request.items()],
+                              client_timeout=TIMEOUT_S)
+    assert result.as_numpy("output_ids")[0][0].tolist() == want
+    assert result.as_numpy("sequence_length")[0][0] == len(want)
+    with httpclient.InferenceServerClient(unary.frontend.http_url,
+                                          network_timeout=TIMEOUT_S) as client:
+        inputs = []
+        for name, array in request.items():
+            inputs.append(httpclient.InferInput(name, list(array.shape),
+                                                np_to_triton_dtype(array.dtype)))
+            inputs[-1].set_data_from_numpy(array)
+        result = client.infer("tensorrt_llm", inputs)
+    assert result.as_numpy("output_ids")[0][0].tolist() == want
+    assert ids_of(stream_grpc(unary.frontend.grpc_url, PROMPTS[0],
+                              max_tokens=MAX_TOKENS)) == expected_to_end[0]
+
+
+def test_a_non_decoupled_tensorrt_llm_refuses_streaming_and_batches_and_serves_on(
+        unary, model, expected_to_end, eos):
+    """As the backend refuses them when not decoupled: ``streaming`` true, and a request of
+    several sequences (one response carries one); both INVALID_ARGUMENT, named."""
+    tokenizer = load_tokenizer(model)
+    prompts = [tokenizer.encode(p).ids for p in PROMPTS[:2]]
+    with grpcclient.InferenceServerClient(unary.frontend.grpc_url) as client:
+        for request, message in ((token_request(prompts[:1], True, eos, 0),
+                                  "streaming is only supported if tensorrt_llm is deployed "
+                                  "decoupled"),
+                                 (token_request(prompts, False, eos, 0), "2 sequences")):
+            with pytest.raises(InferenceServerException, match=message) as refused:
+                client.infer("tensorrt_llm", [tensor(k, v) for k, v in request.items()],
+                             client_timeout=TIMEOUT_S)
+            assert refused.value.status() == "StatusCode.INVALID_ARGUMENT"
+        request = token_request(prompts[:1], False, eos, 0)
+        result = client.infer("tensorrt_llm", [tensor(k, v) for k, v in request.items()],
+                              client_timeout=TIMEOUT_S)
+    assert result.as_numpy("output_ids")[0][0].tolist() == prompts[0] + expected_to_end[0]
