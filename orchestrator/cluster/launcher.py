@@ -64,7 +64,13 @@ from orchestrator.cluster.tritonserver import (
     stop_servers,
 )
 from orchestrator.cluster.watchdog import STATE_FILE, STOPPING, read_pid, spawn, start_module
-from orchestrator.control.auth import UMASK, admin_token, load_secret, new_secret, write_secret
+from orchestrator.control.auth import (
+    admin_token,
+    load_secret,
+    new_secret,
+    open_private,
+    write_secret,
+)
 from orchestrator.fault import ReplicateMode
 from orchestrator.pipeline import DEAD_AFTER_S, SwapMode
 from orchestrator.serving.config import NodeConfig, Role
@@ -136,8 +142,6 @@ class Cluster:
             raise ValueError(f"{self.model_dir} is not a model folder (no config.json)")
         self.colocated = colocated
         self.run_dir = Path(run_dir).resolve()
-        # Its files, its children's and the nodes' regions: this user's alone.
-        os.umask(UMASK)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.run_dir.chmod(0o700)
         self.supervisor: subprocess.Popen | None = None
@@ -268,7 +272,8 @@ class Cluster:
             "backends": str(self.backend_dir),
             "nodes": [n.describe() for n in self.nodes],
         }
-        (self.run_dir / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
+        with open_private(self.run_dir / STATE_FILE) as f:
+            f.write(json.dumps(state, indent=2) + "\n")
 
     @classmethod
     @contextmanager
