@@ -16,7 +16,8 @@ class TritonPythonModel:
         config = pb.node_config(args)
         self.tokenizer = load_tokenizer(config.model_dir)
         self.end_pad = end_and_pad_ids(config.model_dir, self.tokenizer)
-        metrics = pb.TritonMetrics(config.name or "frontend", model="tensorrt_llm_bls")
+        metrics = pb.TritonMetrics(config.name or "frontend", model="tensorrt_llm_bls",
+                                   instance=args["model_instance_name"])
         self.entry = EntryPoint.for_node(config, metrics, self.tokenizer)
 
     def execute(self, requests):
