@@ -249,17 +249,19 @@ class GenaiPoint:
     output_len_avg: float  # retokenized, so it need not equal max_tokens
 
 
-def _tool_target(api: str, where: Endpoints) -> list[str]:
+def _tool_target(api: str, where: Endpoints, max_tokens: int) -> list[str]:
     """The model, endpoint and URL arguments genai-perf and aiperf share for ``api``."""
-    # end_id -1 on the ensemble, ignore_eos on the OpenAI API: every request runs to
-    # max_tokens, as the bare engine's do (a random prompt may otherwise draw the end id at
-    # once, and the tools drop an empty request)
+    # Every request runs to max_tokens, as the bare engine's do (a random prompt may
+    # otherwise draw the end id at once, and the tools drop an empty request): on the
+    # ensemble, whose preprocessing fills in the tokenizer's end id, min_tokens =
+    # max_tokens (the tools send an extra input "end_id:-1" as the string "-1"); on the
+    # OpenAI API, ignore_eos.
+    ensemble = ["--extra-inputs", f"min_tokens:{max_tokens}"]
     if api == "kserve":
-        return ["-m", MODEL, "--endpoint-type", "kserve", "-u", where.grpc,
-                "--extra-inputs", "end_id:-1"]
+        return ["-m", MODEL, "--endpoint-type", "kserve", "-u", where.grpc, *ensemble]
     if api == "generate":
         return ["-m", MODEL, "--endpoint-type", "generate", "-u", where.http,
-                "--endpoint", f"v2/models/{MODEL}/generate_stream", "--extra-inputs", "end_id:-1"]
+                "--endpoint", f"v2/models/{MODEL}/generate_stream", *ensemble]
     if where.openai is None:
         raise BenchError(f"the {api} API needs the cluster's OpenAI-compatible server")
     return ["-m", where.served_model, "--endpoint-type", api, "-u", where.openai,
@@ -278,7 +280,7 @@ def _load_args(model_dir: Path, concurrency: int, requests: int, max_tokens: int
 def run_genai_perf(tools: Tools, where: Endpoints, model_dir: Path, mode: str, api: str,
                    concurrency: int, requests: int, max_tokens: int, out_dir: Path) -> GenaiPoint:
     out_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [str(tools.genai_perf), "profile", *_tool_target(api, where),
+    cmd = [str(tools.genai_perf), "profile", *_tool_target(api, where, max_tokens),
            *_load_args(model_dir, concurrency, requests, max_tokens),
            "--num-dataset-entries", "8", "--artifact-dir", str(out_dir / "artifacts")]
     _run(cmd, tools, out_dir / "genai_perf.log", GENAI_TIMEOUT_S, out_dir)
@@ -295,7 +297,7 @@ def run_genai_perf(tools: Tools, where: Endpoints, model_dir: Path, mode: str, a
 def run_aiperf(tools: Tools, where: Endpoints, model_dir: Path, mode: str, api: str,
                concurrency: int, requests: int, max_tokens: int, out_dir: Path) -> GenaiPoint:
     out_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [str(tools.aiperf), "profile", *_tool_target(api, where),
+    cmd = [str(tools.aiperf), "profile", *_tool_target(api, where, max_tokens),
            *_load_args(model_dir, concurrency, requests, max_tokens),
            "--ui-type", "none", "--artifact-dir", str(out_dir / "artifacts")]
     _run(cmd, tools, out_dir / "aiperf.log", GENAI_TIMEOUT_S, out_dir)
