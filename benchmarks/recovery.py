@@ -83,7 +83,9 @@ class Stream(threading.Thread):
         cut_at: float | None = None
         while True:
             try:
-                for chunk in stream_grpc(self.url, self.prompt, max_tokens=self.max_tokens):
+                # end_id -1: a fixed length, as the reference's (no end token)
+                for chunk in stream_grpc(self.url, self.prompt, max_tokens=self.max_tokens,
+                                         end_id=-1):
                     self.ids.extend(chunk.ids)
                     self.times.append(time.monotonic())
                 self.error = None

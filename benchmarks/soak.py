@@ -116,7 +116,8 @@ def _ensemble(protocol: str, stream: bool) -> Callable:
         p = rng.randrange(len(PROMPTS))
         call = stream_grpc if protocol == "grpc" else stream_http
         url = t.grpc if protocol == "grpc" else t.http
-        chunks = call(url, PROMPTS[p], stream=stream, max_tokens=t.max_tokens)
+        # end_id -1: no end token, as the reference (LONG tokens per prompt)
+        chunks = call(url, PROMPTS[p], stream=stream, max_tokens=t.max_tokens, end_id=-1)
         return _greedy([i for c in chunks for i in c.ids], t.expected[p][: t.max_tokens])
 
     return run
@@ -126,7 +127,7 @@ def _sampled(t: Target, rng: random.Random) -> tuple[str, str]:
     from clients.generate import stream_grpc
 
     chunks = stream_grpc(t.grpc, PROMPTS[rng.randrange(len(PROMPTS))],
-                         max_tokens=t.max_tokens, temperature=0.9, top_k=20,
+                         max_tokens=t.max_tokens, end_id=-1, temperature=0.9, top_k=20,
                          seed=rng.randrange(2**31))
     ids = [i for c in chunks for i in c.ids]
     if len(ids) < t.max_tokens:
@@ -173,7 +174,8 @@ def _leaver(how: str) -> Callable:
             stream = stream_orchestrator(t.grpc, t.secret, t.prompt_ids[p], LONG)
         else:
             call = stream_grpc if how == "grpc" else stream_http
-            stream = call(t.grpc if how == "grpc" else t.http, PROMPTS[p], max_tokens=LONG)
+            stream = call(t.grpc if how == "grpc" else t.http, PROMPTS[p], max_tokens=LONG,
+                          end_id=-1)
         ids: list[int] = []
         with contextlib.closing(stream):  # leaving closes the stream: the request is cancelled
             for chunk in stream:

@@ -442,7 +442,7 @@ def _on(machine: Devices | None, run: Callable[..., Arrivals], *args: object) ->
 
 def _ensemble_times(stream_grpc, url: str, prompt: str, tokens: int) -> Arrivals:
     arrivals: Arrivals = [(time.perf_counter(), 0)]
-    for chunk in stream_grpc(url, prompt, max_tokens=tokens):
+    for chunk in stream_grpc(url, prompt, max_tokens=tokens, end_id=-1):  # all the tokens
         arrivals.append((time.perf_counter(), len(chunk.ids)))
     return arrivals
 

@@ -137,8 +137,10 @@ def run_perf_analyzer(tools: Tools, grpc_url: str, mode: str, concurrency: int, 
     """Exactly ``requests`` streamed requests at ``concurrency`` (after ``concurrency`` warm-up);
     ``data``: perf_analyzer's input data for ``model`` (default: ``prompt`` for the ensemble)."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    # end_id -1: no end token, every request runs to max_tokens (absent, the ensemble stops
+    # at the tokenizer's end token, as the backend's does)
     data = data or {"data": [{"text_input": [prompt], "max_tokens": [max_tokens],
-                              "stream": [True]}]}
+                              "end_id": [-1], "stream": [True]}]}
     (out_dir / "input.json").write_text(json.dumps(data))
     cmd = [
         str(tools.perf_analyzer), "-m", model, "-u", grpc_url, "-i", "grpc", "--streaming",
@@ -247,17 +249,21 @@ class GenaiPoint:
     output_len_avg: float  # retokenized, so it need not equal max_tokens
 
 
-def _tool_target(api: str, where: Endpoints) -> list[str]:
+def _tool_target(api: str, where: Endpoints, max_tokens: int) -> list[str]:
     """The model, endpoint and URL arguments genai-perf and aiperf share for ``api``."""
+    # Every request runs to max_tokens, as the bare engine's do (a random prompt may
+    # otherwise draw the end id at once, and the tools drop an empty request): on the
+    # ensemble, whose preprocessing fills in the tokenizer's end id, min_tokens =
+    # max_tokens (the tools send an extra input "end_id:-1" as the string "-1"); on the
+    # OpenAI API, ignore_eos.
+    ensemble = ["--extra-inputs", f"min_tokens:{max_tokens}"]
     if api == "kserve":
-        return ["-m", MODEL, "--endpoint-type", "kserve", "-u", where.grpc]
+        return ["-m", MODEL, "--endpoint-type", "kserve", "-u", where.grpc, *ensemble]
     if api == "generate":
         return ["-m", MODEL, "--endpoint-type", "generate", "-u", where.http,
-                "--endpoint", f"v2/models/{MODEL}/generate_stream"]
+                "--endpoint", f"v2/models/{MODEL}/generate_stream", *ensemble]
     if where.openai is None:
         raise BenchError(f"the {api} API needs the cluster's OpenAI-compatible server")
-    # every request runs to max_tokens, as the bare engine's do (vLLM's extension; a random
-    # prompt may otherwise draw the end id at once, and the tools drop an empty request)
     return ["-m", where.served_model, "--endpoint-type", api, "-u", where.openai,
             "--extra-inputs", "ignore_eos:true"]
 
@@ -274,7 +280,7 @@ def _load_args(model_dir: Path, concurrency: int, requests: int, max_tokens: int
 def run_genai_perf(tools: Tools, where: Endpoints, model_dir: Path, mode: str, api: str,
                    concurrency: int, requests: int, max_tokens: int, out_dir: Path) -> GenaiPoint:
     out_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [str(tools.genai_perf), "profile", *_tool_target(api, where),
+    cmd = [str(tools.genai_perf), "profile", *_tool_target(api, where, max_tokens),
            *_load_args(model_dir, concurrency, requests, max_tokens),
            "--num-dataset-entries", "8", "--artifact-dir", str(out_dir / "artifacts")]
     _run(cmd, tools, out_dir / "genai_perf.log", GENAI_TIMEOUT_S, out_dir)
@@ -291,7 +297,7 @@ def run_genai_perf(tools: Tools, where: Endpoints, model_dir: Path, mode: str, a
 def run_aiperf(tools: Tools, where: Endpoints, model_dir: Path, mode: str, api: str,
                concurrency: int, requests: int, max_tokens: int, out_dir: Path) -> GenaiPoint:
     out_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [str(tools.aiperf), "profile", *_tool_target(api, where),
+    cmd = [str(tools.aiperf), "profile", *_tool_target(api, where, max_tokens),
            *_load_args(model_dir, concurrency, requests, max_tokens),
            "--ui-type", "none", "--artifact-dir", str(out_dir / "artifacts")]
     _run(cmd, tools, out_dir / "aiperf.log", GENAI_TIMEOUT_S, out_dir)

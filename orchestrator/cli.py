@@ -8,10 +8,7 @@ and returns an exit code, building its own ``argparse`` parser with
 from __future__ import annotations
 
 import importlib
-import os
 import sys
-
-from orchestrator.control.auth import UMASK
 
 REPORT_MODULES = ("rich", "matplotlib")  # the ``bench`` extra: not installed on serving nodes
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
@@ -49,7 +46,6 @@ def _usage() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    os.umask(UMASK)  # what any command makes (run folder, logs, regions): this user's alone
     for words, (target, _) in sorted(COMMANDS.items(), key=lambda kv: -len(kv[0])):
         if tuple(argv[: len(words)]) == words:
             module_name, func_name = target.split(":")

@@ -64,7 +64,13 @@ from orchestrator.cluster.tritonserver import (
     stop_servers,
 )
 from orchestrator.cluster.watchdog import STATE_FILE, STOPPING, read_pid, spawn, start_module
-from orchestrator.control.auth import UMASK, admin_token, load_secret, new_secret, write_secret
+from orchestrator.control.auth import (
+    admin_token,
+    load_secret,
+    new_secret,
+    open_private,
+    write_secret,
+)
 from orchestrator.fault import ReplicateMode
 from orchestrator.pipeline import DEAD_AFTER_S, SwapMode
 from orchestrator.serving.config import NodeConfig, Role
@@ -136,8 +142,6 @@ class Cluster:
             raise ValueError(f"{self.model_dir} is not a model folder (no config.json)")
         self.colocated = colocated
         self.run_dir = Path(run_dir).resolve()
-        # Its files, its children's and the nodes' regions: this user's alone.
-        os.umask(UMASK)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.run_dir.chmod(0o700)
         self.supervisor: subprocess.Popen | None = None
@@ -268,7 +272,8 @@ class Cluster:
             "backends": str(self.backend_dir),
             "nodes": [n.describe() for n in self.nodes],
         }
-        (self.run_dir / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
+        with open_private(self.run_dir / STATE_FILE) as f:
+            f.write(json.dumps(state, indent=2) + "\n")
 
     @classmethod
     @contextmanager
@@ -494,6 +499,11 @@ def topology_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", default="",
                         help="engine profile for --engine emulated: a file, or a shipped "
                         "name (e.g. splitwise-llama2-70b-h100)")
+    parser.add_argument("--trtllm-decoupled", choices=["true", "false"], default="true",
+                        help="the tensorrt_llm model's transaction policy, the TensorRT-LLM "
+                        "backend's decoupled_mode: true streams (default); false serves a "
+                        "unary ModelInfer (one response, all the tokens), refusing "
+                        "streaming and batches as the backend does")
     parser.add_argument("--replicate", choices=list(ReplicateMode), default=ReplicateMode.ON,
                         help="T-stages stream KV replicas to the next stage (disk: to local "
                         "disk); a lost stage is started again and resumes from them "
@@ -509,7 +519,8 @@ def topology_from(args: argparse.Namespace) -> Topology:
 def settings_from(args: argparse.Namespace) -> dict:
     """The node settings :func:`topology_arguments` parsed, as NodeConfig fields."""
     return {"max_seq_len": args.max_seq_len, "swap": args.swap, "replicate": args.replicate,
-            "max_batch": args.max_batch, "profile": engine_profile(args.engine, args.profile)}
+            "max_batch": args.max_batch, "profile": engine_profile(args.engine, args.profile),
+            "trtllm_decoupled": args.trtllm_decoupled == "true"}
 
 
 def engine_profile(engine: str, profile: str) -> str:

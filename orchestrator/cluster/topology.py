@@ -111,4 +111,5 @@ def node_configs(topology: Topology, address: Callable[[str], str],
 def write_node_repo(repo: Path, config: NodeConfig) -> None:
     """The model repository of one node: each of its role's models gets the config."""
     for model in ROLE_MODELS[config.role]:
-        add_model(repo, model, {"config": config.to_json()} if model != "ensemble" else None)
+        add_model(repo, model, {"config": config.to_json()} if model != "ensemble" else None,
+                  decoupled=config.trtllm_decoupled or model != "tensorrt_llm")

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytriton
 
 from orchestrator.cluster.devices import Devices
-from orchestrator.control.auth import ADMIN_HEADER, UMASK
+from orchestrator.control.auth import ADMIN_HEADER, UMASK, open_private
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "model_repository"
@@ -86,19 +86,30 @@ def _parameter(key: str, value: str) -> str:
     return f'parameters {{ key: "{key}" value: {{ string_value: "{escaped}" }} }}\n'
 
 
-def add_model(repo: Path, model: str, params: dict[str, str] | None = None) -> None:
-    """Copy ``model``'s config (plus ``params``) and its model.py into ``repo``."""
+DECOUPLED = "model_transaction_policy { decoupled: true }"
+
+
+def add_model(repo: Path, model: str, params: dict[str, str] | None = None,
+              decoupled: bool = True) -> None:
+    """Copy ``model``'s config (plus ``params``) and its model.py into ``repo``;
+    ``decoupled`` false: a decoupled model's config made non-decoupled."""
     config = CONFIGS / model / "config.pbtxt"
     if not config.exists():
         raise ValueError(f"no model {model!r} in {CONFIGS}")
     version = repo / model / "1"
     version.mkdir(parents=True, exist_ok=True)
     text = config.read_text()
+    if not decoupled:
+        if DECOUPLED not in text:
+            raise ValueError(f"model {model!r} is not decoupled")
+        text = text.replace(DECOUPLED, "model_transaction_policy { decoupled: false }")
     text += "".join(_parameter(k, str(v)) for k, v in (params or {}).items())
-    (repo / model / "config.pbtxt").write_text(text)
+    with open_private(repo / model / "config.pbtxt") as f:
+        f.write(text)
     code = MODEL_CODE / model / "model.py"
     if code.exists():
-        shutil.copyfile(code, version / "model.py")  # made under the umask, not 0644
+        with open_private(version / "model.py", "wb") as f:
+            f.write(code.read_bytes())
 
 
 @dataclass
@@ -174,7 +185,7 @@ class TritonServer:
     def launch(self) -> None:
         """Start the process without waiting: several nodes can start side by side."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
+        with open_private(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 self.command(),
                 stdout=log,

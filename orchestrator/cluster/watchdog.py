@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from orchestrator.cluster.tritonserver import ROOT, alive
-from orchestrator.control.auth import UMASK
+from orchestrator.control.auth import UMASK, open_private
 
 log = logging.getLogger("dejavu.watchdog")
 
@@ -31,7 +31,8 @@ MODULES = {"supervisor": "orchestrator.cluster.supervisor",
 
 def write_atomic(path: Path, text: str) -> None:
     """Write ``path`` through a file beside it: a reader never sees it half written."""
-    path.with_suffix(".tmp").write_text(text)
+    with open_private(path.with_suffix(".tmp")) as f:
+        f.write(text)
     path.with_suffix(".tmp").replace(path)
 
 
@@ -58,7 +59,7 @@ def start_module(args: list[str], log_path: Path) -> subprocess.Popen:
     """``python -m args`` in a session of its own (Ctrl-C in a shell must not stop it; a
     kill of its group takes its children too), its output appended to ``log_path``."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as out:
+    with open_private(log_path, "ab") as out:
         return subprocess.Popen([sys.executable, "-m", *args], stdout=out,
                                 stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
                                 umask=UMASK)

@@ -82,6 +82,16 @@ def write_secret(path: Path, secret: bytes) -> Path:
     return path
 
 
+def open_private(path: Path, mode: str = "w"):  # noqa: ANN201  (a file object)
+    """``open(path, mode)`` ("w", "a", "wb", "ab") of a file only its owner may read or write,
+    whatever the process's umask (the cluster's files are made in processes that keep
+    theirs, such as a test run; the children get UMASK at their Popen)."""
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if "a" in mode else os.O_TRUNC)
+    fd = os.open(path, flags, 0o600)
+    os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT
+    return os.fdopen(fd, mode)
+
+
 def load_secret(path: str | Path | None = None) -> bytes:
     """The secret from ``path`` (refused if others may read it), else ``DEJAVU_SECRET``."""
     if path:

@@ -11,6 +11,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from orchestrator.engine.config import ModelConfig
+
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 # A plain chat template (Jinja, as transformers reads it) for the dummy checkpoints.
 CHAT_TEMPLATE = (
@@ -74,3 +76,30 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     if not path.is_file():
         raise FileNotFoundError(f"no tokenizer.json in {model_dir}")
     return Tokenizer.from_file(str(path))
+
+
+def end_and_pad_ids(model_dir: str | Path, tokenizer: Tokenizer) -> tuple[int | None, int | None]:
+    """The tokenizer's end and pad token ids, as the TensorRT-LLM backend's preprocessing
+    fills in a request's missing ``end_id`` / ``pad_id``: ``eos_token`` and ``pad_token``
+    of ``tokenizer_config.json`` (no pad token: the end token); no ``eos_token`` there:
+    ``config.json``'s ``eos_token_id``. ``None`` where the model has none."""
+    path = Path(model_dir) / "tokenizer_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+
+    def token_id(name: str) -> int | None:
+        token = config.get(name)
+        if isinstance(token, dict):  # an AddedToken written out
+            token = token.get("content")
+        if not token:
+            return None
+        found = tokenizer.token_to_id(token)
+        if found is None:  # not one token of the vocabulary: the backend takes its first
+            ids = tokenizer.encode(token, add_special_tokens=False).ids
+            found = ids[0] if ids else None
+        return found
+
+    end = token_id("eos_token")
+    if end is None and (Path(model_dir) / "config.json").is_file():
+        end = ModelConfig.from_dir(model_dir).eos_id
+    pad = token_id("pad_token")
+    return end, end if pad is None else pad

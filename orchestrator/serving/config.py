@@ -68,6 +68,9 @@ class NodeConfig:
     threads: int = 1  # torch threads: nodes share the machine's cores
     max_requests: int = 64  # frontend: requests served at once
     max_prompt_bytes: int | None = None  # frontend: prompt text limit; None: from the context
+    # frontend: tensorrt_llm's model_transaction_policy, the backend's decoupled_mode (false:
+    # a unary ModelInfer gets one response; streaming and batches are refused)
+    trtllm_decoupled: bool = True
     prefill_urls: tuple[str, ...] = ()  # every P-node's gRPC url
     decode_urls: tuple[tuple[str, ...], ...] = ()  # each token pipeline's, stage 0 first
 
@@ -174,6 +177,10 @@ def _coerce(name: str, value: object, hint: object) -> object:
                              f"got {value!r}") from None
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"node config: {name} must be true or false, got {value!r}")
+        return value
     if not isinstance(value, hint) or isinstance(value, bool):
         raise ValueError(f"node config: {name} must be {hint.__name__}, got {value!r}")
     return value

@@ -34,7 +34,7 @@ class RequestLimits:
         max_seq_len = config.max_seq_len or model.max_positions
         limit = config.max_prompt_bytes
         if limit is None:
-            limit = 0 if tokenizer is None else max_seq_len * longest_token_bytes(tokenizer)
+            limit = 0 if tokenizer is None else prompt_bytes_limit(max_seq_len, tokenizer)
         return cls(max_seq_len, model.vocab_size, limit)
 
     def check_text(self, array: np.ndarray) -> str:
@@ -60,6 +60,11 @@ class RequestLimits:
             raise RequestError(f"prompt of {array.size} tokens does not fit the context "
                                f"of {self.max_seq_len}")
         return array.reshape(-1).tolist()
+
+
+def prompt_bytes_limit(max_seq_len: int, tokenizer: Tokenizer) -> int:
+    """The default prompt byte limit: a longer text can never fit ``max_seq_len`` tokens."""
+    return max_seq_len * longest_token_bytes(tokenizer)
 
 
 def longest_token_bytes(tokenizer: Tokenizer) -> int:

@@ -53,7 +53,7 @@ from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from orchestrator.engine.config import ModelConfig
 from orchestrator.engine.tokenizer import load_tokenizer
-from orchestrator.serving.limits import longest_token_bytes
+from orchestrator.serving.limits import prompt_bytes_limit
 from orchestrator.serving.params import (
     MAX_RETURN_SEQUENCES,
     MAX_TOP_LOG_PROBS,
@@ -250,21 +250,22 @@ class OpenAIServer:
     def __init__(self, grpc_url: str, model_dir: Path, model_name: str = "",
                  triton_model: str = "tensorrt_llm_bls", max_prompt_bytes: int | None = None
                  ) -> None:
-        """``max_prompt_bytes``: the longest prompt text (UTF-8 bytes); None: the model's
-        context times its tokenizer's longest token, the frontend's default limit (without
-        a config.json: ``MAX_BODY_BYTES``)."""
+        """``max_prompt_bytes``: the longest prompt text (UTF-8 bytes); None: the frontend's
+        default limit for the model's context (:func:`prompt_bytes_limit`; without a
+        config.json: ``MAX_BODY_BYTES``)."""
         self.grpc_url, self.triton_model = grpc_url, triton_model
         self.model_name = model_name or Path(model_dir).name
         self.tokenizer = load_tokenizer(model_dir)
-        model_config = Path(model_dir) / "config.json"
+        model = (ModelConfig.from_dir(model_dir) if (Path(model_dir) / "config.json").exists()
+                 else None)
         self.max_prompt_bytes = max_prompt_bytes or (
-            ModelConfig.from_dir(model_dir).max_positions * longest_token_bytes(self.tokenizer)
-            if model_config.exists() else MAX_BODY_BYTES)
+            MAX_BODY_BYTES if model is None
+            else prompt_bytes_limit(model.max_positions, self.tokenizer))
         config_path = Path(model_dir) / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.exists() else {}
         self.chat_template = config.get("chat_template")
-        self.eos_id = (json.loads(model_config.read_text()).get("eos_token_id")
-                       if model_config.exists() else None)
+        # OpenAI's semantics: a choice ends at the model's eos (unless ignore_eos)
+        self.eos_id = None if model is None else model.eos_id
         self.created = int(time.time())
 
     # -- requests -> calls ---------------------------------------------------------------
@@ -297,12 +298,9 @@ class OpenAIServer:
         if not prompts or not all(prompts):
             raise ApiError(400, "prompt must be a non-empty string or list of them",
                            param="prompt")
-        name = "messages" if isinstance(body, ChatRequest) else "prompt"
-        for prompt in prompts:  # by size, before anything reads the text
-            size = _utf8_size(prompt, name)
-            if size > self.max_prompt_bytes:
-                raise ApiError(400, f"prompt of {size} bytes exceeds the limit of "
-                                    f"{self.max_prompt_bytes} bytes", param=name)
+        if not isinstance(body, ChatRequest):  # a chat's messages: checked by chat_prompt
+            for prompt in prompts:  # by size, before anything reads the text
+                self.check_prompt_bytes(_utf8_size(prompt, "prompt"), "prompt")
         return Call(prompts, params, [s for s in stops if s])
 
     async def prepare(self, body: _Sampling, prompts: list[str], max_tokens: int | None
@@ -314,17 +312,22 @@ class OpenAIServer:
         call.prompt_tokens = sum(len(e.ids) for e in encoded)
         return call
 
+    def check_prompt_bytes(self, size: int, param: str) -> None:
+        """The one prompt byte limit: a completion's prompt, or a chat's messages."""
+        if size > self.max_prompt_bytes:
+            raise ApiError(400, f"{param} of {size} bytes exceeds the prompt limit of "
+                                f"{self.max_prompt_bytes} bytes", param=param)
+
     def chat_prompt(self, body: ChatRequest) -> str:
         if not self.chat_template:
             raise ApiError(400, f"model {self.model_name!r} has no chat template "
                                 "(tokenizer_config.json chat_template): use /v1/completions")
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        size = sum(_utf8_size(m.content, "messages") + _utf8_size(m.role, "messages")
-                   for m in body.messages)
-        if size > self.max_prompt_bytes:  # before the template copies it around
-            raise ApiError(400, f"messages of {size} bytes exceed the prompt limit of "
-                                f"{self.max_prompt_bytes} bytes", param="messages")
+        # before the template copies it around
+        self.check_prompt_bytes(sum(_utf8_size(m.content, "messages")
+                                    + _utf8_size(m.role, "messages") for m in body.messages),
+                                "messages")
         template = ImmutableSandboxedEnvironment().from_string(self.chat_template)
         return template.render(messages=[m.model_dump() for m in body.messages],
                                add_generation_prompt=True)
@@ -371,8 +374,9 @@ class OpenAIServer:
             "exclude_input_in_output": np.full((rows, 1), True),
             "stream": np.full((rows, 1), True),  # stops are found in the text as it comes
         }
-        if p.end_id is not None:
-            arrays["end_id"] = np.full((rows, 1), p.end_id, np.int32)
+        # -1: no end token (ignore_eos, or no eos known); absent, tensorrt_llm_bls would fill
+        # in the tokenizer's, as the backend's preprocessing does
+        arrays["end_id"] = np.full((rows, 1), -1 if p.end_id is None else p.end_id, np.int32)
         if p.seed is not None:
             arrays["seed"] = np.full((rows, 1), p.seed, np.uint64)
         if p.return_log_probs:

@@ -80,6 +80,11 @@ def node_config(args: dict) -> NodeConfig:
     return NodeConfig.from_json(parameters["config"]["string_value"])
 
 
+def decoupled(args: dict) -> bool:
+    """Whether the model is deployed decoupled (its config's model_transaction_policy)."""
+    return pb_utils.using_decoupled_model_transaction_policy(json.loads(args["model_config"]))
+
+
 def inputs(request, names: list[str]) -> dict[str, np.ndarray | None]:
     """Each named input as numpy, ``None`` where an optional input was not sent."""
     found = {}
@@ -152,8 +157,11 @@ class TritonMetrics(PublishedMetrics):
         "reruns": ("dejavu_reruns", "prompts or requests run again", False, "what"),
     }
 
-    def __init__(self, node: str, model: str = "") -> None:
-        self.labels = {"node": node, **({"model": model} if model else {})}
+    def __init__(self, node: str, model: str = "", instance: str = "") -> None:
+        """``instance``: a model instance's name, where several instances count the same
+        thing (their gauges are series of their own; a sum over them is the model's)."""
+        self.labels = {"node": node, **({"model": model} if model else {}),
+                       **({"instance": instance} if instance else {})}
         gauge, counter = pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.COUNTER
         self.families = {what: pb_utils.MetricFamily(name, text, gauge if is_gauge else counter)
                          for what, (name, text, is_gauge, _) in self.FAMILIES.items()}

@@ -25,7 +25,8 @@ from orchestrator.serving.params import RequestError, parse_words
 
 CONTEXT_TOKENS = 6
 REPLACEMENT = "\ufffd"  # what a decoder prints for an incomplete UTF-8 sequence
-TEXT_INPUTS = ("text_input", "stop_words", "bad_words")
+# what preprocessing reads (end_id / pad_id: to fill in the tokenizer's where absent)
+TEXT_INPUTS = ("text_input", "stop_words", "bad_words", "end_id", "pad_id")
 
 
 def encode_prompt(tokenizer: Tokenizer, text: str) -> list[int]:
@@ -67,11 +68,15 @@ def response_text(tokenizer: Tokenizer, tokens: list[int], context: list[int],
 
 
 def encode_batch(tokenizer: Tokenizer, limits: RequestLimits,
-                 tensors: Mapping[str, np.ndarray | None]) -> dict[str, np.ndarray]:
+                 tensors: Mapping[str, np.ndarray | None],
+                 end_pad: tuple[int | None, int | None] = (None, None)) -> dict[str, np.ndarray]:
     """A batched request's ``TEXT_INPUTS`` as token tensors: ``input_ids`` (rows padded with
     0 to the longest), ``input_lengths`` ``[rows, 1]``, and each row's stop / bad words as
     JSON token lists (``stop_ids``, ``bad_ids``, ``[rows, 1]``). A prompt over the byte
-    limit is refused (RequestError) before it is decoded or tokenized."""
+    limit is refused (RequestError) before it is decoded or tokenized. ``end_id`` and
+    ``pad_id`` ``[rows, 1]``: the request's, else ``end_pad`` (the tokenizer's:
+    :func:`~orchestrator.engine.tokenizer.end_and_pad_ids`; -1 for none), as the backend's
+    preprocessing fills them in."""
     if tensors.get("text_input") is None:
         raise RequestError("text_input is required")
     rows = [encode_prompt(tokenizer, limits.check_text(row)) for row in tensors["text_input"]]
@@ -84,6 +89,10 @@ def encode_batch(tokenizer: Tokenizer, limits: RequestLimits,
         words = [encode_words(tokenizer, [] if array is None else list(array[i]))
                  for i in range(len(rows))]
         encoded[out] = np.array([[w.encode()] for w in words], dtype=np.object_)
+    for name, default in zip(("end_id", "pad_id"), end_pad, strict=True):
+        sent = tensors.get(name)
+        encoded[name] = (np.asarray(sent, np.int32) if sent is not None else
+                         np.full((len(rows), 1), -1 if default is None else default, np.int32))
     return encoded
 
 

@@ -67,6 +67,19 @@ def token_jobs(split: Callable[[Mapping[str, np.ndarray | None]], list],
         raise RequestError(_TOKEN_NAME.sub(lambda m: _OLD_NAME[m.group(0)], str(exc))) from None
 
 
+def check_unary(jobs: list) -> list:
+    """``jobs`` (one request's sequences), refused as the backend refuses them when
+    ``tensorrt_llm`` is not decoupled: one response carries one sequence, whole."""
+    if any(job.params.stream for job in jobs):
+        raise RequestError("streaming is only supported if tensorrt_llm is deployed "
+                           "decoupled (dejavu up --trtllm-decoupled true)")
+    if len(jobs) > 1:
+        raise RequestError(f"{len(jobs)} sequences (batch rows x num_return_sequences): a "
+                           "non-decoupled tensorrt_llm answers one sequence per request "
+                           "(dejavu up --trtllm-decoupled true serves more)")
+    return jobs
+
+
 _OLD_NAME = {new: old for old, new in (RENAMED | WORD_LISTS).items()}
 _TOKEN_NAME = re.compile(r"\b(" + "|".join(_OLD_NAME) + r")\b")
 

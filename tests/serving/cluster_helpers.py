@@ -20,7 +20,7 @@ from orchestrator.cluster.launcher import Cluster, read_state
 from orchestrator.control.auth import load_secret
 from orchestrator.control.client import ControlClient
 from orchestrator.engine.reference import generate, log_softmax_along
-from orchestrator.engine.tokenizer import load_tokenizer
+from orchestrator.engine.tokenizer import end_and_pad_ids, load_tokenizer
 from orchestrator.engine.torch_engine import load_engine
 
 MAX_SEQ_LEN = 256  # the tiny models' positions: room for a long stream to cancel
@@ -33,9 +33,19 @@ def cluster_up(model: Path, run_dir: Path, **kwargs) -> Cluster:
     return Cluster.up(model, run_dir=run_dir, max_seq_len=MAX_SEQ_LEN, **kwargs)
 
 
-def reference(model_dir: Path, prompts: list[str], max_tokens: int) -> list[list[int]]:
-    """Greedy tokens of the single-process reference on the same weights."""
-    return common.reference(model_dir, prompts, max_tokens, MAX_SEQ_LEN)
+def end_id(model_dir: Path) -> int | None:
+    """The end token a text request without ``end_id`` ends at (the tokenizer's)."""
+    return end_and_pad_ids(model_dir, load_tokenizer(model_dir))[0]
+
+
+def reference(model_dir: Path, prompts: list[str], max_tokens: int, to_end: bool = True
+              ) -> list[list[int]]:
+    """Greedy tokens of the single-process reference on the same weights; ``to_end``: each
+    ends at the tokenizer's end token (kept), as a text request (``ensemble``,
+    ``tensorrt_llm_bls``) without ``end_id`` does; else all ``max_tokens`` (``end_id`` -1,
+    or ``tensorrt_llm`` without one)."""
+    return common.reference(model_dir, prompts, max_tokens, MAX_SEQ_LEN,
+                            end_id(model_dir) if to_end else None)
 
 
 def module_cluster(folder: str, up: Callable[..., object] = cluster_up, **kwargs):
@@ -50,13 +60,13 @@ def module_cluster(folder: str, up: Callable[..., object] = cluster_up, **kwargs
     return fixture
 
 
-def module_reference(prompts: list[str], max_tokens: int):
-    """A module-scoped fixture: the reference's tokens for ``prompts`` (assign it to the
-    fixture's name)."""
+def module_reference(prompts: list[str], max_tokens: int, to_end: bool = True):
+    """A module-scoped fixture: the reference's tokens for ``prompts`` (:func:`reference`;
+    assign it to the fixture's name)."""
 
     @pytest.fixture(scope="module")
     def fixture(model: Path) -> list[list[int]]:
-        return reference(model, prompts, max_tokens)
+        return reference(model, prompts, max_tokens, to_end)
 
     return fixture
 
@@ -69,11 +79,11 @@ def run_concurrently(protocol: str, url: str, prompts: list[str], **params) -> l
         return [f.result(timeout=120) for f in futures]
 
 
-def ids_concurrently(protocol: str, url: str, prompts: list[str], max_tokens: int
-                     ) -> list[list[int]]:
+def ids_concurrently(protocol: str, url: str, prompts: list[str], max_tokens: int,
+                     **params) -> list[list[int]]:
     """Every prompt at once (:func:`run_concurrently`): each request's token ids."""
     return [ids_of(chunks) for chunks in run_concurrently(protocol, url, prompts,
-                                                          max_tokens=max_tokens)]
+                                                          max_tokens=max_tokens, **params)]
 
 
 def stream_orchestrator(url: str, prompt_ids: list[int], max_tokens: int, secret: bytes):
@@ -193,17 +203,20 @@ def report_cancels(what: str, seconds: list[float], rounds: int) -> None:
 # -- stages killed mid-stream ------------------------------------------------------------
 
 FAULT_TOKENS = 120  # long enough to be mid-stream when a stage dies
+FIXED = {"end_id": -1}  # no end token: a stream runs to max_tokens (reference to_end=False)
 DEAD_AFTER_S = 3.0
 # A sampled request: the seeded sampler must resume after a recovery as if nothing failed.
-SEEDED = dict(temperature=1.0, top_k=50, seed=7, min_tokens=FAULT_TOKENS)
+SEEDED = dict(temperature=1.0, top_k=50, seed=7, min_tokens=FAULT_TOKENS, **FIXED)
 
 
 class Streaming(threading.Thread):
-    """One streamed request; its chunks as they come."""
+    """One streamed request of a fixed length (:data:`FIXED`: it is mid-stream when a stage
+    dies); its chunks as they come."""
 
     def __init__(self, url: str, prompt: str, **params) -> None:
         super().__init__(daemon=True)
-        self.url, self.prompt, self.params = url, prompt, {"max_tokens": FAULT_TOKENS, **params}
+        self.url, self.prompt = url, prompt
+        self.params = {"max_tokens": FAULT_TOKENS, **FIXED, **params}
         self.chunks, self.error = [], None
 
     def run(self) -> None:

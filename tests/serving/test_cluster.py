@@ -590,6 +590,27 @@ def test_openai_completions_stream_and_not(cluster, model, openai_client):
     assert chunks[-1].usage.completion_tokens == len(want) and not chunks[-1].choices
 
 
+def test_openai_stops_at_the_models_eos_unless_ignore_eos(cluster, model, openai_client):
+    """OpenAI's semantics: a choice ends at the model's eos (finish_reason ``stop``, before
+    ``max_tokens``); vLLM's ``ignore_eos`` runs on to ``max_tokens`` (``length``)."""
+    tokenizer, max_tokens = load_tokenizer(model), 64
+    ended = _with_eos(model, PROMPTS, max_tokens)
+    i = next(i for i, ids in enumerate(ended) if len(ids) < max_tokens)  # eos comes early
+    (full,) = generate([load_engine(model, max_seq_len=MAX_SEQ_LEN)],
+                       [tokenizer.encode(PROMPTS[i]).ids], max_tokens)
+    done = openai_client.completions.create(model=model.name, prompt=PROMPTS[i],
+                                            max_tokens=max_tokens, temperature=0)
+    assert done.choices[0].finish_reason == "stop"
+    assert done.usage.completion_tokens == len(ended[i]) < max_tokens
+    assert done.choices[0].text == tokenizer.decode(ended[i])
+    ignored = openai_client.completions.create(model=model.name, prompt=PROMPTS[i],
+                                               max_tokens=max_tokens, temperature=0,
+                                               extra_body={"ignore_eos": True})
+    assert ignored.choices[0].finish_reason == "length"
+    assert ignored.usage.completion_tokens == max_tokens
+    assert ignored.choices[0].text == tokenizer.decode(full)
+
+
 def test_openai_chat_stream_and_not(cluster, model, openai_client):
     tokenizer = load_tokenizer(model)
     messages = [{"role": "user", "content": PROMPTS[1]}]

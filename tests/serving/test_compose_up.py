@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cluster_helpers import PROMPTS, ids_of, module_reference
+from cluster_helpers import FIXED, PROMPTS, ids_of, module_reference
 
 from clients.generate import stream_http
 from orchestrator.cluster.tritonserver import ROOT, free_port, is_ready
@@ -110,7 +110,7 @@ def leaked_shm() -> list[str]:
             if p.name.startswith(tuple(f"dejavu_{n}_8001_" for n in NODES))]
 
 
-expected = module_reference(PROMPTS[:4], MAX_TOKENS)
+expected = module_reference(PROMPTS[:4], MAX_TOKENS, to_end=False)  # FIXED streams
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +140,7 @@ def stream_all(url: str, prompts: list[str], kill=None) -> list[list[int]]:
     results: list[list] = [[] for _ in prompts]
 
     def run(i: int) -> None:
-        for chunk in stream_http(url, prompts[i], max_tokens=MAX_TOKENS):
+        for chunk in stream_http(url, prompts[i], max_tokens=MAX_TOKENS, **FIXED):
             results[i].append(chunk)
 
     threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(prompts))]

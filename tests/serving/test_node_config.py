@@ -112,3 +112,19 @@ def test_spares_are_standby_t_nodes_of_the_pipelines_depth():
         Topology(decode_depth=1, spares=1)
     with pytest.raises(ValueError, match="replicate on"):
         replace(spares[0], replicate=ReplicateMode.OFF)
+
+
+def test_tensorrt_llm_is_decoupled_unless_the_deployment_says_not(tmp_path):
+    """``--trtllm-decoupled false`` (the backend's decoupled_mode) reaches the frontend's
+    tensorrt_llm config alone; a non-boolean value is refused."""
+    for decoupled in (True, False):
+        config = cluster(trtllm_decoupled=decoupled)["frontend"]
+        write_node_repo(tmp_path / str(decoupled), config)
+        policies = {model: "decoupled: true" in (tmp_path / str(decoupled) / model
+                                                 / "config.pbtxt").read_text()
+                    for model in ("tensorrt_llm", "tensorrt_llm_bls", "orchestrator")}
+        assert policies == {"tensorrt_llm": decoupled, "tensorrt_llm_bls": True,
+                            "orchestrator": True}
+    data = json.loads(cluster()["frontend"].to_json()) | {"trtllm_decoupled": "false"}
+    with pytest.raises(ValueError, match="trtllm_decoupled must be true or false"):
+        NodeConfig.from_json(json.dumps(data))

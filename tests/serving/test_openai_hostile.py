@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,6 +21,7 @@ from cluster_helpers import PROMPTS, module_cluster, reference
 from hostile_procs import stream
 from tritonclient.utils import InferenceServerException
 
+from clients.generate import stream_grpc
 from orchestrator.engine.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -120,7 +123,7 @@ HI = [{"role": "user", "content": "Hi"}]
 # name: (route, the body's fields besides model and max_tokens, status, part of the message)
 BODIES: dict[str, tuple[str, dict, int, str]] = {
     "prompt over the prompt byte limit": (
-        COMPLETIONS, {"prompt": "w" * 1_000_000}, 400, "exceeds the limit"),
+        COMPLETIONS, {"prompt": "w" * 1_000_000}, 400, "exceeds the prompt limit"),
     "lone surrogate in a prompt": (
         COMPLETIONS, {"prompt": "Hi \ud800"}, 400, "not valid Unicode"),
     "lone surrogate in a stop word": (
@@ -203,18 +206,24 @@ def test_fan_out_that_fits_is_queued_and_served_whole(cluster, model, expected):
 
 # -- the ensemble over Triton gRPC: stop / bad words ----------------------------------------
 
-def words_request(cluster, name: str, words: np.ndarray) -> str:
-    """The error message the ensemble answers a request with these ``name`` words."""
+def words_inputs(name: str, words: np.ndarray) -> list:
+    """A request with these ``name`` words, serialized (seconds for millions of them: here,
+    before any clock starts)."""
     inputs = []
     for input_name, array, dtype in (
             ("text_input", np.array([[b"Hi"]], np.object_), "BYTES"),
             ("max_tokens", np.array([[MAX_TOKENS]], np.int32), "INT32"),
             (name, words, "BYTES")):
         inputs.append(grpcclient.InferInput(input_name, list(array.shape), dtype))
-        inputs[-1].set_data_from_numpy(array)  # serialized here, before the clock starts
+        inputs[-1].set_data_from_numpy(array)
+    return inputs
+
+
+def words_request(cluster, inputs: list, model_name: str = "ensemble") -> str:
+    """The error message ``model_name`` answers a request of :func:`words_inputs` with."""
     client = grpcclient.InferenceServerClient(cluster.frontend.grpc_url)
     try:
-        list(stream(client, "ensemble", inputs))
+        list(stream(client, model_name, inputs))
     except InferenceServerException as exc:
         return exc.message()
     finally:
@@ -233,8 +242,9 @@ def words_request(cluster, name: str, words: np.ndarray) -> str:
 def test_hostile_ensemble_words_are_refused_at_once(cluster, model, expected, name, words,
                                                     text, limit_s):
     normal(cluster, model, expected)  # warm
+    inputs = words_inputs(name, words)
     refused_s, normal_s, alone_s, message = beside(
-        cluster, model, expected, lambda: words_request(cluster, name, words), rounds=1)
+        cluster, model, expected, lambda: words_request(cluster, inputs), rounds=1)
     print(f"ensemble {name} {words.size} x {len(words.reshape(-1)[0])} B: refused in "
           f"{refused_s * 1000:.0f} ms; an 8-token request beside it {normal_s * 1000:.0f} ms, "
           f"alone {alone_s * 1000:.0f} ms (x{normal_s / alone_s:.2f})")
@@ -242,3 +252,63 @@ def test_hostile_ensemble_words_are_refused_at_once(cluster, model, expected, na
     if limit_s is not None:  # see the parameters: else the stub's cost is not the model's
         assert refused_s < limit_s, refused_s
         assert normal_s < 2 * alone_s, (normal_s, alone_s)
+
+
+def stub_cpu_s(cluster, model_name: str) -> float:
+    """CPU seconds the cluster's Python stubs of ``model_name`` (every instance) used."""
+    total = 0.0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes()
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if (b"triton_python_backend_stub" in command and str(cluster.run_dir).encode()
+                in command and f"/{model_name}/1/model.py".encode() in command):
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+@pytest.mark.parametrize(("model_name", "stub"), [("ensemble", "preprocessing"),
+                                                 ("tensorrt_llm_bls", "tensorrt_llm_bls")])
+def test_stop_words_that_hold_a_stub_for_seconds_block_no_other_request(
+        cluster, model, model_name, stub):
+    """Triton 2.51's stub converts 2,000,000 ``stop_words`` to numpy (seconds of CPU)
+    before the model's code refuses them, and a stub does one request at a time: with one
+    instance of preprocessing (or tensorrt_llm_bls) another client's request to the same
+    model waited for that refusal (measured x25, x51). With two, it is served by the
+    other one meanwhile: sent once the hostile request holds a stub, it ends before that
+    request is answered."""
+    url = cluster.frontend.grpc_url
+    want = reference(model, PROMPTS[:1], MAX_TOKENS)[0]
+
+    def ensemble_request() -> None:
+        assert [i for c in stream_grpc(url, PROMPTS[0], model=model_name,
+                                       max_tokens=MAX_TOKENS) for i in c.ids] == want
+
+    ensemble_request()  # warm
+    alone_s = float(np.median([timed(ensemble_request)[0] for _ in range(3)]))
+    hostile: dict[str, object] = {}
+    inputs = words_inputs("stop_words", np.array([[b"w"] * 2_000_000], np.object_))
+
+    def send() -> None:
+        hostile["message"] = words_request(cluster, inputs, model_name)
+        hostile["answered"] = time.monotonic()
+
+    before = stub_cpu_s(cluster, stub)
+    sender = threading.Thread(target=send, daemon=True)
+    started = time.monotonic()
+    sender.start()
+    while stub_cpu_s(cluster, stub) - before < 0.3:  # a stub is converting them
+        assert sender.is_alive() and time.monotonic() - started < 60, hostile
+        time.sleep(0.02)
+    beside_s, _ = timed(ensemble_request)
+    served = time.monotonic()
+    sender.join(timeout=60)
+    assert "at most 64" in str(hostile["message"]), hostile
+    print(f"2,000,000 {model_name} stop words: refused after "
+          f"{hostile['answered'] - started:.1f} s; "
+          f"an 8-token {model_name} request sent meanwhile {beside_s * 1000:.0f} ms, alone "
+          f"{alone_s * 1000:.0f} ms (x{beside_s / alone_s:.2f}), ended "
+          f"{hostile['answered'] - served:.1f} s before the refusal")
+    assert served < hostile["answered"]  # not queued behind the busy stub

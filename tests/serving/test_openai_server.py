@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 
 from orchestrator.serving.openai_server import (
@@ -54,16 +55,18 @@ def test_log_probs_map_to_the_ensemble_inputs(server):
 
 
 def test_ignore_eos_runs_to_max_tokens(server):
-    """vLLM's ``ignore_eos`` (benchmarks send it): no end id reaches the ensemble."""
+    """OpenAI's choices end at the model's eos; vLLM's ``ignore_eos`` (benchmarks send it)
+    sends end_id -1, none (absent, tensorrt_llm_bls would fill in the tokenizer's)."""
 
-    def sent(call) -> list[str]:  # the ensemble's inputs the call fills
-        return [tensor.name() for tensor in server._inputs(call)]
+    def end_id(call) -> list[int]:  # the end_id input the call fills
+        tensor = next(t for t in server._inputs(call) if t.name() == "end_id")
+        return np.frombuffer(tensor._raw_content, np.int32).tolist()
 
-    assert server.eos_id is not None
+    assert server.eos_id == 2  # the dummy checkpoints' </s>
     plain = server.call(CompletionRequest(model="tiny", prompt="a"), ["a"], 4)
-    assert plain.params.end_id == server.eos_id and "end_id" in sent(plain)
+    assert plain.params.end_id == server.eos_id and end_id(plain) == [2]
     ignored = server.call(ChatRequest(model="tiny", messages=[], ignore_eos=True), ["a"], 4)
-    assert ignored.params.end_id is None and "end_id" not in sent(ignored)
+    assert ignored.params.end_id is None and end_id(ignored) == [-1]
     choice = Choice(stops=[])
     choice.add("abc", [5, 2, 7])  # the eos id as any other token
     choice.finish(max_tokens=3, end_id=ignored.params.end_id)
@@ -234,7 +237,7 @@ def _openai_error(response, status: int, text: str) -> dict:
 
 @pytest.mark.parametrize(("body", "status", "text", "param"), [
     ({"prompt": "w" * 20_000}, 413, "exceeds the limit of 10000 bytes", None),
-    ({"prompt": "w" * 5_000}, 400, "exceeds the limit", "prompt"),  # over max_prompt_bytes
+    ({"prompt": "w" * 5_000}, 400, "exceeds the prompt limit", "prompt"),  # over max_prompt_bytes
     ({"prompt": "Hi \ud800"}, 400, "not valid Unicode", "prompt"),
     ({"prompt": "Hi", "stop": ["\ud800"]}, 400, "not valid Unicode", "stop"),
     ({"prompt": "Hi", "stop": ["x"] * 65}, 400, "65 stop strings: at most 64", "stop"),

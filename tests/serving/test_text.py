@@ -45,3 +45,38 @@ def test_a_t_nodes_stub_does_not_load_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "False"
+
+
+def test_a_missing_end_id_and_pad_id_are_the_tokenizers_as_the_backends_preprocessing(
+        tiny_model, tmp_path):
+    """The backend's preprocessing fills a missing END_ID with the tokenizer's eos_token and
+    PAD_ID with its pad_token (the eos when it has none); a sent one (-1 too) passes on."""
+    import json
+    import shutil
+
+    import numpy as np
+
+    from orchestrator.engine.config import ModelConfig
+    from orchestrator.engine.tokenizer import end_and_pad_ids, load_tokenizer
+    from orchestrator.serving.limits import RequestLimits
+    from orchestrator.serving.text import encode_batch
+
+    model = tiny_model("llama")
+    tokenizer = load_tokenizer(model)
+    assert end_and_pad_ids(model, tokenizer) == (2, 0)  # </s>, <pad>
+    limits = RequestLimits(256, 512, 1000)
+    prompts = np.array([[b"Hi"], [b"Where"]], dtype=np.object_)
+    filled = encode_batch(tokenizer, limits, {"text_input": prompts}, (2, 0))
+    assert filled["end_id"].tolist() == [[2], [2]] and filled["pad_id"].tolist() == [[0], [0]]
+    sent = encode_batch(tokenizer, limits, {"text_input": prompts,
+                                            "end_id": np.array([[-1], [-1]], np.int32)}, (2, 0))
+    assert sent["end_id"].tolist() == [[-1], [-1]] and sent["pad_id"].tolist() == [[0], [0]]
+    assert encode_batch(tokenizer, limits, {"text_input": prompts})["end_id"].tolist() == [
+        [-1], [-1]]  # a tokenizer without an end token: none
+    no_pad = tmp_path / "no-pad"
+    shutil.copytree(model, no_pad)
+    config = json.loads((no_pad / "tokenizer_config.json").read_text())
+    del config["pad_token"], config["eos_token"]
+    (no_pad / "tokenizer_config.json").write_text(json.dumps(config))
+    # no eos_token: config.json's eos_token_id; no pad_token: the end token
+    assert end_and_pad_ids(no_pad, tokenizer) == (ModelConfig.from_dir(model).eos_id, 2)

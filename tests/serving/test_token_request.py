@@ -128,3 +128,19 @@ def test_refusals_name_the_token_models_inputs():
         token_jobs(split, bad)
     with pytest.raises(RequestError, match="request_output_len must be at least 1"):
         token_jobs(split, request(request_output_len=np.array([0], np.int32)))
+
+
+def test_a_non_decoupled_token_model_takes_one_whole_sequence_per_request():
+    """The backend's rule without decoupled_mode: no streaming, one sequence a response."""
+    from orchestrator.serving.batch import SequenceJob
+    from orchestrator.serving.token_request import check_unary
+
+    def job(stream: bool, index: int = 0) -> SequenceJob:
+        return SequenceJob(index, 0, [5, 6], GenerationParams(max_tokens=4, stream=stream))
+
+    assert check_unary([job(False)]) == [job(False)]
+    with pytest.raises(RequestError, match="streaming is only supported if tensorrt_llm is "
+                                           "deployed decoupled"):
+        check_unary([job(True)])
+    with pytest.raises(RequestError, match="2 sequences"):
+        check_unary([job(False), job(False, 1)])

@@ -18,10 +18,11 @@ from functools import partial
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from cluster_helpers import MAX_SEQ_LEN, PROMPTS, module_cluster, reference
+from cluster_helpers import MAX_SEQ_LEN, PROMPTS, ids_of, module_cluster, reference
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from clients import common
+from clients.generate import stream_grpc, stream_http
 from clients.perf import install_tools, run_perf_analyzer
 from orchestrator.engine.config import ModelConfig
 from orchestrator.engine.tokenizer import load_tokenizer
@@ -41,7 +42,9 @@ def eos(model) -> int:
 
 @pytest.fixture(scope="module")
 def expected(model):
-    """Greedy reference ids (the text client sends no end id)."""
+    """Greedy reference ids, ending at the tokenizer's end token: the text client sends no
+    end id, and the ensemble then ends at the tokenizer's, as the backend's preprocessing
+    fills it in."""
     return reference(model, PROMPTS, MAX_TOKENS)
 
 
@@ -159,6 +162,33 @@ def test_token_client_gets_the_reference_ids(cluster, model, expected_to_end, eo
                    for ids, new in zip(prompt_ids, expected_to_end, strict=False)]
 
 
+def test_without_end_id_text_requests_end_at_the_tokenizers_end_token_token_ones_do_not(
+        cluster, model):
+    """The backend's preprocessing fills a missing END_ID with the tokenizer's end token, so
+    ``ensemble`` and ``tensorrt_llm_bls`` (which calls preprocessing) stop there; ``end_id``
+    -1 runs on to max_tokens, and so does ``tensorrt_llm`` called without ``end_id`` (no
+    end token, as the backend's). A prompt whose greedy text ends early shows it."""
+    max_tokens = 64
+    to_end = reference(model, PROMPTS, max_tokens)
+    i = next(i for i, ids in enumerate(to_end) if len(ids) < max_tokens)
+    full = reference(model, PROMPTS[i:i + 1], max_tokens, to_end=False)[0]
+    assert full[: len(to_end[i])] == to_end[i] and len(full) == max_tokens
+    grpc, http = cluster.frontend.grpc_url, cluster.frontend.http_url
+    for name in ("ensemble", "tensorrt_llm_bls"):
+        for streaming in (True, False):
+            assert ids_of(stream_grpc(grpc, PROMPTS[i], streaming, name,
+                                      max_tokens=max_tokens)) == to_end[i], (name, streaming)
+        assert ids_of(stream_http(http, PROMPTS[i], False, name,
+                                  max_tokens=max_tokens)) == to_end[i], name
+        assert ids_of(stream_grpc(grpc, PROMPTS[i], True, name, max_tokens=max_tokens,
+                                  end_id=-1)) == full, name
+    request = token_request([load_tokenizer(model).encode(PROMPTS[i]).ids], True, 0, 0)
+    request = {k: v for k, v in request.items() if k not in ("end_id", "pad_id")}
+    request["request_output_len"][:] = max_tokens
+    got = stream(grpc, "tensorrt_llm", request)
+    assert [t for r in got for t in r.as_numpy("output_ids")[0][0]] == full
+
+
 def test_postprocessing_decodes_the_token_models_ids(cluster, model, expected):
     tokenizer = load_tokenizer(model)
     tokens = np.array([[expected[0]]], np.int32)
@@ -202,3 +232,59 @@ def test_perf_analyzer_streams_the_token_models_reference_ids(cluster, model, ex
     for request in export["experiments"][0]["requests"]:
         streamed = [np.ravel(r["output_ids"]).tolist() for r in request["response_outputs"]]
         assert [t for ids in streamed for t in ids] == expected_to_end[0]
+
+
+# -- tensorrt_llm deployed non-decoupled (the backend's decoupled_mode:false) --------------
+
+unary = module_cluster("trtllm-unary", prefill=1, decode=1, trtllm_decoupled=False)
+
+
+def test_a_non_decoupled_tensorrt_llm_answers_a_unary_infer_with_every_token(
+        unary, model, expected_to_end, eos):
+    """``--trtllm-decoupled false``: the token client's default mode (no ``--streaming``), a
+    unary ModelInfer over gRPC and over HTTP, gets one response holding the prompt and every
+    new token; the ensemble still streams."""
+    import tritonclient.http as httpclient
+
+    prompt = load_tokenizer(model).encode(PROMPTS[0]).ids
+    request = token_request([prompt], False, eos, 0)
+    want = prompt + expected_to_end[0]
+    with grpcclient.InferenceServerClient(unary.frontend.grpc_url) as client:
+        config = client.get_model_config("tensorrt_llm").config
+        assert not config.model_transaction_policy.decoupled
+        result = client.infer("tensorrt_llm", [tensor(k, v) for k, v in request.items()],
+                              client_timeout=TIMEOUT_S)
+    assert result.as_numpy("output_ids")[0][0].tolist() == want
+    assert result.as_numpy("sequence_length")[0][0] == len(want)
+    with httpclient.InferenceServerClient(unary.frontend.http_url,
+                                          network_timeout=TIMEOUT_S) as client:
+        inputs = []
+        for name, array in request.items():
+            inputs.append(httpclient.InferInput(name, list(array.shape),
+                                                np_to_triton_dtype(array.dtype)))
+            inputs[-1].set_data_from_numpy(array)
+        result = client.infer("tensorrt_llm", inputs)
+    assert result.as_numpy("output_ids")[0][0].tolist() == want
+    assert ids_of(stream_grpc(unary.frontend.grpc_url, PROMPTS[0],
+                              max_tokens=MAX_TOKENS)) == expected_to_end[0]
+
+
+def test_a_non_decoupled_tensorrt_llm_refuses_streaming_and_batches_and_serves_on(
+        unary, model, expected_to_end, eos):
+    """As the backend refuses them when not decoupled: ``streaming`` true, and a request of
+    several sequences (one response carries one); both INVALID_ARGUMENT, named."""
+    tokenizer = load_tokenizer(model)
+    prompts = [tokenizer.encode(p).ids for p in PROMPTS[:2]]
+    with grpcclient.InferenceServerClient(unary.frontend.grpc_url) as client:
+        for request, message in ((token_request(prompts[:1], True, eos, 0),
+                                  "streaming is only supported if tensorrt_llm is deployed "
+                                  "decoupled"),
+                                 (token_request(prompts, False, eos, 0), "2 sequences")):
+            with pytest.raises(InferenceServerException, match=message) as refused:
+                client.infer("tensorrt_llm", [tensor(k, v) for k, v in request.items()],
+                             client_timeout=TIMEOUT_S)
+            assert refused.value.status() == "StatusCode.INVALID_ARGUMENT"
+        request = token_request(prompts[:1], False, eos, 0)
+        result = client.infer("tensorrt_llm", [tensor(k, v) for k, v in request.items()],
+                              client_timeout=TIMEOUT_S)
+    assert result.as_numpy("output_ids")[0][0].tolist() == prompts[0] + expected_to_end[0]
