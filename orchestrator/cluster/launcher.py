@@ -494,6 +494,10 @@ def topology_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", default="",
                         help="engine profile for --engine emulated: a file, or a shipped "
                         "name (e.g. splitwise-llama2-70b-h100)")
+    parser.add_argument("--time-scale", type=float, default=1.0, metavar="K",
+                        help="--engine emulated: every step sleeps the profile's time x K "
+                        "(a K-times slower replay, so the serving path's own CPU stays small "
+                        "against the engine's time; divide measured times by K)")
     parser.add_argument("--replicate", choices=list(ReplicateMode), default=ReplicateMode.ON,
                         help="T-stages stream KV replicas to the next stage (disk: to local "
                         "disk); a lost stage is started again and resumes from them "
@@ -509,7 +513,8 @@ def topology_from(args: argparse.Namespace) -> Topology:
 def settings_from(args: argparse.Namespace) -> dict:
     """The node settings :func:`topology_arguments` parsed, as NodeConfig fields."""
     return {"max_seq_len": args.max_seq_len, "swap": args.swap, "replicate": args.replicate,
-            "max_batch": args.max_batch, "profile": engine_profile(args.engine, args.profile)}
+            "max_batch": args.max_batch, "profile": engine_profile(args.engine, args.profile),
+            "time_scale": args.time_scale}
 
 
 def engine_profile(engine: str, profile: str) -> str:
@@ -577,6 +582,9 @@ def up_main(argv: list[str]) -> int:
         print(f"{'openai':<10} {'api':<9} {'':<14} {'':<10} {cluster.openai.url}  "
               f"log {cluster.openai.log_path}")
     print(f"ready: ensemble at http://{cluster.frontend.http_url} (state in {args.dir})")
+    if args.time_scale != 1.0:
+        print(f"time scale K = {args.time_scale:g}: every engine step sleeps its profile time "
+              f"x {args.time_scale:g}; divide measured times by K, multiply rates by K")
     return 0
 
 
