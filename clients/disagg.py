@@ -396,6 +396,18 @@ def predictions(model_dir: Path, lengths: list[tuple[int, int]], batch: int,
     }
 
 
+def check_depths(modes: list[str], split, machines: int, layers: int) -> None:
+    """A pipeline needs a layer per stage: refuse a mode deeper than the model, before any
+    cluster starts (the planner's split of 8 machines over a 4-layer tiny model)."""
+    depths = {"colocated-pipeline": machines}
+    if not isinstance(split, Pools):
+        depths["disaggregated"] = max(split.prompt_depth, split.token_depth)
+    deep = {m: d for m, d in depths.items() if m in modes and d > layers}
+    if deep:
+        raise ValueError(", ".join(f"{m} needs {d} stages" for m, d in deep.items())
+                         + f", the model has {layers} layers: choose --modes or --pools")
+
+
 def plot(points: list[Point], path: Path) -> None:
     import matplotlib
 
@@ -522,6 +534,8 @@ def main(argv: list[str]) -> int:
               f"{pred['colocated-pipeline_rps']:.2f} req/s, {pred['split']} "
               f"{pred['disaggregated_rps']:.2f} req/s", flush=True)
         max_seq_len = args.max_prompt + args.max_new
+        check_depths(args.modes, pred["split"], len(machines),
+                     ModelConfig.from_dir(model_dir).num_layers)
         points: list[Point] = []
         with Progress() as progress:
             task = progress.add_task("requests", total=len(args.modes) * sum(counts.values()))
@@ -539,8 +553,11 @@ def main(argv: list[str]) -> int:
                               }.get(mode, str(pred["split"]))
                     url = cluster.frontend.grpc_url
                     secret = load_secret(cluster.secret_file)
-                    warm = make_jobs(lengths[:2], 100.0, vocab, args.seed + 1)
-                    replay(url, secret, warm)  # every node's first request is slow
+                    # Every node's first request is slow; a few tokens each warm it (a
+                    # trace's long output would take minutes at a large time scale).
+                    warm = make_jobs([(p, min(n, 4)) for p, n in lengths[:len(machines)]],
+                                     100.0, vocab, args.seed + 1)
+                    replay(url, secret, warm)
                     groups = cluster_groups(cluster)
                     for rate in rates:
                         jobs = make_jobs(lengths[:counts[rate]], rate, vocab, args.seed)

@@ -15,6 +15,8 @@ from clients.disagg import (
     COLUMNS,
     Job,
     Point,
+    Pools,
+    check_depths,
     main,
     make_jobs,
     per_request,
@@ -77,6 +79,17 @@ def test_cpu_per_token_and_cost_per_request():
     assert priced.cost_per_request == pytest.approx(4 * 4.76 / 3600 / 2.0)  # 2 req/s
     assert priced.energy_per_request_kj == pytest.approx(4 * 10.2 / 2.0)  # 10.2 kW each
     assert math.isnan(per_request(point, 4, "").cost_per_request)
+
+
+def test_pipelines_deeper_than_the_model_are_refused_before_starting():
+    from orchestrator.planner.planner import Layout
+
+    check_depths(["colocated", "disaggregated"], Pools(2, 6), 8, 4)  # no pipeline: fine
+    check_depths(["colocated-pipeline"], Layout(1, 1, 3), 4, 4)
+    with pytest.raises(ValueError, match="colocated-pipeline needs 8 stages"):
+        check_depths(["colocated-pipeline"], Pools(2, 6), 8, 4)
+    with pytest.raises(ValueError, match="disaggregated needs 7 stages, the model has 4"):
+        check_depths(["colocated", "disaggregated"], Layout(1, 1, 7), 8, 4)
 
 
 @pytest.mark.slow
