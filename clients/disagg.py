@@ -265,7 +265,8 @@ class Pools:
 
 
 def cluster_for(mode: str, model_dir: Path, machines: list, run_dir: Path, batch: int,
-                max_seq_len: int, split, profile: str = "", time_scale: float = 1.0):
+                max_seq_len: int, split, profile: str = "", time_scale: float = 1.0,
+                timeout_s: float = 180.0):
     """The cluster of ``mode`` on ``machines`` (core sets): colocated one T-node each, or
     one stage each of one pipeline; disaggregated the planner's ``split`` (a
     :class:`~orchestrator.planner.planner.Layout`): its P-nodes, each on its D_p machines,
@@ -293,7 +294,7 @@ def cluster_for(mode: str, model_dir: Path, machines: list, run_dir: Path, batch
         devices = {name: Devices.parse(d) for name, d in spread_devices(spec, machines).items()}
         kwargs = dict(prefill=split.replicas, prefill_depth=split.prompt_depth,
                       decode=split.replicas, decode_depth=split.token_depth)
-    return Cluster.up(model_dir, run_dir=run_dir / mode, max_batch=batch,
+    return Cluster.up(model_dir, timeout_s, run_dir=run_dir / mode, max_batch=batch,
                       max_seq_len=max_seq_len, devices=devices,
                       replicate=ReplicateMode.OFF, profile=profile,
                       **({"time_scale": time_scale} if profile else {}), **kwargs)
@@ -490,6 +491,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--pools", type=int, nargs=2, metavar=("P", "T"),
                         help="disaggregated as Splitwise's pools: P P-nodes and T T-nodes, "
                         "one machine each (default: the planner's split into pipelines)")
+    parser.add_argument("--start-timeout", type=float, default=180.0,
+                        help="seconds each cluster may take to come up (a loaded host needs "
+                        "more)")
     parser.add_argument("--out", type=Path, default=Path("bench_out/disagg"))
     args = parser.parse_args(argv)
     k = args.time_scale
@@ -547,7 +551,8 @@ def main(argv: list[str]) -> int:
 
             for mode in args.modes:
                 with cluster_for(mode, model_dir, machines, args.out / "cluster", args.batch,
-                                 max_seq_len, pred["split"], args.profile, k) as cluster:
+                                 max_seq_len, pred["split"], args.profile, k,
+                                 args.start_timeout) as cluster:
                     layout = {"colocated": f"{len(machines)}x colocated",
                               "colocated-pipeline": f"colocated depth {len(machines)}",
                               }.get(mode, str(pred["split"]))
@@ -571,6 +576,9 @@ def main(argv: list[str]) -> int:
                         assert meter.use is not None
                         point = point.with_cpu(meter.use, sum(len(t) - 1 for t in times))
                         points.append(per_request(point, len(machines), args.profile))
+                        # After every rate: a later failure (a cluster that does not come
+                        # up on a loaded host) keeps what was measured.
+                        write_csv(args.out / "disagg.csv", points)
     except (ServerError, RuntimeError, ValueError, OSError) as exc:
         print(f"dejavu bench disagg: {exc}", file=sys.stderr)
         return 1
