@@ -10,6 +10,8 @@ import csv
 import dataclasses
 import math
 import os
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -153,29 +155,109 @@ def metric(address: str, name: str, **labels: str) -> float:
     return total
 
 
-def process_groups() -> dict[int, dict[str, int]]:
-    """Per process group (a node's tritonserver and its stubs), from /proc: resident memory
-    (``rss_kb``), ``threads``, open ``fds`` and ``processes``. A zombie (killed, not reaped
-    yet) holds nothing and is left out."""
+def _live_processes() -> Iterator[tuple[int, list[str]]]:
+    """Every process this user can read: (pid, its /proc stat fields after the name); a
+    zombie (killed, not reaped yet) holds nothing and is left out."""
     from orchestrator.cluster.tritonserver import proc_stat
 
-    groups: dict[int, dict[str, int]] = {}
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
         try:
-            state, _, pgrp = proc_stat(int(entry.name))[:3]
-            if state == "Z":
-                continue
-            status = Path(f"/proc/{entry.name}/status").read_text()
-            fds = len(os.listdir(f"/proc/{entry.name}/fd"))
+            stat = proc_stat(int(entry.name))
         except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        if stat[0] != "Z":
+            yield int(entry.name), stat
+
+
+def process_groups() -> dict[int, dict[str, int]]:
+    """Per process group (a node's tritonserver and its stubs), from /proc: resident memory
+    (``rss_kb``), ``threads``, open ``fds`` and ``processes``."""
+    groups: dict[int, dict[str, int]] = {}
+    for pid, stat in _live_processes():
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+            fds = len(os.listdir(f"/proc/{pid}/fd"))
+        except OSError:
             continue  # gone meanwhile, or not ours to read
         fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-        group = groups.setdefault(int(pgrp),
+        group = groups.setdefault(int(stat[2]),
                                   {"rss_kb": 0, "threads": 0, "fds": 0, "processes": 0})
         group["rss_kb"] += int(fields.get("VmRSS", "0 kB").split()[0])
         group["threads"] += int(fields["Threads"])
         group["fds"] += fds
         group["processes"] += 1
     return groups
+
+
+def cpu_seconds(pgids: set[int]) -> float:
+    """CPU time (user + system, and that of their reaped children) of every live process in
+    the process groups ``pgids``, from /proc: a sleeping thread adds nothing."""
+    tick = os.sysconf("SC_CLK_TCK")
+    # stat fields after the name: [state, ppid, pgrp, ...]; utime, stime, cutime, cstime
+    # are fields 14-17 of the whole line, so 11-14 here.
+    return sum(sum(int(v) for v in stat[11:15]) for _, stat in _live_processes()
+               if int(stat[2]) in pgids) / tick
+
+
+def host_busy_jiffies() -> tuple[int, int]:
+    """(busy, total) CPU jiffies of the whole host since boot, every core, from /proc/stat:
+    differences over a run give how many cores were busy on average, whoever used them."""
+    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
+    return sum(values) - idle, sum(values)
+
+
+@dataclass
+class CpuUse:
+    """What a run cost the host's CPUs (:class:`CpuMeter`)."""
+
+    wall_s: float
+    cluster_cpu_s: float  # every process group of the cluster
+    host_busy_cores: float  # mean busy cores, every process on the host
+    load_avg: float  # mean 1-minute load average over the run
+    cores: int
+
+    @property
+    def cluster_cores(self) -> float:
+        return self.cluster_cpu_s / self.wall_s if self.wall_s > 0 else math.nan
+
+    @property
+    def cpu_bound(self) -> bool:
+        """The rule: the cluster alone kept more than half the cores busy, or the host (any
+        process, other users' included) more than 80% of them. Past that, runnable threads
+        wait for a core, and that wait adds to the latencies the engine's sleeps make."""
+        return self.cluster_cores > 0.5 * self.cores or self.host_busy_cores > 0.8 * self.cores
+
+
+class CpuMeter:
+    """Measures a run's CPU: ``with CpuMeter(pgids) as meter: ...`` then ``meter.use``. A
+    thread samples the load average each ``every_s`` seconds (it needs no CPU between)."""
+
+    def __init__(self, pgids: set[int], every_s: float = 1.0) -> None:
+        self.pgids, self.every_s = pgids, every_s
+        self.loads: list[float] = []
+        self._stop = threading.Event()
+        self.use: CpuUse | None = None
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.loads.append(os.getloadavg()[0])
+
+    def __enter__(self) -> CpuMeter:
+        self._start = (time.perf_counter(), cpu_seconds(self.pgids), host_busy_jiffies())
+        self.loads = [os.getloadavg()[0]]
+        self._thread = threading.Thread(target=self._sample, name="cpu-meter", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        wall0, cpu0, (busy0, total0) = self._start
+        wall, (busy, total) = time.perf_counter() - wall0, host_busy_jiffies()
+        cores = os.cpu_count() or 1
+        self.use = CpuUse(wall_s=wall, cluster_cpu_s=cpu_seconds(self.pgids) - cpu0,
+                          host_busy_cores=cores * (busy - busy0) / max(1, total - total0),
+                          load_avg=sum(self.loads) / len(self.loads), cores=cores)

@@ -15,7 +15,7 @@ prompt and output lengths from the Azure trace scaled to the model's context,
 random prompt tokens (seeded), sent to the frontend's orchestrator model over
 gRPC streaming at each arrival rate.
 
-Per mode and rate: tokens/s and requests/s over the run, TTFT p50/p99, time
+Per mode and rate: sustained throughput (below), TTFT p50/p99, time
 between tokens (TBT) p50/p99 over every gap of every request (a response that
 carries n tokens, of a stream that fell behind, spreads its gap over them), the
 TBT p99 of running requests (gaps from the second token on: a disaggregated request's
@@ -28,6 +28,31 @@ model and the serving simulator predict at saturation for that layout, from one 
 profile (the emulated engine's, or the torch engine measured on one machine over the
 workload's lengths and the cluster's batch). Output: ``disagg.csv``,
 ``disagg.png``, a table.
+
+Sustained throughput (one definition, :func:`sustained`): the run's saturated middle,
+not its edges. tokens/s counts the tokens whose arrival lies between the 10th and 90th
+percentile of all token arrival times, over that span; completions/s (``req/s``) the
+requests that finished between the 10th and 90th percentile of completion times, over
+that span; goodput those of them that met the SLO. ``tok req/s`` is tokens/s over the
+mean output length of the requests sent: the requests/s those tokens make at the
+workload's mean lengths, the planner's unit, set beside its prediction. ``--drain S``
+cancels what still runs S seconds after the last arrival, so a few long outputs do not
+hold the run for minutes (their tokens past the 90th percentile would not count anyway).
+
+``--time-scale K`` (emulated engine): every node sleeps the profile's times x K and the
+arrivals come K times slower, so the serving path's own CPU stays small against the
+engine's time; every reported time is divided by K and every rate multiplied by K
+(profile time), and K is printed with every figure.
+
+CPU: every process group of the cluster (tritonservers, their Python stubs, the
+frontend, the controller, the supervisor, the OpenAI API) is read from /proc before and
+after each rate: its CPU seconds over the tokens it served is the serving path's own CPU
+per token (the engine's sleep costs none). The host's busy cores (/proc/stat, everyone's)
+and 1-minute load average are sampled beside it; a rate is flagged CPU-bound when the
+cluster alone used more than half the cores or the host more than 80% of them
+(:attr:`clients.common.CpuUse.cpu_bound`). With a profile that states them, cost and
+energy per request are the layout's machines x the profile's cost per hour and power,
+over ``tok req/s``.
 """
 
 from __future__ import annotations
@@ -44,7 +69,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from clients.common import dummy_model, markdown, model_arguments, on_machine, write_csv
+from clients.common import (
+    CpuMeter,
+    CpuUse,
+    dummy_model,
+    markdown,
+    metric,
+    model_arguments,
+    on_machine,
+    write_csv,
+)
 from clients.provenance import save_figure
 from orchestrator.cluster.devices import Devices
 
@@ -60,12 +94,16 @@ class Job:
 
 @dataclass
 class Point:
+    """One mode at one rate; times and rates in profile time (measured / K, x K)."""
+
     mode: str
     layout: str
     rate_rps: float  # offered
     requests: int
-    tokens_per_s: float
-    requests_per_s: float
+    tokens_per_s: float  # sustained (:func:`sustained`)
+    requests_per_s: float  # completions/s, sustained
+    token_rps: float  # tokens_per_s over the mean output length sent
+    unfinished: float  # fraction of the requests cancelled at the drain's end
     ttft_p50_s: float
     ttft_p99_s: float
     tbt_p50_ms: float
@@ -75,6 +113,23 @@ class Point:
     goodput_rps: float
     predicted_rps: float  # the planner's, for this layout
     simulated_rps: float = math.nan  # the serving simulator's, at saturation
+    time_scale: float = 1.0  # K: the engine slept the profile's times x K
+    cpu_ms_per_token: float = math.nan  # the cluster's CPU over the tokens it served
+    cluster_cpu_cores: float = math.nan  # its CPU seconds per wall second
+    host_busy_cores: float = math.nan  # every process on the host
+    load_avg: float = math.nan  # 1-minute, mean over the rate's run
+    cpu_bound: bool = False  # CpuUse.cpu_bound
+    cost_per_request: float = math.nan  # the profile's cost unit
+    energy_per_request_kj: float = math.nan  # at the profile's power
+
+    def with_cpu(self, use: CpuUse, tokens: int) -> Point:
+        """This point with the CPU ``use`` of its run, which served ``tokens``."""
+        from dataclasses import replace
+
+        return replace(self, cpu_ms_per_token=use.cluster_cpu_s / max(1, tokens) * 1e3,
+                       cluster_cpu_cores=use.cluster_cores,
+                       host_busy_cores=use.host_busy_cores, load_avg=use.load_avg,
+                       cpu_bound=use.cpu_bound)
 
 
 def scaled_requests(trace: str, count: int, seed: int, prompt_scale: float,
@@ -98,27 +153,59 @@ def make_jobs(lengths: list[tuple[int, int]], rate: float, vocab: int, seed: int
                                                             strict=True)]
 
 
-def replay(url: str, secret: bytes, jobs: list[Job], progress=None) -> list[list[float]]:
-    """Send each job at its arrival time; each one's [send, token, token, ...] times."""
+def replay(url: str, secret: bytes, jobs: list[Job], progress=None, time_scale: float = 1.0,
+           drain_s: float = math.inf) -> list[list[float]]:
+    """Send each job at its arrival time x ``time_scale``; each one's [send, token, token,
+    ...] times from the start, divided by ``time_scale`` (profile time). What still runs
+    ``drain_s`` (profile time) after the last arrival is cancelled, its times cut there."""
     from clients.breakdown import signed_request, time_stream
     from orchestrator.serving.params import GenerationParams
 
     start = time.perf_counter()
+    stop_at = (None if math.isinf(drain_s) else
+               start + (max(j.arrival for j in jobs) + drain_s) * time_scale)
 
     def run(job: Job) -> list[float]:
-        time.sleep(max(0.0, start + job.arrival - time.perf_counter()))
+        time.sleep(max(0.0, start + job.arrival * time_scale - time.perf_counter()))
         params = GenerationParams(max_tokens=job.max_tokens, stream=True)
         request = signed_request(secret, job.prompt_ids, params)
-        times = token_times(time_stream(url, "orchestrator", request, timeout_s=600.0))
-        if len(times) - 1 != job.max_tokens:
+        times = token_times(time_stream(url, "orchestrator", request, timeout_s=600.0,
+                                        stop_at=stop_at))
+        if len(times) - 1 != job.max_tokens and (stop_at is None or len(times) - 1 >
+                                                 job.max_tokens):
             raise RuntimeError(f"a request streamed {len(times) - 1} tokens, "
                                f"not {job.max_tokens}")
         if progress is not None:
             progress()
-        return times
+        return [(t - start) / time_scale for t in times]
 
     with ThreadPoolExecutor(len(jobs)) as pool:
         return list(pool.map(run, jobs))
+
+
+def rate_between(stamps: list[float], lo: float = 10, hi: float = 90) -> float:
+    """Events per second between the ``lo``-th and ``hi``-th percentile of their times:
+    the rate of the middle of a run, without its start-up and its drain."""
+    if len(stamps) < 2:
+        return math.nan
+    a, b = _pct(stamps, lo), _pct(stamps, hi)
+    return sum(a <= t <= b for t in stamps) / (b - a) if b > a else math.nan
+
+
+def sustained(jobs: list[Job], times: list[list[float]], met: list[bool]
+              ) -> tuple[float, float, float]:
+    """(tokens/s, completions/s, goodput req/s) of the run's middle (:func:`rate_between`);
+    ``met``: whether each request met the SLO. A cancelled request did not complete."""
+    tokens = [t for ts in times for t in ts[1:]]
+    done = [ts[-1] for job, ts in zip(jobs, times, strict=True)
+            if len(ts) - 1 == job.max_tokens]
+    completions = rate_between(done)
+    if math.isnan(completions):
+        return rate_between(tokens), completions, math.nan
+    a, b = _pct(done, 10), _pct(done, 90)
+    good = sum(ok and a <= ts[-1] <= b for job, ts, ok in zip(jobs, times, met, strict=True)
+               if len(ts) - 1 == job.max_tokens)
+    return rate_between(tokens), completions, good / (b - a)
 
 
 def token_times(arrivals: list[tuple[float, int]]) -> list[float]:
@@ -137,25 +224,33 @@ def _pct(values: list[float], p: float) -> float:
 
 def summarize(mode: str, layout: str, rate: float, jobs: list[Job], times: list[list[float]],
               unloaded_prompt_s_per_token: float, unloaded_step_s: float, ttft_slo: float,
-              tbt_slo: float, predicted_rps: float) -> Point:
-    span = max(t[-1] for t in times) - min(t[0] for t in times)
-    ttft = [t[1] - t[0] for t in times]
+              tbt_slo: float, predicted_rps: float, time_scale: float = 1.0) -> Point:
+    """``times``: each job's [send, token, ...] in profile time (:func:`replay`'s); TTFT
+    over the requests that got a first token, SLO met by those that also finished."""
+    ttft = [t[1] - t[0] for t in times if len(t) > 1]
     gaps = [b - a for t in times for a, b in zip(t[1:], t[2:], strict=False)]
     running = [b - a for t in times for a, b in zip(t[2:], t[3:], strict=False)]
-    met = 0
+    met = []
     for job, t in zip(jobs, times, strict=True):
-        mean_tbt = (t[-1] - t[1]) / max(1, len(t) - 2)
-        met += (t[1] - t[0] <= ttft_slo * unloaded_prompt_s_per_token * len(job.prompt_ids)
-                and mean_tbt <= tbt_slo * unloaded_step_s)
-    tokens = sum(len(t) - 1 for t in times)
+        mean_tbt = (t[-1] - t[1]) / max(1, len(t) - 2) if len(t) > 1 else math.inf
+        met.append(len(t) - 1 == job.max_tokens
+                   and t[1] - t[0] <= ttft_slo * unloaded_prompt_s_per_token * len(job.prompt_ids)
+                   and mean_tbt <= tbt_slo * unloaded_step_s)
+    tokens_per_s, done_per_s, goodput = sustained(jobs, times, met)
+    mean_new = statistics.fmean(j.max_tokens for j in jobs)
     return Point(
         mode=mode, layout=layout, rate_rps=rate, requests=len(times),
-        tokens_per_s=tokens / span, requests_per_s=len(times) / span,
-        ttft_p50_s=statistics.median(ttft), ttft_p99_s=_pct(ttft, 99),
+        tokens_per_s=tokens_per_s, requests_per_s=done_per_s,
+        token_rps=tokens_per_s / mean_new,
+        unfinished=sum(len(t) - 1 < j.max_tokens for j, t in zip(jobs, times, strict=True))
+        / len(times),
+        ttft_p50_s=statistics.median(ttft) if ttft else math.nan,
+        ttft_p99_s=_pct(ttft, 99) if ttft else math.nan,
         tbt_p50_ms=statistics.median(gaps) * 1e3 if gaps else math.nan,
         tbt_p99_ms=_pct(gaps, 99) * 1e3 if gaps else math.nan,
         tbt_p99_running_ms=_pct(running, 99) * 1e3 if running else math.nan,
-        slo_met=met / len(times), goodput_rps=met / span, predicted_rps=predicted_rps,
+        slo_met=sum(met) / len(times), goodput_rps=goodput, predicted_rps=predicted_rps,
+        time_scale=time_scale,
     )
 
 
@@ -172,12 +267,14 @@ class Pools:
 
 
 def cluster_for(mode: str, model_dir: Path, machines: list, run_dir: Path, batch: int,
-                max_seq_len: int, split, profile: str = ""):
+                max_seq_len: int, split, profile: str = "", time_scale: float = 1.0,
+                timeout_s: float = 180.0):
     """The cluster of ``mode`` on ``machines`` (core sets): colocated one T-node each, or
     one stage each of one pipeline; disaggregated the planner's ``split`` (a
     :class:`~orchestrator.planner.planner.Layout`): its P-nodes, each on its D_p machines,
     and its token pipelines, a stage per machine. No mode replicates its KV. ``profile``:
-    every node runs the emulated engine on it (empty: the torch engine)."""
+    every node runs the emulated engine on it (empty: the torch engine), its times x
+    ``time_scale``."""
     from orchestrator.cluster.launcher import Cluster, spread_devices
     from orchestrator.cluster.topology import decode_name
     from orchestrator.fault import ReplicateMode
@@ -199,9 +296,47 @@ def cluster_for(mode: str, model_dir: Path, machines: list, run_dir: Path, batch
         devices = {name: Devices.parse(d) for name, d in spread_devices(spec, machines).items()}
         kwargs = dict(prefill=split.replicas, prefill_depth=split.prompt_depth,
                       decode=split.replicas, decode_depth=split.token_depth)
-    return Cluster.up(model_dir, run_dir=run_dir / mode, max_batch=batch,
+    return Cluster.up(model_dir, timeout_s, run_dir=run_dir / mode, max_batch=batch,
                       max_seq_len=max_seq_len, devices=devices,
-                      replicate=ReplicateMode.OFF, profile=profile, **kwargs)
+                      replicate=ReplicateMode.OFF, profile=profile,
+                      **({"time_scale": time_scale} if profile else {}), **kwargs)
+
+
+def cluster_groups(cluster) -> set[int]:
+    """Every process group the cluster started (each in a session of its own): the
+    tritonservers with their Python stubs, the controller, the OpenAI API, the supervisor
+    and its watchdog."""
+    processes = [n.server.process for n in cluster.nodes]
+    processes += [cluster.controller.process, cluster.supervisor, cluster.watchdog,
+                  cluster.openai.process if cluster.openai else None]
+    return {p.pid for p in processes if p is not None}
+
+
+def wait_idle(cluster, timeout_s: float = 120.0) -> None:
+    """Until no node holds a request (cancelled ones freed), so a rate starts empty."""
+    deadline = time.monotonic() + timeout_s
+    while any(metric(f"127.0.0.1:{n.server.metrics_port}", "dejavu_queue_length") > 0
+              for n in cluster.nodes):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the cluster still holds requests after {timeout_s:g} s")
+        time.sleep(0.2)
+
+
+def per_request(point: Point, machines: int, profile: str) -> Point:
+    """``point`` with its cost and energy per request, where the profile states the
+    machine's cost per hour and power: ``machines`` of them over its ``token_rps``."""
+    from dataclasses import replace
+
+    from orchestrator.profiles.profile import load_profile
+
+    if not profile or not point.token_rps > 0:
+        return point
+    machine = load_profile(profile).machine
+    cost = (machines * machine.cost_per_hour / 3600 / point.token_rps
+            if machine.cost_per_hour is not None else math.nan)
+    energy = (machines * machine.power_w / point.token_rps / 1e3
+              if machine.power_w is not None else math.nan)
+    return replace(point, cost_per_request=cost, energy_per_request_kj=energy)
 
 
 def engine_profile_of(model_dir: Path, lengths: list[tuple[int, int]], batch: int,
@@ -277,6 +412,18 @@ def predictions(model_dir: Path, lengths: list[tuple[int, int]], batch: int,
     return out
 
 
+def check_depths(modes: list[str], split, machines: int, layers: int) -> None:
+    """A pipeline needs a layer per stage: refuse a mode deeper than the model, before any
+    cluster starts (the planner's split of 8 machines over a 4-layer tiny model)."""
+    depths = {"colocated-pipeline": machines}
+    if not isinstance(split, Pools):
+        depths["disaggregated"] = max(split.prompt_depth, split.token_depth)
+    deep = {m: d for m, d in depths.items() if m in modes and d > layers}
+    if deep:
+        raise ValueError(", ".join(f"{m} needs {d} stages" for m, d in deep.items())
+                         + f", the model has {layers} layers: choose --modes or --pools")
+
+
 def plot(points: list[Point], path: Path) -> None:
     import matplotlib
 
@@ -284,7 +431,7 @@ def plot(points: list[Point], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
-    panels = [("ttft_p99_s", "TTFT p99 (s)"), ("tokens_per_s", "throughput (tok/s)"),
+    panels = [("ttft_p99_s", "TTFT p99 (s)"), ("tokens_per_s", "sustained throughput (tok/s)"),
               ("tbt_p99_ms", "TBT p99 (ms)"), ("tbt_p99_running_ms",
                                                 "TBT p99 from the 2nd token (ms)")]
     for ax, (key, label) in zip(axes.flat, panels, strict=True):
@@ -297,7 +444,9 @@ def plot(points: list[Point], path: Path) -> None:
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle("disaggregated vs colocated (data and pipeline parallel) at equal devices")
+    k = points[0].time_scale if points else 1.0
+    fig.suptitle("disaggregated vs colocated (data and pipeline parallel) at equal devices"
+                 + (f"; profile time (time scale K = {k:g})" if k != 1.0 else ""))
     fig.tight_layout()
     save_figure(fig, path, dpi=110)
     plt.close(fig)
@@ -305,12 +454,16 @@ def plot(points: list[Point], path: Path) -> None:
 
 COLUMNS = {
     "mode": "mode", "layout": "layout", "rate_rps": "offered req/s", "tokens_per_s": "tok/s",
-    "requests_per_s": "req/s", "ttft_p50_s": "TTFT p50 s", "ttft_p99_s": "TTFT p99 s",
+    "requests_per_s": "req/s", "token_rps": "tok req/s", "predicted_rps": "planner req/s",
+    "simulated_rps": "simulator req/s", "ttft_p50_s": "TTFT p50 s", "ttft_p99_s": "TTFT p99 s",
     "tbt_p50_ms": "TBT p50 ms", "tbt_p99_ms": "TBT p99 ms",
     "tbt_p99_running_ms": "TBT p99 running ms", "slo_met": "SLO met",
-    "goodput_rps": "goodput req/s", "predicted_rps": "planner req/s",
-    "simulated_rps": "simulator req/s",
+    "goodput_rps": "goodput req/s", "unfinished": "cut",
+    "cpu_ms_per_token": "CPU ms/tok", "cluster_cpu_cores": "cluster cores",
+    "host_busy_cores": "host busy", "load_avg": "load", "cpu_bound": "CPU-bound",
+    "time_scale": "K",
 }
+PER_REQUEST = {"cost_per_request": "cost/req", "energy_per_request_kj": "kJ/req"}
 
 
 def main(argv: list[str]) -> int:
@@ -318,7 +471,18 @@ def main(argv: list[str]) -> int:
                                      description=__doc__.splitlines()[0])
     model_arguments(parser, "gpt2", "small")
     parser.add_argument("--trace", choices=["conv", "code"], default="conv")
-    parser.add_argument("--requests", type=int, default=16, help="requests per rate")
+    parser.add_argument("--requests", type=int, default=16,
+                        help="requests per rate; with --duration, the planner's sample of the "
+                        "trace (its mean lengths)")
+    parser.add_argument("--duration", type=float,
+                        help="instead of --requests: seconds of arrivals per rate (profile "
+                        "time), so rate x duration requests each")
+    parser.add_argument("--drain", type=float, default=math.inf,
+                        help="cancel what still runs this many seconds (profile time) after "
+                        "the last arrival (default: let every request finish)")
+    parser.add_argument("--time-scale", type=float, default=1.0, metavar="K",
+                        help="with --profile: every step sleeps the profile's time x K, "
+                        "arrivals come K times slower; figures are given in profile time")
     parser.add_argument("--rates", type=float, nargs="+",
                         help="arrival rates, req/s (default: 0.25, 0.5, 1, 1.5 x the "
                         "planner's predicted colocated throughput)")
@@ -342,8 +506,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--pools", type=int, nargs=2, metavar=("P", "T"),
                         help="disaggregated as Splitwise's pools: P P-nodes and T T-nodes, "
                         "one machine each (default: the planner's split into pipelines)")
+    parser.add_argument("--start-timeout", type=float, default=180.0,
+                        help="seconds each cluster may take to come up (a loaded host needs "
+                        "more)")
     parser.add_argument("--out", type=Path, default=Path("bench_out/disagg"))
     args = parser.parse_args(argv)
+    k = args.time_scale
+    if k != 1.0 and not args.profile:
+        parser.error("--time-scale slows the emulated engine: give --profile")
     from rich.progress import Progress
 
     from orchestrator.cluster.tritonserver import ServerError
@@ -371,16 +541,23 @@ def main(argv: list[str]) -> int:
         pred = predictions(model_dir, lengths, args.batch, machines[0], len(machines),
                            args.profile, pools)
         rates = args.rates or [f * pred["colocated_rps"] for f in (0.25, 0.5, 1.0, 1.5)]
+        counts = {r: max(2, round(r * args.duration)) if args.duration else len(lengths)
+                  for r in rates}
+        if max(counts.values()) > len(lengths):  # each rate sends its first rate x duration
+            lengths = scaled_requests(args.trace, max(counts.values()), args.seed,
+                                      args.prompt_scale, args.output_scale, args.max_prompt,
+                                      args.max_new)
         print(f"planner: Y/t {pred['Y/t']:.1f}, picks {pred['pick']}, real split D_p "
               f"{pred['real_split'][0]:.2f} D_t {pred['real_split'][1]:.2f}; predicted colocated "
               f"{pred['colocated_rps']:.2f} req/s, colocated pipeline "
               f"{pred['colocated-pipeline_rps']:.2f} req/s, {pred['split']} "
               f"{pred['disaggregated_rps']:.2f} req/s", flush=True)
         max_seq_len = args.max_prompt + args.max_new
+        check_depths(args.modes, pred["split"], len(machines),
+                     ModelConfig.from_dir(model_dir).num_layers)
         points: list[Point] = []
         with Progress() as progress:
-            task = progress.add_task("requests", total=len(args.modes) * len(rates)
-                                     * len(lengths))
+            task = progress.add_task("requests", total=len(args.modes) * sum(counts.values()))
             lock = threading.Lock()
 
             def advance() -> None:
@@ -389,29 +566,42 @@ def main(argv: list[str]) -> int:
 
             for mode in args.modes:
                 with cluster_for(mode, model_dir, machines, args.out / "cluster", args.batch,
-                                 max_seq_len, pred["split"], args.profile) as cluster:
+                                 max_seq_len, pred["split"], args.profile, k,
+                                 args.start_timeout) as cluster:
                     layout = {"colocated": f"{len(machines)}x colocated",
                               "colocated-pipeline": f"colocated depth {len(machines)}",
                               }.get(mode, str(pred["split"]))
                     url = cluster.frontend.grpc_url
                     secret = load_secret(cluster.secret_file)
-                    warm = make_jobs(lengths[:2], 100.0, vocab, args.seed + 1)
-                    replay(url, secret, warm)  # every node's first request is slow
+                    # Every node's first request is slow; a few tokens each warm it (a
+                    # trace's long output would take minutes at a large time scale).
+                    warm = make_jobs([(p, min(n, 4)) for p, n in lengths[:len(machines)]],
+                                     100.0, vocab, args.seed + 1)
+                    replay(url, secret, warm)
+                    groups = cluster_groups(cluster)
                     for rate in rates:
-                        jobs = make_jobs(lengths, rate, vocab, args.seed)
-                        times = replay(url, secret, jobs, advance)
-                        points.append(summarize(
+                        jobs = make_jobs(lengths[:counts[rate]], rate, vocab, args.seed)
+                        with CpuMeter(groups) as meter:
+                            times = replay(url, secret, jobs, advance, k, args.drain)
+                        wait_idle(cluster)
+                        point = summarize(
                             mode, layout, rate, jobs, times, pred["prompt_s_per_token"],
                             pred["step_s"], args.ttft_slo, args.tbt_slo,
-                            pred[f"{mode}_rps"]))
-                        points[-1].simulated_rps = pred[f"{mode}_sim_rps"]
+                            pred[f"{mode}_rps"], k)
+                        point.simulated_rps = pred[f"{mode}_sim_rps"]
+                        assert meter.use is not None
+                        point = point.with_cpu(meter.use, sum(len(t) - 1 for t in times))
+                        points.append(per_request(point, len(machines), args.profile))
+                        # After every rate: a later failure (a cluster that does not come
+                        # up on a loaded host) keeps what was measured.
+                        write_csv(args.out / "disagg.csv", points)
     except (ServerError, RuntimeError, ValueError, OSError) as exc:
         print(f"dejavu bench disagg: {exc}", file=sys.stderr)
         return 1
     points.sort(key=lambda p: (p.rate_rps, p.mode))
     write_csv(args.out / "disagg.csv", points)
     plot(points, args.out / "disagg.png")
-    print(markdown(points, COLUMNS))
+    print(markdown(points, COLUMNS | (PER_REQUEST if args.profile else {})))
     print(f"\nunloaded (bare engine): prefill {pred['prompt_s_per_token'] * 1e3:.2f} ms/token, "
           f"step {pred['step_s'] * 1e3:.1f} ms (at batch {args.batch}: "
           f"{pred['batch_step_s'] * 1e3:.1f} ms); SLO TTFT <= {args.ttft_slo:g}x, mean TBT <= "
@@ -422,7 +612,14 @@ def main(argv: list[str]) -> int:
 
         engine = load_emulated_engine(str(model_dir), load_profile(args.profile), max_seq_len=1)
         print(f"emulated engine on {args.profile}: KV bytes per token {engine.kv_scale:.3g}x "
-              "the profile's")
+              f"the profile's; time scale K = {k:g} (steps slept x K; times above / K, rates "
+              "x K: profile time)")
+    bound = [p for p in points if p.cpu_bound]
+    print(f"CPU-bound (cluster > half of {os.cpu_count()} cores, or host > 80% busy): "
+          f"{len(bound)} of {len(points)} rates; cluster CPU "
+          f"{min(p.cpu_ms_per_token for p in points):.2f}-"
+          f"{max(p.cpu_ms_per_token for p in points):.2f} ms per token; load average "
+          f"{min(p.load_avg for p in points):.1f}-{max(p.load_avg for p in points):.1f}")
     print(f"wrote {args.out}/disagg.csv, disagg.png")
     return 0
 

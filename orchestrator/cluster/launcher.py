@@ -504,6 +504,10 @@ def topology_arguments(parser: argparse.ArgumentParser) -> None:
                         "backend's decoupled_mode: true streams (default); false serves a "
                         "unary ModelInfer (one response, all the tokens), refusing "
                         "streaming and batches as the backend does")
+    parser.add_argument("--time-scale", type=float, default=1.0, metavar="K",
+                        help="--engine emulated: every step sleeps the profile's time x K "
+                        "(a K-times slower replay, so the serving path's own CPU stays small "
+                        "against the engine's time; divide measured times by K)")
     parser.add_argument("--replicate", choices=list(ReplicateMode), default=ReplicateMode.ON,
                         help="T-stages stream KV replicas to the next stage (disk: to local "
                         "disk); a lost stage is started again and resumes from them "
@@ -520,7 +524,8 @@ def settings_from(args: argparse.Namespace) -> dict:
     """The node settings :func:`topology_arguments` parsed, as NodeConfig fields."""
     return {"max_seq_len": args.max_seq_len, "swap": args.swap, "replicate": args.replicate,
             "max_batch": args.max_batch, "profile": engine_profile(args.engine, args.profile),
-            "trtllm_decoupled": args.trtllm_decoupled == "true"}
+            "trtllm_decoupled": args.trtllm_decoupled == "true",
+            "time_scale": args.time_scale}
 
 
 def engine_profile(engine: str, profile: str) -> str:
@@ -588,6 +593,9 @@ def up_main(argv: list[str]) -> int:
         print(f"{'openai':<10} {'api':<9} {'':<14} {'':<10} {cluster.openai.url}  "
               f"log {cluster.openai.log_path}")
     print(f"ready: ensemble at http://{cluster.frontend.http_url} (state in {args.dir})")
+    if args.time_scale != 1.0:
+        print(f"time scale K = {args.time_scale:g}: every engine step sleeps its profile time "
+              f"x {args.time_scale:g}; divide measured times by K, multiply rates by K")
     return 0
 
 

@@ -64,7 +64,10 @@ class EmulatedEngine:
         max_seq_len: int,
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.perf_counter,
+        time_scale: float = 1.0,
     ) -> None:
+        if time_scale <= 0:
+            raise ValueError(f"time_scale must be > 0, got {time_scale}")
         if config.hidden_size < 2 or config.head_dim < 2:
             raise ValueError("the emulated engine keeps [token, state] in hidden states and KV")
         self.config, self.stage, self.profile = config, stage, profile
@@ -73,6 +76,9 @@ class EmulatedEngine:
         self.hidden_size, self.vocab_size = config.hidden_size, config.vocab_size
         self.device = torch.device("cpu")
         self.share = stage.count / stage.num_layers  # of the whole model's step time
+        # A step sleeps the profile's time x time_scale: slowed K-fold, the serving path's
+        # own CPU per step shrinks K-fold against it (the figures divide K back out).
+        self.time_scale = time_scale
 
     @property
     def kv_scale(self) -> float:
@@ -93,7 +99,7 @@ class EmulatedEngine:
         self._check(inputs, caches)
         if any(c.length for c in caches):
             raise ValueError("prefill needs empty caches")
-        seconds = self.profile.prefill_s(sum(len(x) for x in inputs)) * self.share
+        seconds = self.profile.prefill_s(sum(len(x) for x in inputs)) * self.share * self.time_scale
         pairs = [self._pairs(x, cache, 0) for x, cache in zip(inputs, caches, strict=True)]
         for cache, x in zip(caches, inputs, strict=True):
             cache.length = len(x)
@@ -113,7 +119,7 @@ class EmulatedEngine:
         if any(c.length >= self.kv_layout.max_seq_len for c in caches):
             raise ValueError(f"a cache is full ({self.kv_layout.max_seq_len} positions)")
         context = sum(c.length for c in caches) / len(caches) + 1
-        seconds = self.profile.decode_s(len(caches), context) * self.share
+        seconds = self.profile.decode_s(len(caches), context) * self.share * self.time_scale
         pairs = [self._pairs(x[None], c, c.length) for x, c in zip(inputs, caches, strict=True)]
         for cache, p in zip(caches, pairs, strict=True):
             for layer in self.kv_layout.layer_range:
@@ -177,10 +183,12 @@ class EmulatedEngine:
 
 def load_emulated_engine(
     model_dir: str, profile: EngineProfile, stage: StageSpec | None = None,
-    max_seq_len: int | None = None,
+    max_seq_len: int | None = None, time_scale: float = 1.0,
 ) -> EmulatedEngine:
-    """One stage (default: whole model) of the model at ``model_dir``, timed by ``profile``:
-    the folder gives the shapes (layers, KV heads, vocabulary), no weights are read."""
+    """One stage (default: whole model) of the model at ``model_dir``, timed by ``profile``
+    (its times x ``time_scale``): the folder gives the shapes (layers, KV heads,
+    vocabulary), no weights are read."""
     config = ModelConfig.from_dir(model_dir)
     stage = stage or StageSpec.whole(config.num_layers)
-    return EmulatedEngine(config, stage, profile, max_seq_len or config.max_positions)
+    return EmulatedEngine(config, stage, profile, max_seq_len or config.max_positions,
+                          time_scale=time_scale)

@@ -54,6 +54,8 @@ class NodeConfig:
     max_seq_len: int | None = None  # KV slot size; None: the model's
     profile: str = ""  # an engine profile (file or shipped name): the emulated engine on it
     # (orchestrator/engine/emulated.py); empty: the torch engine
+    time_scale: float = 1.0  # the emulated engine sleeps the profile's times x this (a slow
+    # replay keeps the serving path's own CPU small against them; figures divide it out)
     max_batch: int = 16  # sequences per microbatch
     num_slots: int | None = None  # prompt KVs held before admission; None: the pipeline's
     reserve_ttl_s: float | None = None  # an unused prompt KV slot is freed after this;
@@ -83,7 +85,7 @@ class NodeConfig:
 
     def _validate(self) -> None:
         positive = ("depth", "prefill_depth", "max_batch", "threads", "max_requests",
-                    "heartbeat_s", "recover_timeout_s")
+                    "heartbeat_s", "recover_timeout_s", "time_scale")
         for name in (*positive, "max_seq_len", "num_slots", "max_prompt_bytes",
                      "reserve_ttl_s"):
             value = getattr(self, name)
@@ -95,6 +97,9 @@ class NodeConfig:
         if self.devices.partition(":")[0] not in ("cpu", "cuda") and self.devices:
             raise ValueError(f"node config: devices must be cpu:IDS or cuda:IDS, got "
                              f"{self.devices!r}")
+        if self.time_scale != 1.0 and not self.profile:
+            raise ValueError("node config: time_scale slows the emulated engine; it needs a "
+                             "profile")
         if self.pipeline < 0:
             raise ValueError(f"node config: pipeline must be >= 0, got {self.pipeline}")
         if self.dead_after_s <= self.heartbeat_s:

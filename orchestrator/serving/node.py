@@ -30,7 +30,7 @@ def load_prefill_worker(config: NodeConfig, metrics: Metrics | None = None) -> P
 
     torch.set_num_threads(config.threads)
     engines = load_stage_engines(config.model_dir, config.prefill_depth, config.device,
-                                 config.profile, config.max_seq_len)
+                                 config.profile, config.max_seq_len, config.time_scale)
     transport = NixlTransport(name=config.name or None)
     secret = config.secret()
     senders = [KVSender(transport, e.kv_layout, secret, max_inflight=16) for e in engines]
@@ -66,7 +66,7 @@ def stage_service(config: NodeConfig, metrics: Metrics | None,
         spec = StageSpec.split(ModelConfig.from_dir(config.model_dir).num_layers,
                                config.depth)[config.stage]
         engine = load_stage_engine(config.model_dir, spec, config.device, config.profile,
-                                   config.max_seq_len)
+                                   config.max_seq_len, config.time_scale)
     model_dir = None if engine is not None else config.model_dir  # one or the other
     node = StageNode(model_dir, config.stage, pipeline_config, secret=secret,
                      device=config.device, name=config.name or None, engine=engine,

@@ -40,7 +40,8 @@ class SpareService:
         self.config, self.metrics = config, metrics or Metrics()
         specs = StageSpec.split(ModelConfig.from_dir(config.model_dir).num_layers, config.depth)
         self.engines = {x: load_stage_engine(config.model_dir, specs[x], config.device,
-                                             config.profile, config.max_seq_len)
+                                             config.profile, config.max_seq_len,
+                                             config.time_scale)
                         for x in range(1, config.depth)}
         self.transports: dict[str, Transport] = {
             f"{config.name}-{kind}": stage_transport(f"{config.name}-{kind}")

@@ -117,6 +117,40 @@ def test_wall_time_within_5_percent_of_the_profile_at_one_node(tiny_model):
     assert statistics.median(steps) == pytest.approx(p.decode_s(1, 5), rel=0.05)
 
 
+def test_time_scale_multiplies_every_step_within_5_percent(tiny_model):
+    """--time-scale K: wall time of a prefill and of a step is the profile's x K."""
+    k = 4.0
+    p = profile(prefill_ms=40.0, decode_ms=15.0)
+    engine = load_emulated_engine(str(tiny_model("llama")), p, max_seq_len=64, time_scale=k)
+    prefills, steps = [], []
+    for _ in range(3):
+        cache = engine.new_cache()
+        start = time.perf_counter()
+        ids = engine.prefill([torch.tensor([1, 2, 3])], [cache])[0].argmax()[None]
+        prefills.append(time.perf_counter() - start)
+        for _ in range(3):
+            start = time.perf_counter()
+            ids = engine.decode(ids, [cache]).argmax(-1)
+            steps.append(time.perf_counter() - start)
+    assert statistics.median(prefills) == pytest.approx(p.prefill_s(3) * k, rel=0.05)
+    assert statistics.median(steps) == pytest.approx(p.decode_s(1, 5) * k, rel=0.05)
+    with pytest.raises(ValueError, match="time_scale"):
+        load_emulated_engine(str(tiny_model("llama")), p, max_seq_len=8, time_scale=0)
+
+
+def test_time_scale_reaches_the_node_config_and_needs_a_profile(tiny_model):
+    from orchestrator.serving.config import NodeConfig, Role
+
+    model = str(tiny_model("llama"))
+    config = NodeConfig(role=Role.DECODE, model_dir=model, profile="splitwise-llama2-70b-h100",
+                        time_scale=8)
+    assert NodeConfig.from_json(config.to_json()).time_scale == 8.0
+    with pytest.raises(ValueError, match="needs a profile"):
+        NodeConfig(role=Role.DECODE, model_dir=model, time_scale=8)
+    with pytest.raises(ValueError, match="time_scale"):
+        NodeConfig(role=Role.DECODE, model_dir=model, profile="x", time_scale=-1)
+
+
 def test_bad_input_is_refused(tiny_model):
     engine = load_emulated_engine(str(tiny_model("gpt2")), profile(0.01, 0.01), max_seq_len=8)
     with pytest.raises(ValueError, match="token ids"):

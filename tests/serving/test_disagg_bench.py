@@ -10,7 +10,21 @@ import re
 
 import pytest
 
-from clients.disagg import COLUMNS, main, make_jobs, scaled_requests
+from clients.common import CpuUse
+from clients.disagg import (
+    COLUMNS,
+    Job,
+    Point,
+    Pools,
+    check_depths,
+    main,
+    make_jobs,
+    per_request,
+    rate_between,
+    scaled_requests,
+    summarize,
+    sustained,
+)
 
 
 def test_scaled_trace_requests_fit_and_repeat():
@@ -21,6 +35,61 @@ def test_scaled_trace_requests_fit_and_repeat():
     assert [len(j.prompt_ids) for j in jobs] == [p for p, _ in lengths]
     arrivals = [j.arrival for j in jobs]
     assert arrivals[0] == 0 and arrivals == sorted(set(arrivals))
+
+
+def test_rate_between_reads_the_middle_not_the_edges():
+    """100 events/s for 10 s, then a tail of one a second for 50 s (a last long output):
+    over the whole span that is 1050/60 = 17.5/s; the 10-90th percentile window keeps
+    the saturated middle."""
+    steady = [1 + i / 100 for i in range(1000)]
+    tail = [11 + i for i in range(50)]
+    assert rate_between(steady + tail) == pytest.approx(100, rel=0.02)
+    assert (len(steady) + len(tail)) / (tail[-1] - steady[0]) < 20
+    assert math.isnan(rate_between([1.0])) and math.isnan(rate_between([2.0, 2.0, 2.0]))
+
+
+def test_sustained_throughput_on_a_synthetic_run():
+    """20 requests of 10 tokens, one sent each 0.1 s, a token each 0.01 s: 100 tok/s and 10
+    completions/s in the middle; request 19 cut by the drain (5 of 10 tokens)."""
+    jobs = [Job([1, 2], 10, i * 0.1) for i in range(20)]
+    times = [[j.arrival] + [j.arrival + 0.01 * (k + 1) for k in range(10)] for j in jobs]
+    times[-1] = times[-1][:6]
+    met = [i % 2 == 0 for i in range(20)]
+    tokens, done, good = sustained(jobs, times, met)
+    assert tokens == pytest.approx(100, rel=0.1)
+    assert done == pytest.approx(10, rel=0.1)
+    assert good == pytest.approx(5, rel=0.25)
+    point = summarize("colocated", "2x colocated", 10.0, jobs, times, 1.0, 0.006, 10, 2,
+                      12.0, time_scale=4)
+    assert point.unfinished == pytest.approx(1 / 20) and point.time_scale == 4
+    assert point.token_rps == pytest.approx(point.tokens_per_s / 10)
+    assert point.ttft_p50_s == pytest.approx(0.01)
+    assert point.tbt_p50_ms == pytest.approx(10)
+    assert point.slo_met == pytest.approx(19 / 20)  # the cut one did not finish
+
+
+def test_cpu_per_token_and_cost_per_request():
+    point = Point("disaggregated", "1P+3T pools", 4, 20, 400.0, 4.0, 2.0, 0.0, 0.1, 0.2,
+                  30.0, 40.0, 40.0, 1.0, 2.0, 3.0)
+    use = CpuUse(wall_s=50, cluster_cpu_s=10, host_busy_cores=0.5, load_avg=1.2, cores=2)
+    point = point.with_cpu(use, tokens=5000)
+    assert point.cpu_ms_per_token == pytest.approx(2.0)  # 10 CPU s over 5000 tokens
+    assert point.cluster_cpu_cores == pytest.approx(0.2) and not point.cpu_bound
+    priced = per_request(point, 4, "splitwise-llama2-70b-h100")
+    assert priced.cost_per_request == pytest.approx(4 * 4.76 / 3600 / 2.0)  # 2 req/s
+    assert priced.energy_per_request_kj == pytest.approx(4 * 10.2 / 2.0)  # 10.2 kW each
+    assert math.isnan(per_request(point, 4, "").cost_per_request)
+
+
+def test_pipelines_deeper_than_the_model_are_refused_before_starting():
+    from orchestrator.planner.planner import Layout
+
+    check_depths(["colocated", "disaggregated"], Pools(2, 6), 8, 4)  # no pipeline: fine
+    check_depths(["colocated-pipeline"], Layout(1, 1, 3), 4, 4)
+    with pytest.raises(ValueError, match="colocated-pipeline needs 8 stages"):
+        check_depths(["colocated-pipeline"], Pools(2, 6), 8, 4)
+    with pytest.raises(ValueError, match="disaggregated needs 7 stages, the model has 4"):
+        check_depths(["colocated", "disaggregated"], Layout(1, 1, 7), 8, 4)
 
 
 @pytest.mark.slow
