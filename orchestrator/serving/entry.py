@@ -28,7 +28,7 @@ from tokenizers import Tokenizer
 
 from orchestrator.serving.batch import BatchReply, Send, SendError, SequenceJob, split
 from orchestrator.serving.config import NodeConfig
-from orchestrator.serving.frontend import Frontend
+from orchestrator.serving.frontend import FRONTEND_TIMEOUT_S, Frontend
 from orchestrator.serving.limits import RequestLimits
 from orchestrator.serving.metrics import Metrics
 from orchestrator.serving.node_stream import Cancelled
@@ -68,7 +68,8 @@ class EntryPoint:
         its (:meth:`RequestLimits.for_node`)."""
         frontend = Frontend(list(config.prefill_urls), [list(p) for p in config.decode_urls],
                             config.secret(), controller=config.controller, metrics=metrics,
-                            max_sequences=config.max_sequences())
+                            max_sequences=config.max_sequences(),
+                            timeout_s=FRONTEND_TIMEOUT_S * config.time_scale)
         return cls(frontend, RequestLimits.for_node(config, tokenizer), metrics,
                    config.max_requests)
 

@@ -103,6 +103,7 @@ class Refused(ServingError):
 
 _BUSY_WAIT_S, _MAX_BUSY_WAIT_S = 0.05, 1.0  # first and longest wait for a free KV slot
 _MAX_RERUN_WAIT_S = 8.0  # longest wait before a lost request runs again
+FRONTEND_TIMEOUT_S = 60.0  # a request's longest wait for a seat, a slot, or its node's word
 
 
 def request_arrays(prompt_ids: list[int], params: GenerationParams) -> dict[str, np.ndarray]:
@@ -127,7 +128,8 @@ def _decode_error(error: Exception, where: str, admitted: bool) -> ServingError:
 class Frontend:
     def __init__(
         self, prefill_urls: list[str], decode_pipelines: list[list[str]],
-        secret: bytes, timeout_s: float = 60.0, controller: str = "", watch_s: float = 0.1,
+        secret: bytes, timeout_s: float = FRONTEND_TIMEOUT_S, controller: str = "",
+        watch_s: float = 0.1,
         rerun_wait_s: float = 1.0, metrics: Metrics | None = None, max_sequences: int = 0,
     ) -> None:
         """``decode_pipelines``: each token pipeline's stage urls, stage 0 (its head) first;

@@ -59,6 +59,8 @@ def stage_service(config: NodeConfig, metrics: Metrics | None,
         depth=config.depth, batch_size=config.max_batch, mode=config.mode, swap=config.swap,
         max_seq_len=config.max_seq_len, heartbeat_s=config.heartbeat_s,
         dead_after_s=config.dead_after_s, reserve_ttl_s=config.reserve_ttl_s,
+        # A K-times slower engine queues K times longer before its prompt KV lands.
+        kv_timeout_s=PipelineConfig.kv_timeout_s * config.time_scale,
         recover_timeout_s=config.recover_timeout_s if config.replicates else None, **slots,
     )
     secret = config.secret()
