@@ -68,7 +68,8 @@ class NodeConfig:
     recover_timeout_s: float = 120.0  # a paused pipeline waits this long for a repair
     devices: str = ""  # cpu:0-1 or cuda:0 (orchestrator.cluster.devices); empty: anywhere
     threads: int = 1  # torch threads: nodes share the machine's cores
-    max_requests: int = 64  # frontend: requests served at once
+    max_requests: int | None = None  # frontend: requests served at once; None: see
+    # concurrent_requests
     max_prompt_bytes: int | None = None  # frontend: prompt text limit; None: from the context
     # frontend: tensorrt_llm's model_transaction_policy, the backend's decoupled_mode (false:
     # a unary ModelInfer gets one response; streaming and batches are refused)
@@ -84,9 +85,9 @@ class NodeConfig:
         self._validate()
 
     def _validate(self) -> None:
-        positive = ("depth", "prefill_depth", "max_batch", "threads", "max_requests",
+        positive = ("depth", "prefill_depth", "max_batch", "threads",
                     "heartbeat_s", "recover_timeout_s", "time_scale")
-        for name in (*positive, "max_seq_len", "num_slots", "max_prompt_bytes",
+        for name in (*positive, "max_seq_len", "num_slots", "max_prompt_bytes", "max_requests",
                      "reserve_ttl_s"):
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -132,6 +133,12 @@ class NodeConfig:
         in its prompt-KV slots. A request of more could never be in flight whole."""
         slots = self.num_slots or PROMPT_SLOTS
         return sum(len(stages) * self.max_batch + slots for stages in self.decode_urls)
+
+    def concurrent_requests(self) -> int:
+        """Frontend: requests served at once: ``max_requests``, else one for every sequence
+        its pipelines hold (at least 64): a fixed 64 left half of 8 machines' batches of 16
+        empty."""
+        return self.max_requests or max(64, self.max_sequences())
 
     def secret(self) -> bytes:
         """The cluster secret: ``secret_file``'s hex (a file only its owner may read), else

@@ -71,7 +71,7 @@ class EntryPoint:
                             max_sequences=config.max_sequences(),
                             timeout_s=FRONTEND_TIMEOUT_S * config.time_scale)
         return cls(frontend, RequestLimits.for_node(config, tokenizer), metrics,
-                   config.max_requests)
+                   config.concurrent_requests())
 
     def submit(self, jobs: Callable[[], list[SequenceJob]], replies: Replies,
                is_cancelled: Callable[[], bool]) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -107,3 +108,15 @@ def test_the_cluster_holds_each_pipelines_seats_and_prompt_slots():
     config = NodeConfig(role="frontend", model_dir="m", prefill_urls=("p:1",),
                         decode_urls=(("a:1", "a:2"), ("b:1",)), max_batch=4, num_slots=3)
     assert config.max_sequences() == (2 * 4 + 3) + (1 * 4 + 3)
+
+
+def test_the_frontend_serves_a_request_for_every_sequence_its_pipelines_hold():
+    """8 machines of batch 16 hold 8 x (16 + 16) sequences: a fixed pool of 64 request
+    threads would leave half their batches empty."""
+    machines = tuple((f"t{i}:1",) for i in range(8))
+    config = NodeConfig(role="frontend", model_dir="m", decode_urls=machines, max_batch=16,
+                        mode="colocated")
+    assert config.concurrent_requests() == 8 * (16 + 16)
+    small = replace(config, decode_urls=machines[:1])
+    assert small.concurrent_requests() == 64  # never fewer than before
+    assert replace(config, max_requests=8).concurrent_requests() == 8  # the deployer's cap
