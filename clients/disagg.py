@@ -29,13 +29,16 @@ profile (the emulated engine's, or the torch engine measured on one machine over
 workload's lengths and the cluster's batch). Output: ``disagg.csv``,
 ``disagg.png``, a table.
 
-Sustained throughput (one definition, :func:`sustained`): the run's saturated middle,
-not its edges. tokens/s counts the tokens whose arrival lies between the 10th and 90th
-percentile of all token arrival times, over that span; completions/s (``req/s``) the
-requests that finished between the 10th and 90th percentile of completion times, over
+Sustained throughput (:mod:`orchestrator.planner.throughput`, the one definition the
+serving simulator measures itself by too): the run's saturated middle, not its edges.
+tokens/s counts the tokens whose arrival lies between the 10th and 90th percentile of
+all token arrival times, over that span; completions/s (``req/s``) the requests that
+finished between the 10th and 90th percentile of completion times, over
 that span; goodput those of them that met the SLO. ``tok req/s`` is tokens/s over the
 mean output length of the requests sent: the requests/s those tokens make at the
-workload's mean lengths, the planner's unit, set beside its prediction. ``--drain S``
+workload's mean lengths, the planner's unit, set beside its prediction: the planner's
+capacity model at the same requests' lengths, and the simulator replaying the same
+requests (arrivals, lengths, drain) measured the same way. ``--drain S``
 cancels what still runs S seconds after the last arrival, so a few long outputs do not
 hold the run for minutes (their tokens past the 90th percentile would not count anyway).
 
@@ -58,6 +61,7 @@ over ``tok req/s``.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import math
 import os
 import random
@@ -65,7 +69,6 @@ import statistics
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,6 +84,7 @@ from clients.common import (
 )
 from clients.provenance import save_figure
 from orchestrator.cluster.devices import Devices
+from orchestrator.planner.throughput import percentile, rate_between, sustained_rps
 
 MODES = ("colocated", "colocated-pipeline", "disaggregated")
 
@@ -153,43 +157,85 @@ def make_jobs(lengths: list[tuple[int, int]], rate: float, vocab: int, seed: int
                                                             strict=True)]
 
 
+def requests_of(jobs: list[Job]):
+    """The planner's view of ``jobs``: arrival, prompt and output lengths."""
+    from orchestrator.planner.workload import Request
+
+    return [Request(i, j.arrival, len(j.prompt_ids), j.max_tokens) for i, j in enumerate(jobs)]
+
+
 def replay(url: str, secret: bytes, jobs: list[Job], progress=None, time_scale: float = 1.0,
            drain_s: float = math.inf) -> list[list[float]]:
     """Send each job at its arrival time x ``time_scale``; each one's [send, token, token,
     ...] times from the start, divided by ``time_scale`` (profile time). What still runs
-    ``drain_s`` (profile time) after the last arrival is cancelled, its times cut there."""
-    from clients.breakdown import signed_request, time_stream
+    ``drain_s`` (profile time) after the last arrival is cancelled, its times cut there.
+
+    One event loop and one gRPC channel carry every stream: a client (channel and
+    threads) per request made thousands of threads at saturation, 2,812 requests drove
+    the host's load past 300 and the run was the client's, not the cluster's."""
+    return asyncio.run(_replay(url, secret, jobs, progress, time_scale, drain_s))
+
+
+async def _replay(url: str, secret: bytes, jobs: list[Job], progress, time_scale: float,
+                  drain_s: float) -> list[list[float]]:
+    import tritonclient.grpc.aio as grpcclient
+
+    from clients.breakdown import signed_request
     from orchestrator.serving.params import GenerationParams
 
+    client = grpcclient.InferenceServerClient(url)
     start = time.perf_counter()
-    stop_at = (None if math.isinf(drain_s) else
+    stop_at = (math.inf if math.isinf(drain_s) else
                start + (max(j.arrival for j in jobs) + drain_s) * time_scale)
 
-    def run(job: Job) -> list[float]:
-        time.sleep(max(0.0, start + job.arrival * time_scale - time.perf_counter()))
-        params = GenerationParams(max_tokens=job.max_tokens, stream=True)
-        request = signed_request(secret, job.prompt_ids, params)
-        times = token_times(time_stream(url, "orchestrator", request, timeout_s=600.0,
-                                        stop_at=stop_at))
-        if len(times) - 1 != job.max_tokens and (stop_at is None or len(times) - 1 >
-                                                 job.max_tokens):
+    async def run(job: Job) -> list[float]:
+        await asyncio.sleep(max(0.0, start + job.arrival * time_scale - time.perf_counter()))
+        request = signed_request(secret, job.prompt_ids,
+                                 GenerationParams(max_tokens=job.max_tokens, stream=True))
+        times = token_times(await stream_arrivals(client, request, stop_at))
+        if len(times) - 1 > job.max_tokens or (len(times) - 1 < job.max_tokens
+                                               and math.isinf(stop_at)):
             raise RuntimeError(f"a request streamed {len(times) - 1} tokens, "
                                f"not {job.max_tokens}")
         if progress is not None:
             progress()
         return [(t - start) / time_scale for t in times]
 
-    with ThreadPoolExecutor(len(jobs)) as pool:
-        return list(pool.map(run, jobs))
+    try:
+        return list(await asyncio.gather(*(run(job) for job in jobs)))
+    finally:
+        await client.close()
 
 
-def rate_between(stamps: list[float], lo: float = 10, hi: float = 90) -> float:
-    """Events per second between the ``lo``-th and ``hi``-th percentile of their times:
-    the rate of the middle of a run, without its start-up and its drain."""
-    if len(stamps) < 2:
-        return math.nan
-    a, b = _pct(stamps, lo), _pct(stamps, hi)
-    return sum(a <= t <= b for t in stamps) / (b - a) if b > a else math.nan
+async def stream_arrivals(client, request: dict, stop_at: float = math.inf,
+                          timeout_s: float = 600.0) -> list[tuple[float, int]]:
+    """When the responses of one request to the frontend's ``orchestrator`` model that
+    carry tokens arrive, and how many each holds, [(send time, 0), ...] (``perf_counter``);
+    cancelled at ``stop_at`` if still running (the frontend then frees its slots). The
+    stream sends one request and closes its side, so it ends when the request has."""
+    async def one_request():
+        yield {"model_name": "orchestrator", **request}
+
+    responses = client.stream_infer(one_request())
+    arrivals = [(time.perf_counter(), 0)]
+    while (left := stop_at - time.perf_counter()) > 0:
+        try:
+            result, error = await asyncio.wait_for(anext(responses), min(timeout_s, left))
+        except StopAsyncIteration:
+            return arrivals
+        except TimeoutError:
+            if time.perf_counter() < stop_at:
+                responses.cancel()
+                raise RuntimeError(f"no response in {timeout_s:.0f} s") from None
+            break
+        if error is not None:
+            responses.cancel()
+            raise RuntimeError(f"orchestrator: {error}")
+        ids = result.as_numpy("output_ids")
+        if ids is not None and ids.size:
+            arrivals.append((time.perf_counter(), ids.size))
+    responses.cancel()
+    return arrivals
 
 
 def sustained(jobs: list[Job], times: list[list[float]], met: list[bool]
@@ -202,7 +248,7 @@ def sustained(jobs: list[Job], times: list[list[float]], met: list[bool]
     completions = rate_between(done)
     if math.isnan(completions):
         return rate_between(tokens), completions, math.nan
-    a, b = _pct(done, 10), _pct(done, 90)
+    a, b = percentile(done, 10), percentile(done, 90)
     good = sum(ok and a <= ts[-1] <= b for job, ts, ok in zip(jobs, times, met, strict=True)
                if len(ts) - 1 == job.max_tokens)
     return rate_between(tokens), completions, good / (b - a)
@@ -215,11 +261,6 @@ def token_times(arrivals: list[tuple[float, int]]) -> list[float]:
     for at, n in arrivals[1:]:
         times += [times[-1] + (at - times[-1]) * (i + 1) / n for i in range(n)]
     return times
-
-
-def _pct(values: list[float], p: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(p / 100 * len(ordered)) - 1))]
 
 
 def summarize(mode: str, layout: str, rate: float, jobs: list[Job], times: list[list[float]],
@@ -237,18 +278,17 @@ def summarize(mode: str, layout: str, rate: float, jobs: list[Job], times: list[
                    and t[1] - t[0] <= ttft_slo * unloaded_prompt_s_per_token * len(job.prompt_ids)
                    and mean_tbt <= tbt_slo * unloaded_step_s)
     tokens_per_s, done_per_s, goodput = sustained(jobs, times, met)
-    mean_new = statistics.fmean(j.max_tokens for j in jobs)
     return Point(
         mode=mode, layout=layout, rate_rps=rate, requests=len(times),
         tokens_per_s=tokens_per_s, requests_per_s=done_per_s,
-        token_rps=tokens_per_s / mean_new,
+        token_rps=sustained_rps(times, [j.max_tokens for j in jobs]),
         unfinished=sum(len(t) - 1 < j.max_tokens for j, t in zip(jobs, times, strict=True))
         / len(times),
         ttft_p50_s=statistics.median(ttft) if ttft else math.nan,
-        ttft_p99_s=_pct(ttft, 99) if ttft else math.nan,
+        ttft_p99_s=percentile(ttft, 99) if ttft else math.nan,
         tbt_p50_ms=statistics.median(gaps) * 1e3 if gaps else math.nan,
-        tbt_p99_ms=_pct(gaps, 99) * 1e3 if gaps else math.nan,
-        tbt_p99_running_ms=_pct(running, 99) * 1e3 if running else math.nan,
+        tbt_p99_ms=percentile(gaps, 99) * 1e3 if gaps else math.nan,
+        tbt_p99_running_ms=percentile(running, 99) * 1e3 if running else math.nan,
         slo_met=sum(met) / len(times), goodput_rps=goodput, predicted_rps=predicted_rps,
         time_scale=time_scale,
     )
@@ -268,13 +308,13 @@ class Pools:
 
 def cluster_for(mode: str, model_dir: Path, machines: list, run_dir: Path, batch: int,
                 max_seq_len: int, split, profile: str = "", time_scale: float = 1.0,
-                timeout_s: float = 180.0):
+                timeout_s: float = 180.0, prefill_profile: str = ""):
     """The cluster of ``mode`` on ``machines`` (core sets): colocated one T-node each, or
     one stage each of one pipeline; disaggregated the planner's ``split`` (a
     :class:`~orchestrator.planner.planner.Layout`): its P-nodes, each on its D_p machines,
     and its token pipelines, a stage per machine. No mode replicates its KV. ``profile``:
     every node runs the emulated engine on it (empty: the torch engine), its times x
-    ``time_scale``."""
+    ``time_scale``; ``prefill_profile``: the P-nodes' own (mixed machines)."""
     from orchestrator.cluster.launcher import Cluster, spread_devices
     from orchestrator.cluster.topology import decode_name
     from orchestrator.fault import ReplicateMode
@@ -299,7 +339,9 @@ def cluster_for(mode: str, model_dir: Path, machines: list, run_dir: Path, batch
     return Cluster.up(model_dir, timeout_s, run_dir=run_dir / mode, max_batch=batch,
                       max_seq_len=max_seq_len, devices=devices,
                       replicate=ReplicateMode.OFF, profile=profile,
-                      **({"time_scale": time_scale} if profile else {}), **kwargs)
+                      **({"time_scale": time_scale} if profile else {}),
+                      **({"prefill_profile": prefill_profile} if kwargs.get("prefill") else {}),
+                      **kwargs)
 
 
 def cluster_groups(cluster) -> set[int]:
@@ -322,21 +364,29 @@ def wait_idle(cluster, timeout_s: float = 120.0) -> None:
         time.sleep(0.2)
 
 
-def per_request(point: Point, machines: int, profile: str) -> Point:
-    """``point`` with its cost and energy per request, where the profile states the
-    machine's cost per hour and power: ``machines`` of them over its ``token_rps``."""
+def per_request(point: Point, fleet: list[str]) -> Point:
+    """``point`` with its cost and energy per request, where the profiles state their
+    machine's cost per hour and power: the ``fleet`` (one profile per machine in use)
+    over its ``token_rps``."""
     from dataclasses import replace
 
     from orchestrator.profiles.profile import load_profile
 
-    if not profile or not point.token_rps > 0:
+    if not all(fleet) or not point.token_rps > 0:
         return point
-    machine = load_profile(profile).machine
-    cost = (machines * machine.cost_per_hour / 3600 / point.token_rps
-            if machine.cost_per_hour is not None else math.nan)
-    energy = (machines * machine.power_w / point.token_rps / 1e3
-              if machine.power_w is not None else math.nan)
+    machines = [load_profile(name).machine for name in fleet]
+    costs, powers = [m.cost_per_hour for m in machines], [m.power_w for m in machines]
+    cost = (sum(costs) / 3600 / point.token_rps if None not in costs else math.nan)
+    energy = (sum(powers) / point.token_rps / 1e3 if None not in powers else math.nan)
     return replace(point, cost_per_request=cost, energy_per_request_kj=energy)
+
+
+def fleet(layout, machines: int, profile: str, prefill_profile: str = "") -> list[str]:
+    """The profile of each of ``machines`` a layout runs on: its P-nodes' machines on
+    ``prefill_profile`` where given, the rest on ``profile``."""
+    prompt_machines = 0 if layout.colocated or not prefill_profile else (
+        layout.replicas * layout.prompt_depth)
+    return [prefill_profile] * prompt_machines + [profile] * (machines - prompt_machines)
 
 
 def engine_profile_of(model_dir: Path, lengths: list[tuple[int, int]], batch: int,
@@ -368,11 +418,12 @@ def engine_profile_of(model_dir: Path, lengths: list[tuple[int, int]], batch: in
 
 def predictions(model_dir: Path, lengths: list[tuple[int, int]], batch: int,
                 machine: Devices, machines: int, engine_profile: str = "",
-                pools: Pools | None = None):
-    """The planner's capacity model and the serving simulator on one engine profile (the
-    emulated engine's, or the torch engine measured on one ``machine``) at the workload's
-    lengths: the planner's pick, each layout's predicted and simulated requests/s at
-    saturation, and the unloaded prefill time per token and step."""
+                pools: Pools | None = None, prefill_profile: str = ""):
+    """The planner on one engine profile (the emulated engine's, or the torch engine
+    measured on one ``machine``; the P-nodes' own where ``prefill_profile`` names one) at
+    the workload's lengths: its pick, the layout each mode runs, the profiles (``cost``,
+    ``prompt_cost``), each mode's predicted requests/s, and the unloaded prefill time per
+    token and step."""
     from orchestrator.engine.config import ModelConfig
     from orchestrator.planner.capacity import Capacity
     from orchestrator.planner.perf_model import (
@@ -381,16 +432,17 @@ def predictions(model_dir: Path, lengths: list[tuple[int, int]], batch: int,
         timings_from_engine_profile,
     )
     from orchestrator.planner.planner import Layout, plan, predict_rps
-    from orchestrator.planner.search import saturating, simulate_serving
+    from orchestrator.profiles.profile import load_profile
 
     cost = engine_profile_of(model_dir, lengths, batch, machine, engine_profile)
+    prompt_cost = load_profile(prefill_profile) if prefill_profile else None
     prompt = round(statistics.fmean(p for p, _ in lengths))
     new = round(statistics.fmean(n for _, n in lengths))
     workload = Workload(prompt, new, batch)
     profile = profile_from_config(ModelConfig.from_dir(model_dir), workload, 80e9,
                                   *timings_from_engine_profile(cost, workload), 1.0,
                                   source=f"engine profile {cost.name}")
-    capacity = Capacity.of(lengths, cost, batch)
+    capacity = Capacity.of(lengths, cost, batch, prompt_cost=prompt_cost)
     picked = plan(profile, machines, capacity)
     # The disaggregated mode runs the pick, or the best disaggregated layout when the
     # planner colocates (every candidate's pipelines fit the model's layers).
@@ -400,16 +452,33 @@ def predictions(model_dir: Path, lengths: list[tuple[int, int]], batch: int,
     split = Pools(chosen.replicas, chosen.token_count) if chosen.is_pools else chosen
     layouts = {"colocated": Layout(machines, 1), "colocated-pipeline": Layout(1, machines),
                "disaggregated": chosen}
-    requests = saturating(lengths)
-    out = {"pick": str(picked.layout), "split": split, "Y/t": picked.ratio,
-           "real_split": picked.real_split, "profile": cost.name,
-           "prompt_s_per_token": cost.prefill_s(prompt) / prompt,
-           "step_s": cost.decode_s(1, capacity.demand.context),
-           "batch_step_s": capacity.decode_s(capacity.slots)}
-    for mode, layout in layouts.items():
-        out[f"{mode}_rps"] = predict_rps(capacity, layout)
-        out[f"{mode}_sim_rps"] = simulate_serving(cost, requests, layout, batch)
-    return out
+    return {"pick": str(picked.layout), "split": split, "Y/t": picked.ratio,
+            "real_split": picked.real_split, "profile": cost.name, "cost": cost,
+            "prompt_cost": prompt_cost, "layouts": layouts,
+            "predicted": {mode: predict_rps(capacity, lay) for mode, lay in layouts.items()},
+            # The SLOs' unloaded times: the P-nodes' machine's where the machines are mixed
+            # (Splitwise-HA against all-H100: the same bar for both).
+            "prompt_s_per_token": (prompt_cost or cost).prefill_s(prompt) / prompt,
+            "step_s": (prompt_cost or cost).decode_s(1, capacity.demand.context),
+            "batch_step_s": capacity.decode_s(capacity.slots)}
+
+
+def expected(cost, requests, layout, batch: int, drain_s: float = math.inf,
+             prompt_cost=None) -> tuple[float, float]:
+    """What the planner and the simulator expect of ``requests`` on ``layout``: the capacity
+    model's requests/s at their lengths, and the serving simulator's sustained rate
+    replaying the same requests (arrivals, lengths, the drain's cut), measured as the run
+    is. A short run at saturation sits below capacity while it fills; the simulator sees
+    that, the planner does not. ``prompt_cost``: the P-nodes' own profile."""
+    from orchestrator.planner.capacity import Capacity
+    from orchestrator.planner.planner import predict_rps
+    from orchestrator.planner.search import simulate_serving
+
+    lengths = [(r.prompt_len, r.output_len) for r in requests]
+    return (predict_rps(Capacity.of(lengths, cost, batch, prompt_cost=prompt_cost), layout),
+            simulate_serving(cost, requests, layout, batch,
+                             cut_at=max(r.arrival for r in requests) + drain_s,
+                             prompt_cost=prompt_cost))
 
 
 def check_depths(modes: list[str], split, machines: int, layers: int) -> None:
@@ -484,8 +553,11 @@ def main(argv: list[str]) -> int:
                         help="with --profile: every step sleeps the profile's time x K, "
                         "arrivals come K times slower; figures are given in profile time")
     parser.add_argument("--rates", type=float, nargs="+",
-                        help="arrival rates, req/s (default: 0.25, 0.5, 1, 1.5 x the "
-                        "planner's predicted colocated throughput)")
+                        help="arrival rates, req/s (default: --loads x the planner's "
+                        "predicted colocated throughput)")
+    parser.add_argument("--loads", type=float, nargs="+", default=[0.25, 0.5, 1.0, 1.5],
+                        help="without --rates: arrival rates as multiples of the predicted "
+                        "colocated throughput")
     parser.add_argument("--machines", nargs="+",
                         help="one core set per machine (default: each core of this host)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
@@ -503,6 +575,10 @@ def main(argv: list[str]) -> int:
                         help="run every node on the emulated engine with this engine profile "
                         "(file or shipped name, e.g. splitwise-llama2-70b-h100); the planner "
                         "predicts from the same profile")
+    parser.add_argument("--prefill-profile", default="",
+                        help="with --profile: the P-nodes run this profile instead (Splitwise's "
+                        "mixed pools, e.g. H100 prompt and A100 token machines); costs and "
+                        "predictions count each machine as its own")
     parser.add_argument("--pools", type=int, nargs=2, metavar=("P", "T"),
                         help="disaggregated as Splitwise's pools: P P-nodes and T T-nodes, "
                         "one machine each (default: the planner's split into pipelines)")
@@ -514,6 +590,8 @@ def main(argv: list[str]) -> int:
     k = args.time_scale
     if k != 1.0 and not args.profile:
         parser.error("--time-scale slows the emulated engine: give --profile")
+    if args.prefill_profile and not args.profile:
+        parser.error("--prefill-profile runs the emulated engine: give --profile too")
     from rich.progress import Progress
 
     from orchestrator.cluster.tritonserver import ServerError
@@ -539,8 +617,8 @@ def main(argv: list[str]) -> int:
         if pools and (min(args.pools) < 1 or sum(args.pools) != len(machines)):
             raise ValueError(f"--pools must split the {len(machines)} machines, both >= 1")
         pred = predictions(model_dir, lengths, args.batch, machines[0], len(machines),
-                           args.profile, pools)
-        rates = args.rates or [f * pred["colocated_rps"] for f in (0.25, 0.5, 1.0, 1.5)]
+                           args.profile, pools, args.prefill_profile)
+        rates = args.rates or [f * pred["predicted"]["colocated"] for f in args.loads]
         counts = {r: max(2, round(r * args.duration)) if args.duration else len(lengths)
                   for r in rates}
         if max(counts.values()) > len(lengths):  # each rate sends its first rate x duration
@@ -549,9 +627,9 @@ def main(argv: list[str]) -> int:
                                       args.max_new)
         print(f"planner: Y/t {pred['Y/t']:.1f}, picks {pred['pick']}, real split D_p "
               f"{pred['real_split'][0]:.2f} D_t {pred['real_split'][1]:.2f}; predicted colocated "
-              f"{pred['colocated_rps']:.2f} req/s, colocated pipeline "
-              f"{pred['colocated-pipeline_rps']:.2f} req/s, {pred['split']} "
-              f"{pred['disaggregated_rps']:.2f} req/s", flush=True)
+              f"{pred['predicted']['colocated']:.2f} req/s, colocated pipeline "
+              f"{pred['predicted']['colocated-pipeline']:.2f} req/s, {pred['split']} "
+              f"{pred['predicted']['disaggregated']:.2f} req/s", flush=True)
         max_seq_len = args.max_prompt + args.max_new
         check_depths(args.modes, pred["split"], len(machines),
                      ModelConfig.from_dir(model_dir).num_layers)
@@ -567,7 +645,7 @@ def main(argv: list[str]) -> int:
             for mode in args.modes:
                 with cluster_for(mode, model_dir, machines, args.out / "cluster", args.batch,
                                  max_seq_len, pred["split"], args.profile, k,
-                                 args.start_timeout) as cluster:
+                                 args.start_timeout, args.prefill_profile) as cluster:
                     layout = {"colocated": f"{len(machines)}x colocated",
                               "colocated-pipeline": f"colocated depth {len(machines)}",
                               }.get(mode, str(pred["split"]))
@@ -584,14 +662,18 @@ def main(argv: list[str]) -> int:
                         with CpuMeter(groups) as meter:
                             times = replay(url, secret, jobs, advance, k, args.drain)
                         wait_idle(cluster)
+                        planned, simulated = expected(pred["cost"], requests_of(jobs),
+                                                      pred["layouts"][mode], args.batch,
+                                                      args.drain, pred["prompt_cost"])
                         point = summarize(
                             mode, layout, rate, jobs, times, pred["prompt_s_per_token"],
-                            pred["step_s"], args.ttft_slo, args.tbt_slo,
-                            pred[f"{mode}_rps"], k)
-                        point.simulated_rps = pred[f"{mode}_sim_rps"]
+                            pred["step_s"], args.ttft_slo, args.tbt_slo, planned, k)
+                        point.simulated_rps = simulated
                         assert meter.use is not None
                         point = point.with_cpu(meter.use, sum(len(t) - 1 for t in times))
-                        points.append(per_request(point, len(machines), args.profile))
+                        points.append(per_request(point, fleet(
+                            pred["layouts"][mode], len(machines), args.profile,
+                            args.prefill_profile)))
                         # After every rate: a later failure (a cluster that does not come
                         # up on a loaded host) keeps what was measured.
                         write_csv(args.out / "disagg.csv", points)

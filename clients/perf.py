@@ -280,18 +280,35 @@ def _load_args(model_dir: Path, concurrency: int, requests: int, max_tokens: int
 def run_genai_perf(tools: Tools, where: Endpoints, model_dir: Path, mode: str, api: str,
                    concurrency: int, requests: int, max_tokens: int, out_dir: Path) -> GenaiPoint:
     out_dir.mkdir(parents=True, exist_ok=True)
+    # --verbose: genai-perf otherwise drops perf_analyzer's stdout, the one account of a
+    # run that exported no requests.
     cmd = [str(tools.genai_perf), "profile", *_tool_target(api, where, max_tokens),
            *_load_args(model_dir, concurrency, requests, max_tokens),
-           "--num-dataset-entries", "8", "--artifact-dir", str(out_dir / "artifacts")]
-    _run(cmd, tools, out_dir / "genai_perf.log", GENAI_TIMEOUT_S, out_dir)
+           "--num-dataset-entries", "8", "--artifact-dir", str(out_dir / "artifacts"),
+           "--verbose"]
+    log = out_dir / "genai_perf.log"
+    _run(cmd, tools, log, GENAI_TIMEOUT_S, out_dir)
     summaries = list((out_dir / "artifacts").glob("*/profile_export_genai_perf.json"))
     if len(summaries) != 1:
         raise BenchError(f"expected one genai-perf summary under {out_dir}, found {summaries}")
-    raw = json.loads((summaries[0].parent / "profile_export.json").read_text())
+    raw = _export(summaries[0].parent / "profile_export.json", log)
     streamed = sum(_streamed(out) for r in raw["experiments"][0]["requests"]
                    for out in r["response_outputs"])
     return _point("genai-perf", api, mode, concurrency, streamed,
                   json.loads(summaries[0].read_text()))
+
+
+def _export(path: Path, log: Path) -> dict:
+    """genai-perf's raw export of one run with requests in it; else an error quoting the
+    run's log (perf_analyzer's own output included)."""
+    try:
+        raw = json.loads(path.read_text())
+        if raw["experiments"][0]["requests"]:
+            return raw
+    except (OSError, ValueError, KeyError, IndexError):
+        pass
+    raise BenchError(f"genai-perf exported no requests in {path}; log {log}:\n"
+                     f"{log.read_text()[-3000:]}")
 
 
 def run_aiperf(tools: Tools, where: Endpoints, model_dir: Path, mode: str, api: str,

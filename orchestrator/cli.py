@@ -8,7 +8,9 @@ and returns an exit code, building its own ``argparse`` parser with
 from __future__ import annotations
 
 import importlib
+import signal
 import sys
+import threading
 
 REPORT_MODULES = ("rich", "matplotlib")  # the ``bench`` extra: not installed on serving nodes
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
@@ -46,6 +48,10 @@ def _usage() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM as an exit, so that a killed bench takes its cluster down (the default
+        # action skipped every cleanup and left 8 nodes serving nobody).
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     for words, (target, _) in sorted(COMMANDS.items(), key=lambda kv: -len(kv[0])):
         if tuple(argv[: len(words)]) == words:
             module_name, func_name = target.split(":")

@@ -4,9 +4,14 @@ the planner's capacity model and the serving simulator on one engine profile.
     python scripts/planner_check.py run --layouts colocated colocated-pipeline pools:1:1 \\
         --profile splitwise-llama2-70b-h100 --batch 8 --requests 40 --rate 2 --out runs/check
     python scripts/planner_check.py compare runs/check/times.json PROFILE
+    python scripts/planner_check.py table
+
+``table`` prints the planner against the simulator alone (no cluster) on the shipped
+profiles, both traces, batch 4 and 16: the table in docs/planner.md.
 
 ``run`` keeps every request's times (``times.json``); ``compare`` measures them as the
-simulator measures itself (:func:`~orchestrator.planner.simulator.sustained_rps`). Layouts:
+simulator measures itself (:func:`~orchestrator.planner.throughput.sustained_rps`), beside
+the planner and the simulator on the same requests (:func:`clients.disagg.expected`). Layouts:
 ``colocated`` (a T-node per machine), ``colocated-pipeline`` (one pipeline over all),
 ``pools:P:T`` (Splitwise's), ``split:R:DP:DT`` (R x a P-node of DP feeding T_DT). Requests
 go in random order: the trace's own order drifts in length, and the model assumes a
@@ -27,11 +32,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from clients.common import dummy_model  # noqa: E402
-from clients.disagg import Pools, cluster_for, make_jobs, replay, scaled_requests  # noqa: E402
-from orchestrator.planner.capacity import Capacity  # noqa: E402
-from orchestrator.planner.planner import Layout, predict_rps  # noqa: E402
-from orchestrator.planner.search import simulate_serving  # noqa: E402
-from orchestrator.planner.simulator import RequestTimes, sustained_rps  # noqa: E402
+from clients.disagg import (  # noqa: E402
+    Pools,
+    cluster_for,
+    expected,
+    make_jobs,
+    replay,
+    scaled_requests,
+)
+from orchestrator.planner.planner import Layout  # noqa: E402
+from orchestrator.planner.throughput import sustained_rps  # noqa: E402
 from orchestrator.planner.workload import Request, poisson  # noqa: E402
 
 
@@ -84,7 +94,6 @@ def compare(args: argparse.Namespace) -> None:
     res = json.loads(args.times.read_text())
     cost, batch = load_profile(args.profile), res["batch"]
     lengths = [tuple(x) for x in res["lengths"]]
-    capacity = Capacity.of(lengths, cost, batch)
     requests = poisson([Request(i, 0.0, p, n) for i, (p, n) in enumerate(lengths)],
                        res["rate"], 0)
     print("| layout | planner req/s | simulator req/s | measured req/s | planner / measured "
@@ -92,14 +101,40 @@ def compare(args: argparse.Namespace) -> None:
     print("|---|---:|---:|---:|---:|---:|---|")
     for entry in res["runs"]:
         layout = layout_of(entry["layout"], res["machines"])
-        start = min(t[0] for t in entry["times"])
-        measured = sustained_rps([RequestTimes(r, t[1] - start, [x - start for x in t[2:]])
-                                  for r, t in zip(requests, entry["times"], strict=True)])
-        planner = predict_rps(capacity, layout)
-        simulated = simulate_serving(cost, requests, layout, batch)
+        measured = sustained_rps(entry["times"], [n for _, n in lengths])
+        planner, simulated = expected(cost, requests, layout, batch)
         print(f"| {layout} | {planner:.3f} | {simulated:.3f} | {measured:.3f} | "
               f"{planner / measured:.2f} | {simulated / measured:.2f} | "
               f"{entry['load'][0]:.1f}-{entry['load'][1]:.1f} |")
+
+
+TABLE_LAYOUTS = {"c1": Layout(1, 1), "2x c1": Layout(2, 1), "p2": Layout(1, 2),
+                 "p3": Layout(1, 3), "p4": Layout(1, 4), "p8": Layout(1, 8),
+                 "1P+1T": Layout(1, 1, 1), "1P+T2": Layout(1, 1, 2),
+                 "1P+3T": Layout.pools(1, 3), "3P+1T": Layout.pools(3, 1)}
+
+
+def table(_args: argparse.Namespace) -> None:
+    from orchestrator.planner import workload as wl
+    from orchestrator.planner.capacity import Capacity
+    from orchestrator.planner.planner import predict_rps
+    from orchestrator.planner.search import saturating, simulate_serving
+    from orchestrator.profiles.profile import load_profile
+
+    print("| profile | trace | batch | " + " | ".join(TABLE_LAYOUTS) + " |")
+    print("|---|---|---:|" + "---:|" * len(TABLE_LAYOUTS))
+    for name in ("splitwise-llama2-70b-h100", "splitwise-bloom-176b-a100"):
+        cost = load_profile(name)
+        for trace in ("conv", "code"):
+            lengths = [(r.prompt_len, r.output_len)
+                       for r in wl.sample(wl.load_trace(trace), 300, seed=0)]
+            requests = saturating(lengths, count=1500)
+            for batch in (4, 16):
+                capacity = Capacity.of(lengths, cost, batch)
+                ratios = [predict_rps(capacity, lay) / simulate_serving(cost, requests, lay, batch)
+                          for lay in TABLE_LAYOUTS.values()]
+                print(f"| {name.removeprefix('splitwise-')} | {trace} | {batch} | "
+                      + " | ".join(f"{r:.2f}" for r in ratios) + " |")
 
 
 def main() -> None:
@@ -122,8 +157,9 @@ def main() -> None:
     c = sub.add_parser("compare")
     c.add_argument("times", type=Path)
     c.add_argument("profile", help="the engine profile to predict from (file or name)")
+    sub.add_parser("table")
     args = ap.parse_args()
-    run(args) if args.command == "run" else compare(args)
+    {"run": run, "compare": compare, "table": table}[args.command](args)
 
 
 if __name__ == "__main__":

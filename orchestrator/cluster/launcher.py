@@ -124,6 +124,7 @@ class Cluster:
         devices: dict[str, Devices] | None = None,
         spares: int = 0,
         openai: bool = True,
+        prefill_profile: str = "",
         **settings,
     ) -> None:
         """``prefill``/``decode``: how many P- and T-pipelines, of depths ``prefill_depth``
@@ -135,7 +136,8 @@ class Cluster:
         requests a rerun); ``devices``: {node name: its cores or GPUs} (nodes not named run
         anywhere, as by default); ``spares``: warm spare T-nodes that take over a lost
         stage (pipelines deeper than 1, replicate on); ``openai``: also start the
-        OpenAI-compatible API (loopback, in front of the ensemble)."""
+        OpenAI-compatible API (loopback, in front of the ensemble); ``prefill_profile``:
+        the P-nodes' own engine profile (mixed machines, :func:`node_configs`)."""
         topology = Topology(prefill, decode, prefill_depth, decode_depth, colocated, spares)
         self.model_dir = Path(model_dir).resolve()
         if not (self.model_dir / "config.json").is_file():
@@ -166,7 +168,7 @@ class Cluster:
 
         configs = node_configs(
             topology, address, lambda name: str(self.run_dir / "replicas" / name),
-            model_dir=str(self.model_dir), controller=self.controller.address,
+            prefill_profile, model_dir=str(self.model_dir), controller=self.controller.address,
             secret_file=str(self.secret_file), **settings)
         unknown = set(self.devices) - set(configs)
         if unknown:

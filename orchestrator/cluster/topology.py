@@ -9,10 +9,11 @@ and differ only in how a node's name becomes its address.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from orchestrator.cluster.tritonserver import add_model
+from orchestrator.pipeline import prompt_slots
 from orchestrator.serving.config import Mode, NodeConfig, Role
 
 ROLE_MODELS = {
@@ -84,12 +85,17 @@ def decode_name(pipeline: int, stage: int, depth: int) -> str:
 
 def node_configs(topology: Topology, address: Callable[[str], str],
                  replica_dir: Callable[[str], str] = lambda name: "",
-                 **settings) -> dict[str, NodeConfig]:
+                 prefill_profile: str = "", **settings) -> dict[str, NodeConfig]:
     """Every node's configuration, by name, frontend last. ``address``: a node's gRPC url
-    from its name; ``replica_dir``: where it keeps replicas on disk; ``settings``: the
-    :class:`NodeConfig` fields that are the same on every node (model_dir, swap, ...)."""
+    from its name; ``replica_dir``: where it keeps replicas on disk; ``prefill_profile``:
+    the P-nodes' emulated engine profile where they are other machines than the rest
+    (Splitwise's mixed pools, e.g. H100 prompt machines and A100 token machines);
+    ``settings``: the :class:`NodeConfig` fields that are the same on every node
+    (model_dir, swap, profile, ...)."""
     mode = Mode.COLOCATED if topology.colocated else Mode.DISAGGREGATED
     prefill, decode = topology.prefill_names(), topology.decode_names()
+    if settings.get("num_slots") is None and prefill:
+        settings["num_slots"] = prompt_slots(len(prefill), len(decode))
     shared = dict(settings, mode=mode, prefill_depth=topology.prefill_depth,
                   prefill_urls=tuple(address(n) for n in prefill),
                   decode_urls=tuple(tuple(address(n) for n in stages) for stages in decode))
@@ -98,7 +104,12 @@ def node_configs(topology: Topology, address: Callable[[str], str],
         return NodeConfig(role=role, name=name, address=address(name),
                           replica_dir=replica_dir(name), **place, **shared)
 
-    configs = {name: config(name, Role.PREFILL, pipeline=p) for p, name in enumerate(prefill)}
+    if prefill_profile and not settings.get("profile"):
+        raise ValueError("a P-node profile needs one for the other nodes too: the emulated "
+                         "engine on every node")
+    prefill_own = {"profile": prefill_profile} if prefill_profile else {}
+    configs = {name: replace(config(name, Role.PREFILL, pipeline=p), **prefill_own)
+               for p, name in enumerate(prefill)}
     for p, stages in enumerate(decode):
         for i, name in enumerate(stages):
             configs[name] = config(name, Role.DECODE, pipeline=p, stage=i, depth=len(stages))

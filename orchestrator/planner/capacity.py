@@ -84,6 +84,7 @@ class Capacity:
     batch: int  # sequences per microbatch (``--max-batch``)
     m: float = 1.0  # a streamed prefill over a plain one (KV sent layer by layer)
     kv_scale: float = 1.0  # KV bytes the run holds per token over the profile's
+    prompt_s: float | None = None  # a P-node's mean prefill, where it is another machine
 
     def __post_init__(self) -> None:
         if self.batch < 1 or self.m < 1 or self.kv_scale <= 0:
@@ -92,8 +93,12 @@ class Capacity:
 
     @classmethod
     def of(cls, lengths: Sequence[tuple[int, int]], cost: EngineProfile, batch: int,
-           m: float = 1.0, kv_scale: float = 1.0) -> Capacity:
-        return cls(cost, Demand.of(lengths, cost), batch, m, kv_scale)
+           m: float = 1.0, kv_scale: float = 1.0,
+           prompt_cost: EngineProfile | None = None) -> Capacity:
+        """``prompt_cost``: the P-nodes' profile where they are other machines (Splitwise's
+        mixed pools); ``cost`` times every other node."""
+        prompt_s = None if prompt_cost is None else Demand.of(lengths, prompt_cost).prefill_s
+        return cls(cost, Demand.of(lengths, cost), batch, m, kv_scale, prompt_s)
 
     @property
     def slots(self) -> int:
@@ -119,7 +124,7 @@ class Capacity:
 
     def prompt_rps(self) -> float:
         """One P-node, any depth: one streamed prefill at a time."""
-        return 1.0 / (self.m * self.demand.prefill_s)
+        return 1.0 / (self.m * (self.prompt_s or self.demand.prefill_s))
 
     def token_rps(self, depth: int) -> float:
         """One token pipeline of ``depth`` fed by P-nodes: ``depth`` microbatches of full

@@ -15,6 +15,7 @@ from rich.table import Table
 from orchestrator.cluster.devices import Devices
 from orchestrator.engine.config import ModelConfig
 from orchestrator.planner import workload as wl
+from orchestrator.planner.capacity import Capacity
 from orchestrator.planner.kv_sink import TRANSPORTS
 from orchestrator.planner.perf_model import (
     Profile,
@@ -53,6 +54,12 @@ def _plan_parser() -> argparse.ArgumentParser:
     ap.add_argument("--engine-profile", help="take Y and t from this engine profile (a file or "
                     "a shipped name, the emulated engine's cost model) instead of profiling; "
                     "m from --m (default 1)")
+    ap.add_argument("--trace", choices=["conv", "code"],
+                    help="with --engine-profile: score every layout by the capacity model on "
+                    "this Azure trace's lengths (requests/s at saturation, what `dejavu bench "
+                    "disagg` measures) instead of DejaVu's formulas at --prompt-len/--new-tokens")
+    ap.add_argument("--requests", type=int, default=1000,
+                    help="--trace: requests sampled from it")
     ap.add_argument("--Y", type=float, help="what-if: prompt time (s), skips profiling")
     ap.add_argument("--t", type=float, help="what-if: token step time (s)")
     ap.add_argument("--m", type=float, help="what-if: streaming overhead factor")
@@ -73,14 +80,23 @@ def plan_main(argv: list[str]) -> int:
         ap.error("--engine-profile gives Y and t: drop --Y and --t")
     if not args.engine_profile and any(v is not None for v in typed) and None in typed:
         ap.error("what-if planning needs all of --Y, --t and --m")
+    if args.trace and not args.engine_profile:
+        ap.error("--trace scores layouts on an engine profile: give --engine-profile")
     try:
         machines = [Devices.parse(d) for d in args.devices]
         workload = Workload(args.prompt_len, args.new_tokens, args.batch)
         if args.machines < 1 or args.memory_gb <= 0:
             raise ValueError("--machines must be >= 1 and --memory-gb positive")
         memory = args.memory_gb * GB
+        capacity = None
         if args.engine_profile:
             engine_profile = load_profile(args.engine_profile)
+            if args.trace:
+                lengths = [(r.prompt_len, r.output_len) for r in
+                           wl.sample(wl.load_trace(args.trace), args.requests, 0)]
+                capacity = Capacity.of(lengths, engine_profile, args.batch)
+                workload = Workload(round(capacity.demand.prompt),
+                                    round(capacity.demand.output), args.batch)
             Y, t = timings_from_engine_profile(engine_profile, workload)
             profile = profile_from_config(
                 ModelConfig.from_dir(args.model), workload, memory, Y, t,
@@ -97,7 +113,7 @@ def plan_main(argv: list[str]) -> int:
                 args.model, workload, memory, args.device, args.reps, args.transport
             )
             m_raw = timings.m_raw
-        result = plan(profile, args.machines)
+        result = plan(profile, args.machines, capacity)
     except (ValueError, FileNotFoundError) as e:
         ap.exit(2, f"dejavu plan: error: {e}\n")
     show_plan(result, m_raw)
@@ -138,11 +154,12 @@ def show_plan(result: Plan, m_raw: float | None = None) -> None:
     )
     dp, dt = result.real_split
     console.print(f"real split D_p = {dp:.3f}, D_t = {dt:.3f}; I_c(depth D) = {result.I_c:.4g} s")
-    cands = Table(title="layouts (inverse throughput, s per D microbatches)")
+    cands = Table(title=f"layouts, scored by {result.model}")
     cands.add_column("layout")
-    cands.add_column("I", justify="right")
+    cands.add_column("I (s per D microbatches)", justify="right")
+    cands.add_column("req/s", justify="right")
     for s in result.candidates:
-        cands.add_row(str(s.layout), f"{s.inverse_throughput:.4g}")
+        cands.add_row(str(s.layout), f"{s.inverse_throughput:.4g}", f"{s.rps:.4g}")
     console.print(cands)
     console.print(f"[bold]decision: {result.layout}[/bold]")
 

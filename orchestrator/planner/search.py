@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 
@@ -13,8 +14,8 @@ from orchestrator.planner.simulator import (
     SimResult,
     simulate_colocated,
     simulate_disaggregated,
-    sustained_rps,
 )
+from orchestrator.planner.throughput import sustained_rps
 from orchestrator.planner.workload import Request
 from orchestrator.profiles.profile import EngineProfile
 
@@ -54,10 +55,14 @@ def saturating(lengths: Sequence[tuple[int, int]], count: int = 1200,
 
 
 def simulate_serving(cost: EngineProfile, requests: list[Request], layout: Layout, batch: int,
-                     m: float = 1.0) -> float:
+                     m: float = 1.0, cut_at: float = math.inf,
+                     prompt_cost: EngineProfile | None = None) -> float:
     """Sustained requests/s of ``layout`` in the serving simulator (the event-driven twin of
-    the capacity model)."""
+    the capacity model), measured as the bench measures a run; tokens after ``cut_at``
+    (a run's drain cut) do not count; ``prompt_cost``: the P-nodes' own profile."""
     prompt_nodes = 0 if layout.colocated else layout.replicas
     depth = layout.prompt_depth if layout.colocated else layout.token_depth
-    sim = ServingSimulator(cost, batch, prompt_nodes, layout.token_count, depth, m)
-    return sustained_rps(sim.run(requests))
+    sim = ServingSimulator(cost, batch, prompt_nodes, layout.token_count, depth, m,
+                           prompt_cost=prompt_cost)
+    times = [[t for t in r.stamps() if t <= cut_at] for r in sim.run(requests)]
+    return sustained_rps(times, [r.output_len for r in requests])

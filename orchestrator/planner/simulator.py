@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from orchestrator.pipeline import prompt_slots
 from orchestrator.planner.perf_model import Profile
 from orchestrator.planner.workload import Request
 from orchestrator.profiles.profile import EngineProfile
@@ -115,6 +116,10 @@ class RequestTimes:
 
     def tbts(self) -> list[float]:
         return list(np.diff([self.first_token, *self.tokens]))
+
+    def stamps(self) -> list[float]:
+        """[arrival, first token, token, ...], as the bench times a request."""
+        return [self.request.arrival, self.first_token, *self.tokens]
 
 
 def summarize(
@@ -343,7 +348,7 @@ class _TokenPipe:
         self.running: list[list[_Seq]] = [[] for _ in range(depth)]
         self.in_flight = [False] * depth
         self.waiting: deque[_Seq] = deque()
-        self.pending_tokens = 0  # the frontend's router: tokens still to generate here
+        self.pending_tokens = 0  # the frontend's router: tokens still to prefill, generate here
 
     def issue_idle(self) -> None:
         for mb in range(self.depth):
@@ -373,6 +378,7 @@ class _TokenPipe:
         now = self.sim.loop.now
         for seq in step.prefill:
             seq.first_token, seq.generated = now, 1
+            self.pending_tokens -= seq.request.prompt_len
         for seq in step.decode:
             seq.tokens.append(now)
             seq.generated += 1
@@ -412,7 +418,7 @@ class _PromptNode:
         if self.busy or not self.queue:
             return
         seq = self.queue.popleft()
-        seconds = self.sim.m * self.sim.cost.prefill_s(seq.request.prompt_len)
+        seconds = self.sim.m * self.sim.prompt_cost.prefill_s(seq.request.prompt_len)
         self.busy, self.busy_seconds = True, self.busy_seconds + seconds
 
         def done() -> None:
@@ -433,21 +439,25 @@ class _PromptNode:
 class ServingSimulator:
     """The serving system at request level, timed by an engine profile: the frontend's
     shortest-queue routers (pending tokens), its seats (each token pipeline holds
-    depth x batch sequences and ``prompt_slots`` waiting ones), P-nodes and token
+    depth x batch sequences and ``slots`` waiting ones, by default as the cluster sizes
+    them: :func:`~orchestrator.pipeline.prompt_slots`), P-nodes and token
     pipelines as above. ``colocated``: ``token_pipelines`` colocated pipelines, no
     P-nodes. The same scheduling :mod:`~orchestrator.planner.capacity` models in closed
     form."""
 
     def __init__(self, cost: EngineProfile, batch: int, prompt_nodes: int, token_pipelines: int,
-                 token_depth: int, m: float = 1.0, prompt_slots: int = 16) -> None:
+                 token_depth: int, m: float = 1.0, slots: int | None = None,
+                 prompt_cost: EngineProfile | None = None) -> None:
         if batch < 1 or token_pipelines < 1 or token_depth < 1 or prompt_nodes < 0 or m < 1:
             raise ValueError("need batch, token pipelines and depth >= 1, P-nodes >= 0, m >= 1")
         self.cost, self.slots, self.m = cost, batch, m
+        self.prompt_cost = prompt_cost or cost  # P-nodes of another machine: their own
         self.colocated = prompt_nodes == 0
         self.loop = EventLoop()
         self.pipes = [_TokenPipe(self, token_depth) for _ in range(token_pipelines)]
         self.prompt_nodes = [_PromptNode(self) for _ in range(prompt_nodes)]
-        self.seats = token_pipelines * (token_depth * batch + prompt_slots)
+        slots = prompt_slots(prompt_nodes, token_pipelines) if slots is None else slots
+        self.seats = token_pipelines * (token_depth * batch + slots)
         self.queue: deque[Request] = deque()  # waiting for a seat at the frontend
         self.done: list[_Seq] = []
 
@@ -471,24 +481,12 @@ class ServingSimulator:
             self.seats -= 1
             request = self.queue.popleft()
             pipe = min(self.pipes, key=lambda p: p.pending_tokens)
-            pipe.pending_tokens += request.output_len
+            # Colocated, the prompt's tokens count until its prefill (the frontend's rule).
+            pipe.pending_tokens += request.output_len + (request.prompt_len if self.colocated
+                                                         else 0)
             seq = _Seq(request, pipe)
             if self.colocated:
                 pipe.waiting.append(seq)
                 pipe.issue_idle()
             else:
                 min(self.prompt_nodes, key=lambda n: n.queued_tokens).add(seq)
-
-
-def sustained_rps(times: list[RequestTimes], middle: float = 0.6) -> float:
-    """Requests/s at saturation: tokens made in the middle ``middle`` of the run (between
-    the completions that leave (1-middle)/2 of the requests on each side), over the mean
-    tokens a request makes. The edges (filling, draining) are left out."""
-    ends = sorted(r.tokens[-1] if r.tokens else r.first_token for r in times)
-    edge = (1 - middle) / 2
-    lo, hi = ends[int(edge * (len(ends) - 1))], ends[round((1 - edge) * (len(ends) - 1))]
-    if hi <= lo:
-        raise ValueError("too few requests to measure a sustained rate")
-    made = sum(lo < t <= hi for r in times for t in (r.first_token, *r.tokens))
-    per_request = statistics.fmean(1 + len(r.tokens) for r in times)
-    return made / (hi - lo) / per_request

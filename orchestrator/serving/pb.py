@@ -13,7 +13,7 @@ from collections.abc import Callable
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from orchestrator.control.auth import Verifier
+from orchestrator.control.auth import WINDOW_S, Verifier
 from orchestrator.control.errors import ErrorCode
 from orchestrator.serving.batch import SequenceJob
 from orchestrator.serving.config import NodeConfig
@@ -116,8 +116,11 @@ def failure(code: ErrorCode, message: str) -> pb_utils.InferenceResponse:
 
 
 def verifier(config: NodeConfig) -> Verifier:
-    """How an internal node checks the requests sent to it (at its own address)."""
-    return Verifier(config.secret(), config.address)
+    """How an internal node checks the requests sent to it (at its own address). A call
+    waits in Triton's queue behind a busy node before it is checked: under ``time_scale``
+    K that wait is K times longer, so the signature's window is too (a P-node 16 prefills
+    deep at K = 8 saw 20 s old signatures)."""
+    return Verifier(config.secret(), config.address, window_s=WINDOW_S * config.time_scale)
 
 
 def check_signed(request, verifier: Verifier, model: str, op: str) -> None:

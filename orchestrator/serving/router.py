@@ -1,7 +1,8 @@
 """Join-the-shortest-queue routing by pending tokens (Splitwise §4.2).
 
 A P-node's queue is the prompt tokens it still has to prefill; a T-node's is
-the tokens its admitted requests may still generate. A node that failed is
+the tokens its admitted requests may still generate, and colocated the prompt
+tokens it has yet to prefill. A node that failed is
 left out for ``down_s`` seconds so a dead node with an empty queue does not
 attract every request.
 """

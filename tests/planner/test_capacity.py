@@ -11,7 +11,7 @@ from orchestrator.planner.capacity import Capacity
 from orchestrator.planner.perf_model import Workload, profile_from_config
 from orchestrator.planner.planner import Layout, plan, predict_rps
 from orchestrator.planner.search import saturating, simulate_serving
-from orchestrator.planner.simulator import RequestTimes, sustained_rps
+from orchestrator.planner.throughput import sustained_rps
 from orchestrator.profiles.profile import EngineProfile, Machine, load_profile
 
 LAYOUTS = [Layout(1, 1), Layout(2, 1), Layout(1, 2), Layout(1, 4), Layout(1, 1, 1),
@@ -86,12 +86,12 @@ def test_kv_memory_caps_the_batch():
 
 
 def test_sustained_rate_leaves_out_filling_and_draining():
-    """Ten requests of 2 tokens, one done every second from t=10: 1 req/s in the middle,
-    whatever the first and last took."""
-    times = [RequestTimes(wl.Request(i, 0.0, 8, 2), 9.5 + i, [10.0 + i]) for i in range(10)]
-    times[0] = RequestTimes(times[0].request, 0.5, [1.0])  # an early one
-    times[-1] = RequestTimes(times[-1].request, 50.0, [60.0])  # a straggler
-    assert sustained_rps(times) == pytest.approx(1.0)
+    """Twenty requests of 2 tokens, one done every second from t=10: 1 req/s in the
+    middle, whatever the first and last took."""
+    times = [[0.0, 9.5 + i, 10.0 + i] for i in range(20)]
+    times[0] = [0.0, 0.5, 1.0]  # an early one
+    times[-1] = [0.0, 50.0, 60.0]  # a straggler
+    assert sustained_rps(times, [2] * 20) == pytest.approx(1.0, rel=0.1)
 
 
 def test_pools_layout():
@@ -122,3 +122,17 @@ def test_planner_knows_pools_and_caps_depth_at_the_layers(tiny_model):
     assert spec["machines"] == 8 and picked.model == "capacity"
     colocated = next(s for s in picked.candidates if s.layout == Layout(8, 1))
     assert picked.best.rps >= colocated.rps
+
+
+def test_mixed_machines_prefill_on_their_own_profile():
+    """Splitwise-HA: H100 P-nodes feeding A100 T-nodes. The prompt pool runs at the H100's
+    prefill, the token pool at the A100's step; the simulator agrees."""
+    h100, a100 = (load_profile(f"splitwise-llama2-70b-{gpu}") for gpu in ("h100", "a100"))
+    lengths = trace_lengths("code")
+    mixed = Capacity.of(lengths, a100, 16, prompt_cost=h100)
+    assert mixed.prompt_rps() == pytest.approx(Capacity.of(lengths, h100, 16).prompt_rps())
+    assert mixed.token_rps(1) == pytest.approx(Capacity.of(lengths, a100, 16).token_rps(1))
+    requests = saturating(lengths, count=1500)
+    for layout in (Layout.pools(3, 2), Layout.pools(6, 4)):
+        simulated = simulate_serving(a100, requests, layout, 16, prompt_cost=h100)
+        assert predict_rps(mixed, layout) / simulated == pytest.approx(1, abs=0.1), layout

@@ -144,3 +144,29 @@ def test_plan_reads_the_engine_profile_the_emulated_engine_sleeps(tiny_model, tm
         main(["plan", "--model", str(tiny_model("llama")), "--engine-profile", name,
               "--Y", "1"])
     assert e.value.code == 2
+
+
+def test_plan_on_a_trace_scores_layouts_by_the_capacity_model(tiny_model, tmp_path, capsys):
+    """``--trace`` with an engine profile: every layout scored by the capacity model on the
+    trace's lengths (what the bench measures), the best one written to the spec."""
+    from orchestrator.planner import workload as wl
+    from orchestrator.planner.capacity import Capacity
+    from orchestrator.planner.planner import layouts, predict_rps
+
+    out, name = tmp_path / "spec.json", "splitwise-llama2-70b-h100"
+    assert main(["plan", "--model", str(tiny_model("llama")), "--machines", "8",
+                 "--batch", "16", "--engine-profile", name, "--trace", "code",
+                 "--requests", "300", "--out", str(out)]) == 0
+    assert "scored by capacity" in capsys.readouterr().out
+    numbers = json.loads(out.read_text())["planner"]
+    assert numbers["model"] == "capacity"
+    lengths = [(r.prompt_len, r.output_len) for r in wl.sample(wl.load_trace("code"), 300, 0)]
+    capacity = Capacity.of(lengths, load_profile(name), 16)
+    by_name = {str(lay): lay for lay in layouts(8, 1, 1)}
+    for candidate in numbers["candidates"]:
+        assert candidate["rps"] == pytest.approx(
+            predict_rps(capacity, by_name[candidate["layout"]]))
+    assert numbers["chosen"] == max(numbers["candidates"], key=lambda c: c["rps"])["layout"]
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--model", str(tiny_model("llama")), "--trace", "code"])
+    assert e.value.code == 2

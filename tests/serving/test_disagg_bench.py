@@ -75,10 +75,14 @@ def test_cpu_per_token_and_cost_per_request():
     point = point.with_cpu(use, tokens=5000)
     assert point.cpu_ms_per_token == pytest.approx(2.0)  # 10 CPU s over 5000 tokens
     assert point.cluster_cpu_cores == pytest.approx(0.2) and not point.cpu_bound
-    priced = per_request(point, 4, "splitwise-llama2-70b-h100")
+    h100, a100 = "splitwise-llama2-70b-h100", "splitwise-llama2-70b-a100"
+    priced = per_request(point, [h100] * 4)
     assert priced.cost_per_request == pytest.approx(4 * 4.76 / 3600 / 2.0)  # 2 req/s
     assert priced.energy_per_request_kj == pytest.approx(4 * 10.2 / 2.0)  # 10.2 kW each
-    assert math.isnan(per_request(point, 4, "").cost_per_request)
+    mixed = per_request(point, [h100] + [a100] * 3)  # Splitwise-HA: H100 prompt machine
+    assert mixed.cost_per_request == pytest.approx((4.76 + 3 * 2.21) / 3600 / 2.0)
+    assert mixed.energy_per_request_kj == pytest.approx((10.2 + 3 * 6.5) / 2.0)
+    assert math.isnan(per_request(point, [""] * 4).cost_per_request)
 
 
 def test_pipelines_deeper_than_the_model_are_refused_before_starting():

@@ -7,7 +7,7 @@ import pytest
 
 from orchestrator.cluster.topology import Topology, node_configs, write_node_repo
 from orchestrator.fault import ReplicateMode
-from orchestrator.pipeline import DEAD_AFTER_S, HEARTBEAT_S, SwapMode
+from orchestrator.pipeline import DEAD_AFTER_S, HEARTBEAT_S, PROMPT_SLOTS, SwapMode
 from orchestrator.pipeline.node import PipelineConfig
 from orchestrator.serving.config import Mode, NodeConfig, Role
 
@@ -39,6 +39,27 @@ def test_a_colocated_pipeline_has_no_p_nodes_and_its_stages_know_their_places():
     assert [(c.mode, c.stage, c.depth) for c in configs.values() if c.role is Role.DECODE] \
         == [(Mode.COLOCATED, 0, 2), (Mode.COLOCATED, 1, 2)]
     assert configs["frontend"].prefill_urls == ()
+
+
+def test_p_nodes_may_run_on_other_machines_than_the_token_nodes():
+    """Splitwise's mixed pools: the P-nodes' profile (H100), the rest the cluster's (A100)."""
+    h100, a100 = "splitwise-llama2-70b-h100", "splitwise-llama2-70b-a100"
+    configs = cluster(profile=a100, prefill_profile=h100)
+    assert configs["prefill0"].profile == h100
+    assert {c.profile for name, c in configs.items() if name != "prefill0"} == {a100}
+    with pytest.raises(ValueError, match="emulated engine on every node"):
+        cluster(prefill_profile=h100)
+
+
+def test_prompt_slots_cover_the_p_nodes_feeding_a_pipeline():
+    """A request holds a prompt-KV slot of its T-pipeline from before its prefill: 6 P-nodes
+    on 2 T-nodes get 48 each (16 a P-node), fewer P-nodes than pipelines the default 16."""
+    six_on_two = node_configs(Topology(prefill=6, decode=2), lambda name: f"{name}:8001",
+                              model_dir="/model")
+    assert {c.num_slots for c in six_on_two.values()} == {48}
+    assert six_on_two["frontend"].max_sequences() == 2 * (16 + 48)
+    assert {c.num_slots for c in cluster().values()} == {PROMPT_SLOTS}
+    assert {c.num_slots for c in cluster(num_slots=4).values()} == {4}  # given: kept
 
 
 def test_one_set_of_defaults():
