@@ -127,12 +127,17 @@ class NodeConfig:
         """Whether this T-stage keeps KV replicas (only pipelines deeper than 1 do)."""
         return self.role is Role.DECODE and self.depth > 1 and self.replicate != "off"
 
-    def max_sequences(self) -> int:
-        """Frontend: the sequences its token pipelines hold at once, all together: each
-        seats ``depth`` microbatches of ``max_batch`` and keeps prompts waiting for a seat
-        in its prompt-KV slots. A request of more could never be in flight whole."""
+    def pipeline_sequences(self) -> list[int]:
+        """Frontend: the sequences each token pipeline holds at once: ``depth``
+        microbatches of ``max_batch``, and prompts waiting for a seat in its prompt-KV
+        slots."""
         slots = self.num_slots or PROMPT_SLOTS
-        return sum(len(stages) * self.max_batch + slots for stages in self.decode_urls)
+        return [len(stages) * self.max_batch + slots for stages in self.decode_urls]
+
+    def max_sequences(self) -> int:
+        """Frontend: the sequences its token pipelines hold at once, all together. A
+        request of more could never be in flight whole."""
+        return sum(self.pipeline_sequences())
 
     def concurrent_requests(self) -> int:
         """Frontend: requests served at once: ``max_requests``, else one for every sequence

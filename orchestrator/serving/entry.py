@@ -69,6 +69,7 @@ class EntryPoint:
         frontend = Frontend(list(config.prefill_urls), [list(p) for p in config.decode_urls],
                             config.secret(), controller=config.controller, metrics=metrics,
                             max_sequences=config.max_sequences(),
+                            pipeline_sequences=config.pipeline_sequences(),
                             timeout_s=FRONTEND_TIMEOUT_S * config.time_scale)
         return cls(frontend, RequestLimits.for_node(config, tokenizer), metrics,
                    config.concurrent_requests())

@@ -131,15 +131,19 @@ class Frontend:
         secret: bytes, timeout_s: float = FRONTEND_TIMEOUT_S, controller: str = "",
         watch_s: float = 0.1,
         rerun_wait_s: float = 1.0, metrics: Metrics | None = None, max_sequences: int = 0,
+        pipeline_sequences: list[int] | None = None,
     ) -> None:
         """``decode_pipelines``: each token pipeline's stage urls, stage 0 (its head) first;
         ``secret``: the cluster's (every request to a node is signed with it);
         ``controller``: the fault controller's address (empty: none); ``metrics``: counts
         the reruns; ``max_sequences``: sequences in flight at once (0: no bound), the
         rest wait their turn here instead of asking the T-nodes for a slot again and
-        again."""
+        again; ``pipeline_sequences``: those each pipeline holds (the router passes
+        over a full one)."""
         self.prefill = Router(prefill_urls) if prefill_urls else None
-        self.decode = Router([stages[0] for stages in decode_pipelines])
+        heads = [stages[0] for stages in decode_pipelines]
+        self.decode = Router(heads, slots=dict(zip(heads, pipeline_sequences or [],
+                                                   strict=False)))
         self.later_stages = {stages[0]: stages[1:] for stages in decode_pipelines}
         # The controller's name of each token pipeline (the launcher's order) -> its head.
         self.heads = {f"decode{i}": stages[0] for i, stages in enumerate(decode_pipelines)}
@@ -427,6 +431,7 @@ class Frontend:
             raise ServingError(str(exc)) from exc
         finally:
             self.decode.done(url, left + prompt)
+            self.decode.leave(url)
             if stream is not None:
                 if not done:  # the client left, or it failed here: the node drops it
                     stream.end()

@@ -45,3 +45,19 @@ def test_a_node_marked_up_while_down_counts_as_a_revival():
     router.mark_up("a")
     router.mark_up("a")
     assert router.revivals == 1
+
+
+def test_a_full_node_is_passed_over_while_another_has_room():
+    """A request routed to a node with no free slot only waits there, holding its seat: the
+    router takes the other while it has room, and the full one again once it frees."""
+    router = Router(["a", "b"], slots={"a": 2, "b": 2})
+    assert [router.pick(1) for _ in range(2)] == ["a", "b"]
+    router.done("a", 1)
+    assert router.pick(100) == "a"  # fewest pending; now holds its 2
+    assert router.pick(1) == "b"  # a is full although b has more pending
+    assert router.pick(1) == "b"  # every node full: fewest pending (a 100, b 2)
+    router.leave("a")
+    assert router.pick(1) == "a"
+    with router.assign(5) as node:  # both full: fewest pending
+        assert (node, router.held["b"]) == ("b", 4)
+    assert router.held == {"a": 2, "b": 3} and router.pending["b"] == 3
