@@ -141,34 +141,19 @@ def stream_orchestrator(url: str, secret: bytes, prompt_ids: list[int], max_toke
         yield result.as_numpy("output_ids").reshape(-1).tolist()
 
 
-def time_stream(url: str, model: str, request: dict, timeout_s: float = 60.0,
-                stop_at: float | None = None) -> Arrivals:
+def time_stream(url: str, model: str, request: dict, timeout_s: float = 60.0) -> Arrivals:
     """When a streamed request's responses that carry tokens arrive (as a client's consumer
-    thread sees them), and how many each holds; ``request``: :func:`signed_request`'s.
-    ``stop_at`` (a ``perf_counter`` time): cancel the request then, if still running, and
-    return what arrived."""
+    thread sees them), and how many each holds; ``request``: :func:`signed_request`'s."""
     import tritonclient.grpc as grpcclient
 
     responses: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
     arrivals: Arrivals = [(time.perf_counter(), 0)]
-    cancel = False
     try:
         client.async_stream_infer(model, enable_empty_final_response=True, **request)
         while True:
-            wait = timeout_s
-            if stop_at is not None:
-                wait = min(wait, stop_at - time.perf_counter())
-                if wait <= 0:
-                    cancel = True  # the server sees the stream cancelled and frees its slot
-                    return arrivals
-            try:
-                result, error = responses.get(timeout=wait)
-            except queue.Empty:
-                if stop_at is not None and time.perf_counter() >= stop_at:
-                    continue
-                raise
+            result, error = responses.get(timeout=timeout_s)
             if error is not None:
                 raise RuntimeError(f"{model} at {url}: {error}")
             ids = result.as_numpy("output_ids")
@@ -177,7 +162,7 @@ def time_stream(url: str, model: str, request: dict, timeout_s: float = 60.0,
             if result.get_response().parameters["triton_final_response"].bool_param:
                 return arrivals
     finally:
-        client.stop_stream(cancel_requests=cancel)
+        client.stop_stream()
         client.close()
 
 
