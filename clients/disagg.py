@@ -71,6 +71,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from clients.common import (
     CpuMeter,
@@ -84,7 +85,11 @@ from clients.common import (
 )
 from clients.provenance import save_figure
 from orchestrator.cluster.devices import Devices
+from orchestrator.planner.budget import cost_per_request, fleet, fleet_total
 from orchestrator.planner.throughput import percentile, rate_between, sustained_rps
+
+if TYPE_CHECKING:
+    from orchestrator.planner.planner import Layout
 
 MODES = ("colocated", "colocated-pipeline", "disaggregated")
 
@@ -308,9 +313,10 @@ class Pools:
 
 def cluster_for(mode: str, model_dir: Path, machines: list, run_dir: Path, batch: int,
                 max_seq_len: int, split, profile: str = "", time_scale: float = 1.0,
-                timeout_s: float = 180.0, prefill_profile: str = ""):
+                timeout_s: float = 180.0, prefill_profile: str = "", depth: int = 0):
     """The cluster of ``mode`` on ``machines`` (core sets): colocated one T-node each, or
-    one stage each of one pipeline; disaggregated the planner's ``split`` (a
+    one stage each of pipelines ``depth`` deep (0: one pipeline over them all);
+    disaggregated the planner's ``split`` (a
     :class:`~orchestrator.planner.planner.Layout`): its P-nodes, each on its D_p machines,
     and its token pipelines, a stage per machine. No mode replicates its KV. ``profile``:
     every node runs the emulated engine on it (empty: the torch engine), its times x
@@ -323,8 +329,10 @@ def cluster_for(mode: str, model_dir: Path, machines: list, run_dir: Path, batch
         devices = {f"decode{i}": m for i, m in enumerate(machines)}
         kwargs = dict(prefill=0, decode=len(machines), colocated=True)
     elif mode == "colocated-pipeline":
-        devices = {decode_name(0, i, len(machines)): m for i, m in enumerate(machines)}
-        kwargs = dict(prefill=0, decode=1, decode_depth=len(machines), colocated=True)
+        depth = depth or len(machines)
+        devices = {decode_name(i // depth, i % depth, depth): m for i, m in enumerate(machines)}
+        kwargs = dict(prefill=0, decode=len(machines) // depth, decode_depth=depth,
+                      colocated=True)
     elif isinstance(split, Pools):
         names = [f"prefill{i}" for i in range(split.prefill)] + [
             decode_name(j, 0, 1) for j in range(split.decode)]
@@ -375,32 +383,26 @@ def per_request(point: Point, fleet: list[str]) -> Point:
     if not all(fleet) or not point.token_rps > 0:
         return point
     machines = [load_profile(name).machine for name in fleet]
-    costs, powers = [m.cost_per_hour for m in machines], [m.power_w for m in machines]
-    cost = (sum(costs) / 3600 / point.token_rps if None not in costs else math.nan)
-    energy = (sum(powers) / point.token_rps / 1e3 if None not in powers else math.nan)
+    cost = cost_per_request(fleet_total(m.cost_per_hour for m in machines), point.token_rps)
+    energy = fleet_total(m.power_w for m in machines) / point.token_rps / 1e3
     return replace(point, cost_per_request=cost, energy_per_request_kj=energy)
-
-
-def fleet(layout, machines: int, profile: str, prefill_profile: str = "") -> list[str]:
-    """The profile of each of ``machines`` a layout runs on: its P-nodes' machines on
-    ``prefill_profile`` where given, the rest on ``profile``."""
-    prompt_machines = 0 if layout.colocated or not prefill_profile else (
-        layout.replicas * layout.prompt_depth)
-    return [prefill_profile] * prompt_machines + [profile] * (machines - prompt_machines)
 
 
 def engine_profile_of(model_dir: Path, lengths: list[tuple[int, int]], batch: int,
                       machine: Devices, engine_profile: str = ""):
-    """The engine profile the predictions read: ``engine_profile``'s (the emulated engine
-    sleeps on it), else the torch engine measured on one ``machine`` over a grid that spans
-    the workload (prompts, batch 1 to ``batch``, contexts)."""
+    """The engine profile the predictions read, with DejaVu's m (a prefill streaming its KV
+    layer by layer over NIXL to another process, over a plain one): ``engine_profile``'s
+    and m = 1 (the emulated engine sleeps the profile's prefill whatever it sends), else the
+    torch engine measured on one ``machine`` over a grid that spans the workload (prompts,
+    batch 1 to ``batch``, contexts), and its m at the mean prompt."""
     from orchestrator.engine.config import ModelConfig
     from orchestrator.engine.torch_engine import load_engine
+    from orchestrator.planner.perf_model import Workload, measure_timings
     from orchestrator.profiles.measure import measure_profile
     from orchestrator.profiles.profile import load_profile
 
     if engine_profile:
-        return load_profile(engine_profile)
+        return load_profile(engine_profile), 1.0
     longest = max(p + n for p, n in lengths)
     # Prefill up to a batch of the longest prompts (a colocated step prefills them together)
     positions = ModelConfig.from_dir(model_dir).max_positions
@@ -412,18 +414,21 @@ def engine_profile_of(model_dir: Path, lengths: list[tuple[int, int]], batch: in
     with on_machine(machine):
         engine = load_engine(model_dir, stage=None, device=device,
                              max_seq_len=max(most, longest) + 4)
-        return measure_profile(engine, prompts, batches, contexts, reps=2,
-                               name=f"{model_dir.name}-{machine}")
+        profile = measure_profile(engine, prompts, batches, contexts, reps=2,
+                                  name=f"{model_dir.name}-{machine}")
+        prompt = round(statistics.fmean(p for p, _ in lengths))
+        return profile, measure_timings(engine, Workload(prompt, 2), reps=5).m
 
 
 def predictions(model_dir: Path, lengths: list[tuple[int, int]], batch: int,
                 machine: Devices, machines: int, engine_profile: str = "",
-                pools: Pools | None = None, prefill_profile: str = ""):
+                split: Layout | None = None, prefill_profile: str = "", depth: int = 0):
     """The planner on one engine profile (the emulated engine's, or the torch engine
     measured on one ``machine``; the P-nodes' own where ``prefill_profile`` names one) at
-    the workload's lengths: its pick, the layout each mode runs, the profiles (``cost``,
-    ``prompt_cost``), each mode's predicted requests/s, and the unloaded prefill time per
-    token and step."""
+    the workload's lengths: its pick, the layout each mode runs (disaggregated: ``split``
+    where given, Splitwise's pools or DejaVu's pipelines; the colocated pipelines ``depth``
+    deep, 0: one over every machine), the profiles (``cost``, ``prompt_cost``), each mode's
+    predicted requests/s, and the unloaded prefill time per token and step."""
     from orchestrator.engine.config import ModelConfig
     from orchestrator.planner.capacity import Capacity
     from orchestrator.planner.perf_model import (
@@ -434,26 +439,27 @@ def predictions(model_dir: Path, lengths: list[tuple[int, int]], batch: int,
     from orchestrator.planner.planner import Layout, plan, predict_rps
     from orchestrator.profiles.profile import load_profile
 
-    cost = engine_profile_of(model_dir, lengths, batch, machine, engine_profile)
+    cost, m = engine_profile_of(model_dir, lengths, batch, machine, engine_profile)
     prompt_cost = load_profile(prefill_profile) if prefill_profile else None
     prompt = round(statistics.fmean(p for p, _ in lengths))
     new = round(statistics.fmean(n for _, n in lengths))
     workload = Workload(prompt, new, batch)
     profile = profile_from_config(ModelConfig.from_dir(model_dir), workload, 80e9,
-                                  *timings_from_engine_profile(cost, workload), 1.0,
+                                  *timings_from_engine_profile(cost, workload), m,
                                   source=f"engine profile {cost.name}")
-    capacity = Capacity.of(lengths, cost, batch, prompt_cost=prompt_cost)
+    capacity = Capacity.of(lengths, cost, batch, m, prompt_cost=prompt_cost)
     picked = plan(profile, machines, capacity)
     # The disaggregated mode runs the pick, or the best disaggregated layout when the
     # planner colocates (every candidate's pipelines fit the model's layers).
     best = next(s.layout for s in picked.candidates if not s.layout.colocated)
-    chosen = Layout.pools(pools.prefill, pools.decode) if pools else (
-        best if picked.layout.colocated else picked.layout)
+    chosen = split or (best if picked.layout.colocated else picked.layout)
     split = Pools(chosen.replicas, chosen.token_count) if chosen.is_pools else chosen
-    layouts = {"colocated": Layout(machines, 1), "colocated-pipeline": Layout(1, machines),
+    depth = depth or machines
+    layouts = {"colocated": Layout(machines, 1),
+               "colocated-pipeline": Layout(machines // depth, depth),
                "disaggregated": chosen}
     return {"pick": str(picked.layout), "split": split, "Y/t": picked.ratio,
-            "real_split": picked.real_split, "profile": cost.name, "cost": cost,
+            "real_split": picked.real_split, "profile": cost.name, "cost": cost, "m": m,
             "prompt_cost": prompt_cost, "layouts": layouts,
             "predicted": {mode: predict_rps(capacity, lay) for mode, lay in layouts.items()},
             # The SLOs' unloaded times: the P-nodes' machine's where the machines are mixed
@@ -464,33 +470,53 @@ def predictions(model_dir: Path, lengths: list[tuple[int, int]], batch: int,
 
 
 def expected(cost, requests, layout, batch: int, drain_s: float = math.inf,
-             prompt_cost=None) -> tuple[float, float]:
+             prompt_cost=None, m: float = 1.0) -> tuple[float, float]:
     """What the planner and the simulator expect of ``requests`` on ``layout``: the capacity
     model's requests/s at their lengths, and the serving simulator's sustained rate
     replaying the same requests (arrivals, lengths, the drain's cut), measured as the run
     is. A short run at saturation sits below capacity while it fills; the simulator sees
-    that, the planner does not. ``prompt_cost``: the P-nodes' own profile."""
+    that, the planner does not. ``prompt_cost``: the P-nodes' own profile; ``m``: DejaVu's
+    streamed-prefill factor."""
     from orchestrator.planner.capacity import Capacity
     from orchestrator.planner.planner import predict_rps
     from orchestrator.planner.search import simulate_serving
 
     lengths = [(r.prompt_len, r.output_len) for r in requests]
-    return (predict_rps(Capacity.of(lengths, cost, batch, prompt_cost=prompt_cost), layout),
-            simulate_serving(cost, requests, layout, batch,
+    return (predict_rps(Capacity.of(lengths, cost, batch, m, prompt_cost=prompt_cost), layout),
+            simulate_serving(cost, requests, layout, batch, m,
                              cut_at=max(r.arrival for r in requests) + drain_s,
                              prompt_cost=prompt_cost))
 
 
-def check_depths(modes: list[str], split, machines: int, layers: int) -> None:
+def given_split(pools: list[int] | None, split: list[int] | None, machines: int):
+    """The disaggregated layout asked for on the command line (``--pools P T`` or
+    ``--split R DP DT``), checked against the machines; None: the planner's."""
+    from orchestrator.planner.planner import Layout
+
+    if pools:
+        if min(pools) < 1 or sum(pools) != machines:
+            raise ValueError(f"--pools must split the {machines} machines, both >= 1")
+        return Layout.pools(*pools)
+    if split:
+        layout = Layout(*split)
+        if min(split) < 1 or layout.machines != machines:
+            raise ValueError(f"--split R DP DT needs R x (DP + DT) = {machines} machines, "
+                             f"each >= 1; got {layout.machines}")
+        return layout
+    return None
+
+
+def check_depths(modes: list[str], split, depth: int, layers: int) -> None:
     """A pipeline needs a layer per stage: refuse a mode deeper than the model, before any
     cluster starts (the planner's split of 8 machines over a 4-layer tiny model)."""
-    depths = {"colocated-pipeline": machines}
+    depths = {"colocated-pipeline": depth}
     if not isinstance(split, Pools):
         depths["disaggregated"] = max(split.prompt_depth, split.token_depth)
     deep = {m: d for m, d in depths.items() if m in modes and d > layers}
     if deep:
         raise ValueError(", ".join(f"{m} needs {d} stages" for m, d in deep.items())
-                         + f", the model has {layers} layers: choose --modes or --pools")
+                         + f", the model has {layers} layers: choose --modes, --depth, "
+                         "--pools or --split")
 
 
 def plot(points: list[Point], path: Path) -> None:
@@ -579,9 +605,17 @@ def main(argv: list[str]) -> int:
                         help="with --profile: the P-nodes run this profile instead (Splitwise's "
                         "mixed pools, e.g. H100 prompt and A100 token machines); costs and "
                         "predictions count each machine as its own")
-    parser.add_argument("--pools", type=int, nargs=2, metavar=("P", "T"),
+    layout = parser.add_mutually_exclusive_group()
+    layout.add_argument("--pools", type=int, nargs=2, metavar=("P", "T"),
                         help="disaggregated as Splitwise's pools: P P-nodes and T T-nodes, "
-                        "one machine each (default: the planner's split into pipelines)")
+                        "one machine each (default: the planner's split)")
+    layout.add_argument("--split", type=int, nargs=3, metavar=("R", "DP", "DT"),
+                        help="disaggregated as DejaVu's: R x (a P-node over DP machines "
+                        "feeding a token pipeline of DT stages), as `dejavu plan` prints "
+                        "'Rx (PDP+TDT)'")
+    parser.add_argument("--depth", type=int, default=0,
+                        help="colocated-pipeline: pipelines of this many stages, machines / "
+                        "depth of them (DejaVu's Baseline; default: one over every machine)")
     parser.add_argument("--start-timeout", type=float, default=180.0,
                         help="seconds each cluster may take to come up (a loaded host needs "
                         "more)")
@@ -613,11 +647,12 @@ def main(argv: list[str]) -> int:
               f"{min(p for p, _ in lengths)}-{max(p for p, _ in lengths)} tokens, outputs "
               f"{min(n for _, n in lengths)}-{max(n for _, n in lengths)}; profiling...",
               flush=True)
-        pools = Pools(*args.pools) if args.pools else None
-        if pools and (min(args.pools) < 1 or sum(args.pools) != len(machines)):
-            raise ValueError(f"--pools must split the {len(machines)} machines, both >= 1")
+        split = given_split(args.pools, args.split, len(machines))
+        depth = args.depth or len(machines)
+        if depth < 1 or len(machines) % depth:
+            raise ValueError(f"--depth {depth} does not divide the {len(machines)} machines")
         pred = predictions(model_dir, lengths, args.batch, machines[0], len(machines),
-                           args.profile, pools, args.prefill_profile)
+                           args.profile, split, args.prefill_profile, depth)
         rates = args.rates or [f * pred["predicted"]["colocated"] for f in args.loads]
         counts = {r: max(2, round(r * args.duration)) if args.duration else len(lengths)
                   for r in rates}
@@ -625,13 +660,14 @@ def main(argv: list[str]) -> int:
             lengths = scaled_requests(args.trace, max(counts.values()), args.seed,
                                       args.prompt_scale, args.output_scale, args.max_prompt,
                                       args.max_new)
-        print(f"planner: Y/t {pred['Y/t']:.1f}, picks {pred['pick']}, real split D_p "
+        print(f"planner: Y/t {pred['Y/t']:.1f}, m {pred['m']:.3f}, picks {pred['pick']}, "
+              "real split D_p "
               f"{pred['real_split'][0]:.2f} D_t {pred['real_split'][1]:.2f}; predicted colocated "
               f"{pred['predicted']['colocated']:.2f} req/s, colocated pipeline "
               f"{pred['predicted']['colocated-pipeline']:.2f} req/s, {pred['split']} "
               f"{pred['predicted']['disaggregated']:.2f} req/s", flush=True)
         max_seq_len = args.max_prompt + args.max_new
-        check_depths(args.modes, pred["split"], len(machines),
+        check_depths(args.modes, pred["split"], depth,
                      ModelConfig.from_dir(model_dir).num_layers)
         points: list[Point] = []
         with Progress() as progress:
@@ -645,9 +681,10 @@ def main(argv: list[str]) -> int:
             for mode in args.modes:
                 with cluster_for(mode, model_dir, machines, args.out / "cluster", args.batch,
                                  max_seq_len, pred["split"], args.profile, k,
-                                 args.start_timeout, args.prefill_profile) as cluster:
+                                 args.start_timeout, args.prefill_profile,
+                                 depth) as cluster:
                     layout = {"colocated": f"{len(machines)}x colocated",
-                              "colocated-pipeline": f"colocated depth {len(machines)}",
+                              "colocated-pipeline": str(pred["layouts"][mode]),
                               }.get(mode, str(pred["split"]))
                     url = cluster.frontend.grpc_url
                     secret = load_secret(cluster.secret_file)
@@ -664,7 +701,8 @@ def main(argv: list[str]) -> int:
                         wait_idle(cluster)
                         planned, simulated = expected(pred["cost"], requests_of(jobs),
                                                       pred["layouts"][mode], args.batch,
-                                                      args.drain, pred["prompt_cost"])
+                                                      args.drain, pred["prompt_cost"],
+                                                      pred["m"])
                         point = summarize(
                             mode, layout, rate, jobs, times, pred["prompt_s_per_token"],
                             pred["step_s"], args.ttft_slo, args.tbt_slo, planned, k)

@@ -91,6 +91,9 @@ PRESETS: dict[str, dict[str, dict]] = {
     },
 }
 
+# The HF config kwarg that counts each architecture's layers.
+LAYERS_KEY = {"gpt2": "n_layer", "opt": "num_hidden_layers", "llama": "num_hidden_layers"}
+
 # Weight init std. HF's 0.02 makes a tiny random model repeat one token whatever the
 # context; a wider init keeps its greedy output context-dependent, so token-exact tests
 # actually exercise attention, positions and the KV cache.
@@ -150,10 +153,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--arch", required=True, choices=sorted(PRESETS))
     parser.add_argument("--preset", required=True, help=" / ".join(INIT_STD))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--layers", type=int,
+                        help="layers instead of the preset's (e.g. a tiny model deep enough "
+                        "for 12-stage pipelines on the emulated engine)")
     parser.add_argument("dir", type=Path)
     args = parser.parse_args(argv)
+    if args.layers is not None and args.layers < 1:
+        parser.error(f"--layers must be >= 1, got {args.layers}")
+    layers = {} if args.layers is None else {LAYERS_KEY[args.arch]: args.layers}
     try:
-        out = make_checkpoint(args.arch, args.preset, args.dir, args.seed)
+        out = make_checkpoint(args.arch, args.preset, args.dir, args.seed, **layers)
     except ValueError as e:
         parser.error(str(e))
     print(f"wrote {args.arch}/{args.preset} checkpoint to {out}")

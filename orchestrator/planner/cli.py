@@ -15,6 +15,7 @@ from rich.table import Table
 from orchestrator.cluster.devices import Devices
 from orchestrator.engine.config import ModelConfig
 from orchestrator.planner import workload as wl
+from orchestrator.planner.budget import MAX_MACHINES, BudgetPlan, Priced, plan_budget
 from orchestrator.planner.capacity import Capacity
 from orchestrator.planner.kv_sink import TRANSPORTS
 from orchestrator.planner.perf_model import (
@@ -37,8 +38,9 @@ def _plan_parser() -> argparse.ArgumentParser:
         prog="dejavu plan",
         description="Profile a model live, size the prompt and token pools, write a cluster spec.",
     )
-    ap.add_argument("--model", required=True, help="HF model folder")
-    ap.add_argument("--machines", type=int, default=8, help="D, machines available")
+    ap.add_argument("--model", help="HF model folder (required but with --budget)")
+    ap.add_argument("--machines", type=int, help="D, machines available (default 8); with "
+                    f"--budget, the most machines a layout may use (default {MAX_MACHINES})")
     ap.add_argument("--memory-gb", type=float, default=80.0, help="M, memory per machine (GB)")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=128, help="N, tokens generated per request")
@@ -60,6 +62,14 @@ def _plan_parser() -> argparse.ArgumentParser:
                     "disagg` measures) instead of DejaVu's formulas at --prompt-len/--new-tokens")
     ap.add_argument("--requests", type=int, default=1000,
                     help="--trace: requests sampled from it")
+    ap.add_argument("--budget", type=float, metavar="B",
+                    help="with --engine-profile and --trace: every layout whose machines cost "
+                    "at most B per hour (the profiles' cost_per_hour unit), scored by the "
+                    "capacity model, with its cost per request")
+    ap.add_argument("--prefill-profile", metavar="Q",
+                    help="--budget: the P-nodes' machines run this engine profile "
+                    "(Splitwise-HA's mixed pools: P-nodes on Q, the rest on --engine-profile)")
+    ap.add_argument("--top", type=int, default=10, help="--budget: rows shown")
     ap.add_argument("--Y", type=float, help="what-if: prompt time (s), skips profiling")
     ap.add_argument("--t", type=float, help="what-if: token step time (s)")
     ap.add_argument("--m", type=float, help="what-if: streaming overhead factor")
@@ -82,6 +92,14 @@ def plan_main(argv: list[str]) -> int:
         ap.error("what-if planning needs all of --Y, --t and --m")
     if args.trace and not args.engine_profile:
         ap.error("--trace scores layouts on an engine profile: give --engine-profile")
+    if args.budget is not None:
+        return _plan_budget(ap, args)
+    if args.prefill_profile:
+        ap.error("--prefill-profile prices mixed machines: give --budget")
+    if not args.model:
+        ap.error("--model is required (but with --budget)")
+    if args.machines is None:
+        args.machines = 8
     try:
         machines = [Devices.parse(d) for d in args.devices]
         workload = Workload(args.prompt_len, args.new_tokens, args.batch)
@@ -92,9 +110,7 @@ def plan_main(argv: list[str]) -> int:
         if args.engine_profile:
             engine_profile = load_profile(args.engine_profile)
             if args.trace:
-                lengths = [(r.prompt_len, r.output_len) for r in
-                           wl.sample(wl.load_trace(args.trace), args.requests, 0)]
-                capacity = Capacity.of(lengths, engine_profile, args.batch)
+                capacity = Capacity.of(_trace_lengths(args), engine_profile, args.batch)
                 workload = Workload(round(capacity.demand.prompt),
                                     round(capacity.demand.output), args.batch)
             Y, t = timings_from_engine_profile(engine_profile, workload)
@@ -127,6 +143,64 @@ def plan_main(argv: list[str]) -> int:
         args.out.write_text(json.dumps(spec, indent=2) + "\n")
         Console().print(f"spec written to {args.out}")
     return 0
+
+
+def _trace_lengths(args: argparse.Namespace) -> list[tuple[int, int]]:
+    """The (prompt, output) lengths ``--trace`` scores layouts on: ``--requests`` sampled."""
+    return [(r.prompt_len, r.output_len)
+            for r in wl.sample(wl.load_trace(args.trace), args.requests, 0)]
+
+
+def _plan_budget(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``dejavu plan --budget B``: every layout within B per hour, best by requests/s and by
+    cost per request. A cluster spec has one machine type, so no --out here."""
+    if not (args.engine_profile and args.trace):
+        ap.error("--budget scores layouts by the capacity model: give --engine-profile and "
+                 "--trace")
+    if args.out or args.devices or args.Y is not None or args.t is not None:
+        ap.error("--budget plans machines to buy: drop --out, --devices, --Y and --t")
+    try:
+        token = load_profile(args.engine_profile)
+        prompt = load_profile(args.prefill_profile) if args.prefill_profile else None
+        # The model's layers cap a pipeline's depth, as in a machine-count plan.
+        depth = ModelConfig.from_dir(args.model).num_layers if args.model else None
+        result = plan_budget(_trace_lengths(args), args.batch, args.budget, token, prompt,
+                             1.0 if args.m is None else args.m,
+                             MAX_MACHINES if args.machines is None else args.machines, depth)
+    except (ValueError, FileNotFoundError) as e:
+        ap.exit(2, f"dejavu plan: error: {e}\n")
+    show_budget(result, args.trace, args.top)
+    return 0
+
+
+def show_budget(result: BudgetPlan, trace: str, top: int) -> None:
+    best_rps, best_cost = result.best_rps, result.best_cost
+    shown = result.candidates[:max(1, top)]
+    title = (f"layouts within {result.budget:g}/h on {trace}, scored by capacity: "
+             f"{len(shown)} of {len(result.candidates)}, most req/s first")
+    if best_cost not in shown:
+        shown.append(best_cost)
+        title += ", and the cheapest per request"
+
+    def table(title: str, rows: list[Priced]) -> Table:
+        t = Table(title=title)
+        for col in ("layout", "machines", "cost/h", "req/s", "cost/req", "best"):
+            t.add_column(col, justify="right" if col in ("cost/h", "req/s", "cost/req")
+                         else "left")
+        for c in rows:
+            marks = [name for name, best in (("req/s", best_rps), ("cost/req", best_cost))
+                     if c is best]
+            t.add_row(str(c.layout), c.machines, f"{c.cost_per_hour:.2f}", f"{c.rps:.4g}",
+                      f"{c.cost_per_request:.4g}", ", ".join(marks))
+        return t
+
+    console = Console(width=120)
+    console.print(table(title, shown))
+    console.print(table("best per machine mix", result.best_per_mix()))
+    for what, c in (("req/s", best_rps), ("cost per request", best_cost)):
+        console.print(f"[bold]best by {what}: {c.layout} on {c.machines}, "
+                      f"{c.cost_per_hour:.2f}/h, {c.rps:.4g} req/s, "
+                      f"{c.cost_per_request:.4g}/req[/bold]")
 
 
 def show_plan(result: Plan, m_raw: float | None = None) -> None:

@@ -105,3 +105,15 @@ def test_cli_make_then_run_json(tmp_path):
     assert bad.returncode == 2 and "unknown preset 'nope'" in bad.stderr
     missing = dejavu("run", "--model", str(tmp_path / "none"), "hi")
     assert missing.returncode == 2 and "no tokenizer.json" in missing.stderr
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_make_with_more_layers_than_the_preset(tmp_path, arch):
+    from orchestrator.engine.checkpoint import main as make
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert make(["--arch", arch, "--preset", "tiny", "--layers", "6", str(tmp_path)]) == 0
+    config = ModelConfig.from_dir(tmp_path)
+    assert config.num_layers == 6
+    preset = ModelConfig.from_dict(hf_config(arch, "tiny").to_dict())
+    assert config.hidden_size == preset.hidden_size and preset.num_layers == 4

@@ -71,7 +71,7 @@ def test_bad_queries_are_refused():
         small().prefill_s(0)
     with pytest.raises(ValueError, match="at least one sequence"):
         small().decode_s(0, 10)
-    with pytest.raises(ValueError, match="shipped: splitwise"):
+    with pytest.raises(ValueError, match="shipped: .*splitwise-llama2-70b-h100"):
         load_profile("no-such-profile")
 
 

@@ -17,6 +17,7 @@ from clients.disagg import (
     Point,
     Pools,
     check_depths,
+    given_split,
     main,
     make_jobs,
     per_request,
@@ -96,6 +97,18 @@ def test_pipelines_deeper_than_the_model_are_refused_before_starting():
         check_depths(["colocated", "disaggregated"], Layout(1, 1, 7), 8, 4)
 
 
+def test_layouts_asked_for_must_cover_the_machines():
+    from orchestrator.planner.planner import Layout
+
+    assert given_split(None, None, 8) is None  # the planner's
+    assert given_split([6, 2], None, 8) == Layout.pools(6, 2)
+    assert str(given_split(None, [2, 1, 3], 8)) == "2x (P1+T3)"  # DejaVu's, as plan prints
+    with pytest.raises(ValueError, match="--pools must split the 8 machines"):
+        given_split([6, 3], None, 8)
+    with pytest.raises(ValueError, match=r"R x \(DP \+ DT\) = 8 machines.*got 6"):
+        given_split(None, [2, 1, 2], 8)
+
+
 @pytest.mark.slow
 def test_bench_disagg_smallest_run(tiny_model, tmp_path, capsys):
     """Three machines (two of them on one core here: no speed is read): the colocated
@@ -112,7 +125,7 @@ def test_bench_disagg_smallest_run(tiny_model, tmp_path, capsys):
     with (out / "disagg.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert [r["mode"] for r in rows] == ["colocated", "colocated-pipeline", "disaggregated"]
-    assert [r["layout"] for r in rows[:2]] == ["3x colocated", "colocated depth 3"]
+    assert [r["layout"] for r in rows[:2]] == ["3x colocated", "1x colocated depth 3"]
     # DejaVu's P-node feeding a token pipeline, or Splitwise's pools of depth-1 nodes
     split = re.fullmatch(r"1x \(P(\d)\+T(\d)\)|(\d)P\+(\d)T pools", rows[2]["layout"])
     assert split, rows[2]["layout"]
