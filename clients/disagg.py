@@ -53,7 +53,11 @@ after each rate: its CPU seconds over the tokens it served is the serving path's
 per token (the engine's sleep costs none). The host's busy cores (/proc/stat, everyone's)
 and 1-minute load average are sampled beside it; a rate is flagged CPU-bound when the
 cluster alone used more than half the cores or the host more than 80% of them
-(:attr:`clients.common.CpuUse.cpu_bound`). With a profile that states them, cost and
+(:attr:`clients.common.CpuUse.cpu_bound`). The torch engine computes on those same
+cores: ``--serving-cpu-ms SIGMA`` (or ``auto``: measured first with the emulated engine
+sleeping the torch profile, the same requests on the colocated layout) has the
+predictions count the serving path's share of them (:func:`on_shared_host`). With a
+profile that states them, cost and
 energy per request are the layout's machines x the profile's cost per hour and power,
 over ``tok req/s``.
 """
@@ -306,8 +310,11 @@ class Pools:
 
     prefill: int
     decode: int
+    machines: tuple[str, str] | None = None  # (P-nodes', T-nodes') where they differ
 
     def __str__(self) -> str:
+        if self.machines:  # Splitwise's mixed pools, e.g. "2P dgx-h100 + 12T dgx-a100"
+            return f"{self.prefill}P {self.machines[0]} + {self.decode}T {self.machines[1]}"
         return f"{self.prefill}P+{self.decode}T pools"
 
 
@@ -427,8 +434,9 @@ def predictions(model_dir: Path, lengths: list[tuple[int, int]], batch: int,
     measured on one ``machine``; the P-nodes' own where ``prefill_profile`` names one) at
     the workload's lengths: its pick, the layout each mode runs (disaggregated: ``split``
     where given, Splitwise's pools or DejaVu's pipelines; the colocated pipelines ``depth``
-    deep, 0: one over every machine), the profiles (``cost``, ``prompt_cost``), each mode's
-    predicted requests/s, and the unloaded prefill time per token and step."""
+    deep, 0: one over every machine), the profiles (``cost``, ``prompt_cost``; ``costs``:
+    each mode's, the same until :func:`on_shared_host`), each mode's predicted requests/s,
+    and the unloaded prefill time per token and step."""
     from orchestrator.engine.config import ModelConfig
     from orchestrator.planner.capacity import Capacity
     from orchestrator.planner.perf_model import (
@@ -453,20 +461,58 @@ def predictions(model_dir: Path, lengths: list[tuple[int, int]], batch: int,
     # planner colocates (every candidate's pipelines fit the model's layers).
     best = next(s.layout for s in picked.candidates if not s.layout.colocated)
     chosen = split or (best if picked.layout.colocated else picked.layout)
-    split = Pools(chosen.replicas, chosen.token_count) if chosen.is_pools else chosen
+    mixed = (prompt_cost.machine.name, cost.machine.name) if prompt_cost else None
+    split = Pools(chosen.replicas, chosen.token_count, mixed) if chosen.is_pools else chosen
     depth = depth or machines
     layouts = {"colocated": Layout(machines, 1),
                "colocated-pipeline": Layout(machines // depth, depth),
                "disaggregated": chosen}
     return {"pick": str(picked.layout), "split": split, "Y/t": picked.ratio,
             "real_split": picked.real_split, "profile": cost.name, "cost": cost, "m": m,
-            "prompt_cost": prompt_cost, "layouts": layouts,
+            "prompt_cost": prompt_cost, "layouts": layouts, "costs": dict.fromkeys(layouts, cost),
             "predicted": {mode: predict_rps(capacity, lay) for mode, lay in layouts.items()},
+            "tokens_per_request": capacity.demand.output,
             # The SLOs' unloaded times: the P-nodes' machine's where the machines are mixed
             # (Splitwise-HA against all-H100: the same bar for both).
             "prompt_s_per_token": (prompt_cost or cost).prefill_s(prompt) / prompt,
             "step_s": (prompt_cost or cost).decode_s(1, capacity.demand.context),
             "batch_step_s": capacity.decode_s(capacity.slots)}
+
+
+def on_shared_host(pred: dict, serving_s_per_token: float, cores: int) -> dict:
+    """``pred`` (:func:`predictions`) where the torch engines compute on the ``cores`` that
+    the serving path, at ``serving_s_per_token`` of CPU a token, shares with them: each
+    mode's profile slowed as much as that leaves its engines
+    (:func:`~orchestrator.planner.capacity.shared_host_slowdown`), and its rate with it."""
+    from orchestrator.planner.capacity import shared_host_slowdown
+
+    slowdown = {mode: shared_host_slowdown(rps, pred["tokens_per_request"],
+                                           serving_s_per_token, cores)
+                for mode, rps in pred["predicted"].items()}
+    return {**pred, "slowdown": slowdown,
+            "costs": {mode: pred["cost"].slowed(s) for mode, s in slowdown.items()},
+            "predicted": {mode: rps / slowdown[mode] for mode, rps in pred["predicted"].items()}}
+
+
+def serving_cpu_s(model_dir: Path, cost, machines: list, run_dir: Path, batch: int,
+                  max_seq_len: int, jobs: list[Job], timeout_s: float) -> float:
+    """The serving path's own CPU seconds per token on this host: ``jobs`` on the colocated
+    layout with the emulated engine sleeping the torch engine's profile ``cost``, so that
+    what the cluster's processes use is everything but the engines' compute."""
+    from orchestrator.control.auth import load_secret
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "torch-profile.json"
+    cost.save(path)
+    with cluster_for("colocated", model_dir, machines, run_dir / "cluster", batch, max_seq_len,
+                     None, str(path), timeout_s=timeout_s) as cluster:
+        url, secret = cluster.frontend.grpc_url, load_secret(cluster.secret_file)
+        replay(url, secret, jobs[:len(machines)])  # warm every node
+        with CpuMeter(cluster_groups(cluster)) as meter:
+            times = replay(url, secret, jobs)
+        wait_idle(cluster)
+    assert meter.use is not None
+    return meter.use.cluster_cpu_s / max(1, sum(len(t) - 1 for t in times))
 
 
 def expected(cost, requests, layout, batch: int, drain_s: float = math.inf,
@@ -616,6 +662,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--depth", type=int, default=0,
                         help="colocated-pipeline: pipelines of this many stages, machines / "
                         "depth of them (DejaVu's Baseline; default: one over every machine)")
+    parser.add_argument("--serving-cpu-ms", type=lambda x: x if x == "auto" else float(x),
+                        default=0.0, metavar="SIGMA",
+                        help="with the torch engine on CPU cores: the serving path's CPU ms "
+                        "per token, which slows the engines sharing those cores; the "
+                        "predictions count it ('auto': measured first, the emulated engine "
+                        "sleeping the torch profile; 0: the engines have the cores alone)")
     parser.add_argument("--start-timeout", type=float, default=180.0,
                         help="seconds each cluster may take to come up (a loaded host needs "
                         "more)")
@@ -651,8 +703,24 @@ def main(argv: list[str]) -> int:
         depth = args.depth or len(machines)
         if depth < 1 or len(machines) % depth:
             raise ValueError(f"--depth {depth} does not divide the {len(machines)} machines")
+        if args.serving_cpu_ms and (args.profile or machines[0].kind != "cpu"):
+            raise ValueError("--serving-cpu-ms models the torch engine on CPU cores (no "
+                             "--profile, cpu machines)")
         pred = predictions(model_dir, lengths, args.batch, machines[0], len(machines),
                            args.profile, split, args.prefill_profile, depth)
+        max_seq_len = args.max_prompt + args.max_new
+        if args.serving_cpu_ms:
+            sigma_ms = args.serving_cpu_ms
+            if sigma_ms == "auto":  # at the highest rate asked for, on the same requests
+                rate = max(args.rates or [f * pred["predicted"]["colocated"] for f in args.loads])
+                sigma_ms = 1e3 * serving_cpu_s(
+                    model_dir, pred["cost"], machines, args.out / "serving-cpu", args.batch,
+                    max_seq_len, make_jobs(lengths, rate, vocab, args.seed), args.start_timeout)
+            cores = len({c for machine in machines for c in machine.ids})
+            pred = on_shared_host(pred, sigma_ms / 1e3, cores)
+            print(f"the serving path, {sigma_ms:.2f} ms of CPU per token on the engines' {cores} "
+                  "cores, slows them x" + ", x".join(
+                      f"{s:.2f} ({mode})" for mode, s in pred["slowdown"].items()), flush=True)
         rates = args.rates or [f * pred["predicted"]["colocated"] for f in args.loads]
         counts = {r: max(2, round(r * args.duration)) if args.duration else len(lengths)
                   for r in rates}
@@ -666,7 +734,6 @@ def main(argv: list[str]) -> int:
               f"{pred['predicted']['colocated']:.2f} req/s, colocated pipeline "
               f"{pred['predicted']['colocated-pipeline']:.2f} req/s, {pred['split']} "
               f"{pred['predicted']['disaggregated']:.2f} req/s", flush=True)
-        max_seq_len = args.max_prompt + args.max_new
         check_depths(args.modes, pred["split"], depth,
                      ModelConfig.from_dir(model_dir).num_layers)
         points: list[Point] = []
@@ -699,7 +766,7 @@ def main(argv: list[str]) -> int:
                         with CpuMeter(groups) as meter:
                             times = replay(url, secret, jobs, advance, k, args.drain)
                         wait_idle(cluster)
-                        planned, simulated = expected(pred["cost"], requests_of(jobs),
+                        planned, simulated = expected(pred["costs"][mode], requests_of(jobs),
                                                       pred["layouts"][mode], args.batch,
                                                       args.drain, pred["prompt_cost"],
                                                       pred["m"])

@@ -23,6 +23,7 @@ The cluster secret comes from ``$DEJAVU_SECRET`` in every container.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import logging
 import os
@@ -219,8 +220,13 @@ def _recover(controller: str, name: str, urls: list[str], replicates: bool,
     _wait_ready(urls, timeout_s)
     try:
         recover_stage(_call, urls, plan)
-    except Exception:
-        log.exception("%s: recovery failed; its head gives up at its recover timeout", name)
+    except Exception as exc:
+        # Its head would hold the requests until its recover timeout (minutes): it breaks
+        # now, and the frontend runs them again on another pipeline.
+        log.exception("%s: recovery failed; its head gives up now", name)
+        with contextlib.suppress(Exception):  # a head that is gone gave up already
+            _call(urls[0], "give_up", [f"recovery of stages {plan['failed']} failed: "
+                                       f"{exc}".encode()])
         return False
     return True
 

@@ -230,7 +230,7 @@ class Supervisor:
 
     def recover(self, state: dict, name: str) -> None:
         """Start ``name``'s lost nodes again; a failure to do so is tried again at the next
-        poll, a failed recovery of a paused pipeline is not (its head breaks)."""
+        poll. A failed recovery starts the whole pipeline afresh."""
         try:
             if name.startswith("prefill"):
                 self.restart_nodes(state, name, [_prefill_node(state, name)])
@@ -247,9 +247,14 @@ class Supervisor:
             self.record(state, name, "recomputed" if plan["recompute"] else "resumed",
                         stages=plan["failed"], requests_kept=len(kept))
         except Exception:
-            log.exception("%s: recovery failed; its head gives up at its recover timeout",
-                          name)
-            self.given_up.add(name)
+            # Its head would hold the requests until its recover timeout (minutes): start
+            # the pipeline afresh instead, and the frontend runs them again elsewhere now.
+            log.exception("%s: recovery failed; starting the whole pipeline again", name)
+            try:
+                self.restart_nodes(state, name, _stages(state, index))
+            except Exception:
+                log.exception("%s: starting it afresh failed too; giving it up", name)
+                self.given_up.add(name)
 
     def replace(self, state: dict, name: str, index: int) -> dict | None:
         """Start every lost stage again, including those declared while others restart;

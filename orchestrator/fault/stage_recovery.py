@@ -64,7 +64,7 @@ class RecoveryOps:
             "rewind": self._rewind, "restore": self._restore, "adopt": self._adopt,
             "rollback": self._rollback, "reseed": replication.reseed,
             "recovered": self._recovered, "resume": self._resume, "fault": self._fault,
-            "drop_link": self.node.drop_link,
+            "give_up": self._give_up, "drop_link": self.node.drop_link,
         }
 
     def _head(self):  # noqa: ANN202  (a PipelineHead; only node 0 has one)
@@ -114,6 +114,9 @@ class RecoveryOps:
         """The head's: why it is paused waiting for a repair (empty: it is not)."""
         return (self._head().fault or "").encode()
 
+    def _give_up(self, error: bytes) -> None:
+        self._head().give_up(error.decode(errors="replace"))
+
     def _resume(self) -> None:
         self.node.repaired()
         self._head().resume()
@@ -136,7 +139,9 @@ def recover_stage(call: Call, urls: list[str], plan: dict, quiet_timeout_s: floa
         log.warning("stages %s and their replica holders are lost: recomputing, every "
                     "running request starts over from its prompt", failed)
 
+    began = time.monotonic()
     ring, replicas = _settle(call, urls, survivors, quiet_timeout_s)
+    settled = time.monotonic()
     for x in failed:
         call(urls[x], "connect", [ring[(x + 1) % depth], ring[0]])
         call(urls[x], "replicate", [replicas[(x + 1) % depth], replicas[x - 1]])
@@ -145,12 +150,17 @@ def recover_stage(call: Call, urls: list[str], plan: dict, quiet_timeout_s: floa
 
     rewound = json.loads(call(urls[0], "rewind", [json.dumps(resume).encode()]))
     lengths = json.dumps(rewound["lengths"]).encode()
+    rewound_at = time.monotonic()
     for holder, x in [] if recompute else plan["restore"]:
         call(urls[holder], "restore", [replicas[x], lengths])
         call(urls[x], "adopt", [lengths, json.dumps(rewound["sampling"]).encode()])
+    restored = time.monotonic()
     _resume(call, urls, survivors, lengths, failed, plan["epoch"])
-    log.warning("stages %s recovered: %s", failed, "recomputed from prompts" if recompute
-                else f"resumed at {resume} with {len(rewound['lengths'])} requests kept")
+    done = time.monotonic()
+    log.warning("stages %s recovered: %s in %.2f s (settling %.2f s, restoring KV %.2f s, "
+                "resuming %.2f s)", failed, "recomputed from prompts" if recompute
+                else f"resumed at {resume} with {len(rewound['lengths'])} requests kept",
+                done - began, settled - began, restored - rewound_at, done - restored)
     return rewound["lengths"]
 
 

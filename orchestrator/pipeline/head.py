@@ -275,6 +275,12 @@ class PipelineHead:
 
     # -- fault recovery ---------------------------------------------------------------
 
+    def give_up(self, error: str) -> None:
+        """A repair failed: break now (every request ends with ``error``; the frontend runs
+        them again elsewhere) rather than hold them until ``recover_timeout_s``."""
+        with self._lock:
+            self._break(error)
+
     def pause(self) -> None:
         """Issue nothing more; answers still coming back are taken in."""
         with self._lock:

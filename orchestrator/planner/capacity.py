@@ -27,8 +27,12 @@ serving code:
 - Pools: any P-node feeds any token pipeline (the frontend routes each pool by
   shortest queue), so a disaggregated layout serves min(prompt rate, token rate).
 
-Not modelled: the serving path's own CPU (gRPC, Triton, the frontend's relaying),
-KV transfer time beyond m, and queueing before saturation.
+- A shared host (the torch engine on CPU cores): the serving path's own CPU (Triton,
+  gRPC, the frontend relaying every token, NIXL's threads) runs on the cores the engines
+  compute on, and slows them (:func:`shared_host_slowdown`). On a GPU, or the emulated
+  engine (its steps sleep), it takes no engine time and is not modelled.
+
+Not modelled: KV transfer time beyond m, and queueing before saturation.
 """
 
 from __future__ import annotations
@@ -47,6 +51,20 @@ def overlap_cost(depth: int) -> float:
     code trace, batch 4 and 16, depth 2-8: 0.77, 0.62, 0.49, 0.40, 0.37 at depth 2, 3, 4,
     6, 8); DejaVu's bubble argument gives 1 at depth 1 and less as passes spread."""
     return min(1.0, 0.15 + 1.5 / depth)
+
+
+def shared_host_slowdown(rps: float, tokens_per_request: float, serving_s_per_token: float,
+                         cores: float) -> float:
+    """How much slower engines compute where the serving path shares their ``cores``, at
+    the capacity this slowdown leaves: each token costs the serving path
+    ``serving_s_per_token`` of CPU, so at rate r it takes u = r x tokens x sigma / cores of
+    every core and the engines run 1 / (1 - u) slower. A layout that serves ``rps`` with
+    the cores to itself then serves rps / s, where s = 1 + rps x tokens x sigma / cores
+    (solving r = rps x (1 - u(r))): its profile slowed s times."""
+    if serving_s_per_token < 0 or cores <= 0:
+        raise ValueError(f"need serving CPU >= 0 and cores > 0; got {serving_s_per_token}, "
+                         f"{cores}")
+    return 1.0 + rps * tokens_per_request * serving_s_per_token / cores
 
 
 @dataclass(frozen=True)

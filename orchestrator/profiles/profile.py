@@ -38,7 +38,7 @@ from __future__ import annotations
 import json
 from bisect import bisect_right
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 FORMAT = "dejavu-profile"
@@ -122,6 +122,14 @@ class EngineProfile:
             raise ValueError(f"a decode step needs at least one sequence, got {batch}")
         by_batch = [interpolate(self.decode_context, row, context) for row in self.decode_ms]
         return interpolate(self.decode_batch, by_batch, batch) / 1e3
+
+    def slowed(self, factor: float) -> EngineProfile:
+        """Every time ``factor`` x longer: the engine sharing its cores (Capacity's
+        :func:`~orchestrator.planner.capacity.shared_host_slowdown`)."""
+        if factor < 1:
+            raise ValueError(f"a slowdown is >= 1, got {factor}")
+        return replace(self, prefill_ms=tuple(t * factor for t in self.prefill_ms),
+                       decode_ms=tuple(tuple(t * factor for t in row) for row in self.decode_ms))
 
     def max_kv_tokens(self) -> int:
         """Tokens of KV the machine holds at once (Splitwise's token-machine batch limit)."""

@@ -53,3 +53,21 @@ def test_an_idle_head_issues_a_new_request_at_once():
         assert isinstance(to_first.recv(5.0), StepMessage)  # well inside its 30 s poll
     finally:
         head.stop(1.0)
+
+
+def test_a_head_whose_repair_failed_gives_up_at_once():
+    """A failed repair ends the waiting requests now (the frontend runs them again
+    elsewhere), not at the head's recover timeout."""
+    to_first, from_last = QueueLink("to-first", 4), QueueLink("from-last", 4)
+    head = PipelineHead(to_first, from_last, num_microbatches=1, batch_size=1,
+                        max_seq_len=64, recover_timeout_s=300.0).start()
+    try:
+        seq = head.submit_prefilled(Sequence("r", [1, 2, 3], 8, None), first_token=7)
+        next_step(to_first)
+        head.report_failure("stage 1 lost")
+        assert head.fault == "stage 1 lost" and not seq.is_finished
+        head.give_up("recovery of stages [1] failed")
+        assert seq.is_finished and seq.error == "recovery of stages [1] failed"
+        assert head.broken == "recovery of stages [1] failed"
+    finally:
+        head.stop(1.0)

@@ -7,7 +7,7 @@ import pytest
 
 from orchestrator.engine.config import ModelConfig
 from orchestrator.planner import workload as wl
-from orchestrator.planner.capacity import Capacity
+from orchestrator.planner.capacity import Capacity, shared_host_slowdown
 from orchestrator.planner.perf_model import Workload, profile_from_config
 from orchestrator.planner.planner import Layout, plan, predict_rps
 from orchestrator.planner.search import saturating, simulate_serving
@@ -136,3 +136,24 @@ def test_mixed_machines_prefill_on_their_own_profile():
     for layout in (Layout.pools(3, 2), Layout.pools(6, 4)):
         simulated = simulate_serving(a100, requests, layout, 16, prompt_cost=h100)
         assert predict_rps(mixed, layout) / simulated == pytest.approx(1, abs=0.1), layout
+
+
+def test_a_shared_host_slows_every_layout_to_the_cores_left_for_its_engines():
+    """The serving path's CPU per token (sigma) takes u = r x n x sigma / C of each of C
+    cores; engines then compute 1 / (1 - u) slower. The layout's rate on the slowed
+    profile is that fixed point, for the planner and the simulator alike."""
+    cost, lengths, sigma, cores = linear_profile(), trace_lengths("conv", 0.25), 0.012, 2
+    capacity = Capacity.of(lengths, cost, 4)
+    tokens = capacity.demand.output
+    for layout in (Layout(2, 1), Layout(1, 2), Layout(1, 1, 1)):
+        alone = predict_rps(capacity, layout)
+        slowdown = shared_host_slowdown(alone, tokens, sigma, cores)
+        shared = predict_rps(Capacity.of(lengths, cost.slowed(slowdown), 4), layout)
+        assert shared == pytest.approx(alone / slowdown)
+        used = shared * tokens * sigma / cores  # of each core, by the serving path
+        assert shared == pytest.approx(alone * (1 - used))  # what is left computes
+    assert shared_host_slowdown(1.0, 40, 0.0, 2) == 1.0  # a GPU's engines: no share
+    with pytest.raises(ValueError):
+        shared_host_slowdown(1.0, 40, 0.01, 0)
+    with pytest.raises(ValueError):
+        cost.slowed(0.5)

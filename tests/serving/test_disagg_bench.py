@@ -109,19 +109,30 @@ def test_layouts_asked_for_must_cover_the_machines():
         given_split(None, [2, 1, 2], 8)
 
 
+def test_mixed_pools_are_labelled_with_their_machines():
+    """Splitwise-HA's pools name each pool's machine: an all-H100 split of the same counts
+    is another layout."""
+    assert str(Pools(6, 3)) == "6P+3T pools"
+    assert str(Pools(6, 3, ("dgx-h100", "dgx-a100"))) == "6P dgx-h100 + 3T dgx-a100"
+
+
 @pytest.mark.slow
 def test_bench_disagg_smallest_run(tiny_model, tmp_path, capsys):
     """Three machines (two of them on one core here: no speed is read): the colocated
     modes are 3 T-nodes and a depth-3 pipeline, the disaggregated one the planner's best
     disaggregated layout of the three (a P-node feeding a depth-2 token pipeline, or
-    pools)."""
+    pools); the predictions count the serving path's CPU on the engines' cores, measured
+    first on the emulated engine."""
     out = tmp_path / "out"
     cores = sorted(os.sched_getaffinity(0))
     machines = [f"cpu:{cores[i % len(cores)]}" for i in range(3)]
     argv = ["--model", str(tiny_model("gpt2")), "--requests", "3", "--rates", "4",
             "--max-prompt", "24", "--max-new", "4", "--batch", "2", "--out", str(out),
-            "--machines", *machines]
+            "--machines", *machines, "--serving-cpu-ms", "auto"]
     assert main(argv) == 0, capsys.readouterr().err
+    printed = capsys.readouterr().out
+    sigma = re.search(r"the serving path, ([\d.]+) ms of CPU per token", printed)
+    assert sigma and float(sigma[1]) > 0  # measured on the emulated engine first
     with (out / "disagg.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert [r["mode"] for r in rows] == ["colocated", "colocated-pipeline", "disaggregated"]
@@ -138,4 +149,4 @@ def test_bench_disagg_smallest_run(tiny_model, tmp_path, capsys):
             assert float(row[key]) > 0 and math.isfinite(float(row[key]))
         assert 0 <= float(row["slo_met"]) <= 1
     assert (out / "disagg.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "| colocated |" in capsys.readouterr().out
+    assert "| colocated |" in printed
