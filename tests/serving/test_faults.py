@@ -75,11 +75,11 @@ def test_every_node_registers_and_status_shows_the_controller_view(cluster, caps
 def test_a_killed_prefill_node_costs_a_pause_not_an_error(cluster, expected, capsys):
     prompts = PROMPTS * 2
     dead = cluster.role("prefill")[0].server
-    # Killed just before a burst: the router has not seen it fail, so JSQ sends it some.
+    # Killed just before a burst: prompts that meet it run again on the other P-node, and
+    # once the failure is seen the router sends it none (which comes first is a race the
+    # product may win: only the outcome is asserted).
     chaos_kill(cluster, dead.name, capsys)
     assert ids_concurrently("grpc", cluster.frontend.grpc_url, prompts, MAX_TOKENS) == expected
-    retried = reruns(cluster)
-    assert retried >= 1  # the burst did meet the dead node
 
     state = wait_for_view(cluster, capsys, {dead.name: "dead"}, CONTROLLER_TIMEOUT_S + 10)
     assert {n["name"]: n["controller"] for n in state["nodes"]}[dead.name] == "dead"

@@ -1,5 +1,6 @@
 """Two P-nodes and two T-nodes: JSQ spreads the load, tokens stay exact, a dead node is skipped
-(the request that met it runs again on the other one)."""
+(a request that met it runs again on the other one; one the router kept away from it never
+meets it: either way the outcome is the same)."""
 
 from __future__ import annotations
 
@@ -31,11 +32,12 @@ def test_two_by_two_then_a_decode_node_dies(tiny_model, tmp_path):
         # Both T-nodes idle: JSQ picks decode0 first. Stop it.
         dead = cluster.role("decode")[0].server
         dead.stop()
-        rerun = metric(cluster.frontend, "dejavu_reruns", what="request")
+        served = metric(cluster.role("decode")[1].server, "dejavu_requests", outcome="finished")
+        # Whether it meets the dead node (and runs again) or the router already left that
+        # node out depends on how fast the failure was seen: assert the outcome, not the path.
         chunks = list(stream_grpc(url, prompts[0], max_tokens=MAX_TOKENS))
         assert ids_of(chunks) == expected[0]
-        # it met the dead node, and ran again from its prompt on the other one
-        eventually(lambda: metric(cluster.frontend, "dejavu_reruns", what="request"),
-                   lambda n: n > rerun)
-        # The router leaves the dead node out; the survivors serve every request.
+        # The survivors serve every request.
         assert ids_concurrently("grpc", url, prompts[:4], MAX_TOKENS) == expected[:4]
+        eventually(lambda: metric(cluster.role("decode")[1].server, "dejavu_requests",
+                                  outcome="finished"), lambda n: n >= served + 5)
