@@ -73,7 +73,7 @@ from orchestrator.control.auth import (
 )
 from orchestrator.fault import ReplicateMode
 from orchestrator.pipeline import DEAD_AFTER_S, SwapMode
-from orchestrator.serving.config import NodeConfig, Role
+from orchestrator.serving.config import NodeConfig, Role, TrtllmApi
 
 Call = Callable[[str, str, list[bytes]], bytes]  # (node url, op, args) -> reply
 SECRET_FILE = "secret"
@@ -501,11 +501,17 @@ def topology_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", default="",
                         help="engine profile for --engine emulated: a file, or a shipped "
                         "name (e.g. splitwise-llama2-70b-h100)")
-    parser.add_argument("--trtllm-decoupled", choices=["true", "false"], default="true",
+    parser.add_argument("--trtllm-api", choices=list(TrtllmApi), default=TrtllmApi.LEGACY,
+                        help="what the frontend serves as tensorrt_llm (both name their "
+                        "model so): legacy, the TensorRT-LLM backend's token model "
+                        "(default); llmapi, TensorRT-LLM's LLM-API model (text in, "
+                        "sampling_param_*, its llmapi_client.py). ensemble, "
+                        "tensorrt_llm_bls and the OpenAI API are served either way")
+    parser.add_argument("--trtllm-decoupled", choices=["true", "false"],
                         help="the tensorrt_llm model's transaction policy, the TensorRT-LLM "
-                        "backend's decoupled_mode: true streams (default); false serves a "
-                        "unary ModelInfer (one response, all the tokens), refusing "
-                        "streaming and batches as the backend does")
+                        "backend's decoupled_mode (default: legacy true, llmapi false, as "
+                        "its model.yaml): true streams; false serves a unary ModelInfer "
+                        "(one response), refusing streaming (and batches) as they do")
     parser.add_argument("--time-scale", type=float, default=1.0, metavar="K",
                         help="--engine emulated: every step sleeps the profile's time x K "
                         "(a K-times slower replay, so the serving path's own CPU stays small "
@@ -526,7 +532,9 @@ def settings_from(args: argparse.Namespace) -> dict:
     """The node settings :func:`topology_arguments` parsed, as NodeConfig fields."""
     return {"max_seq_len": args.max_seq_len, "swap": args.swap, "replicate": args.replicate,
             "max_batch": args.max_batch, "profile": engine_profile(args.engine, args.profile),
-            "trtllm_decoupled": args.trtllm_decoupled == "true",
+            "trtllm_api": args.trtllm_api,
+            "trtllm_decoupled": (None if args.trtllm_decoupled is None
+                                 else args.trtllm_decoupled == "true"),
             "time_scale": args.time_scale}
 
 

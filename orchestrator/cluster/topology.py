@@ -14,8 +14,10 @@ from pathlib import Path
 
 from orchestrator.cluster.tritonserver import add_model
 from orchestrator.pipeline import prompt_slots
-from orchestrator.serving.config import Mode, NodeConfig, Role
+from orchestrator.serving.config import Mode, NodeConfig, Role, TrtllmApi
 
+# The folder served as tensorrt_llm under --trtllm-api llmapi (TensorRT-LLM's LLM-API model).
+LLMAPI_MODEL = "tensorrt_llm_llmapi"
 ROLE_MODELS = {
     Role.FRONTEND: ("preprocessing", "orchestrator", "ensemble", "tensorrt_llm_bls", "tensorrt_llm",
                     "postprocessing"),
@@ -122,5 +124,8 @@ def node_configs(topology: Topology, address: Callable[[str], str],
 def write_node_repo(repo: Path, config: NodeConfig) -> None:
     """The model repository of one node: each of its role's models gets the config."""
     for model in ROLE_MODELS[config.role]:
+        trtllm = model == "tensorrt_llm"
         add_model(repo, model, {"config": config.to_json()} if model != "ensemble" else None,
-                  decoupled=config.trtllm_decoupled or model != "tensorrt_llm")
+                  decoupled=config.tensorrt_llm_decoupled or not trtllm,
+                  source=LLMAPI_MODEL if trtllm and config.trtllm_api is TrtllmApi.LLMAPI
+                  else model)

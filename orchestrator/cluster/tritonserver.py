@@ -90,12 +90,15 @@ DECOUPLED = "model_transaction_policy { decoupled: true }"
 
 
 def add_model(repo: Path, model: str, params: dict[str, str] | None = None,
-              decoupled: bool = True) -> None:
+              decoupled: bool = True, source: str = "") -> None:
     """Copy ``model``'s config (plus ``params``) and its model.py into ``repo``;
-    ``decoupled`` false: a decoupled model's config made non-decoupled."""
-    config = CONFIGS / model / "config.pbtxt"
+    ``decoupled`` false: a decoupled model's config made non-decoupled; ``source``: the
+    folder (of ``model_repository/`` and ``backends/python/``) served under the name
+    ``model`` (default: ``model``'s own)."""
+    source = source or model
+    config = CONFIGS / source / "config.pbtxt"
     if not config.exists():
-        raise ValueError(f"no model {model!r} in {CONFIGS}")
+        raise ValueError(f"no model {source!r} in {CONFIGS}")
     version = repo / model / "1"
     version.mkdir(parents=True, exist_ok=True)
     text = config.read_text()
@@ -106,7 +109,7 @@ def add_model(repo: Path, model: str, params: dict[str, str] | None = None,
     text += "".join(_parameter(k, str(v)) for k, v in (params or {}).items())
     with open_private(repo / model / "config.pbtxt") as f:
         f.write(text)
-    code = MODEL_CODE / model / "model.py"
+    code = MODEL_CODE / source / "model.py"
     if code.exists():
         with open_private(version / "model.py", "wb") as f:
             f.write(code.read_bytes())

@@ -19,6 +19,7 @@ import numpy as np
 from orchestrator.engine.log_probs import TokenLogProb
 from orchestrator.serving.frontend import NodeBusy, PipelineLost, PrefillLost
 from orchestrator.serving.node_stream import Cancelled
+from orchestrator.serving.outputs import kv_cache_use
 from orchestrator.serving.params import GenerationParams, RequestError, as_text
 from orchestrator.serving.router import UNAVAILABLE, NoNodeError
 
@@ -37,6 +38,10 @@ class SequenceJob:
     prompt_ids: list[int]
     params: GenerationParams
 
+
+# KV slots a sequence found filled (a prefix cache's hits): none until KV reuse serves them;
+# then the sequence's own count goes to kv_cache_use in BatchReply._serve instead.
+REUSED_BLOCKS = 0
 
 # (prompt ids, the row's input_auth or None, its parameters): raises if it is refused
 CheckRow = Callable[[np.ndarray, str | None, GenerationParams], None]
@@ -115,9 +120,7 @@ class BatchReply:
                     "full_text": final and full_text}
             if params.return_perf_metrics:
                 meta["perf"] = {"arrival_time_ns": self.arrival_ns, **times,
-                                "kv_cache_alloc_new_blocks": self.kv_slots,
-                                "kv_cache_reused_blocks": 0,
-                                "kv_cache_alloc_total_blocks": self.kv_slots}
+                                **kv_cache_use(self.kv_slots, REUSED_BLOCKS)}
             if log_probs is not None:
                 cum_log_prob += sum(p.log_prob for p in log_probs)
                 meta["log_probs"] = {"tokens": [p.to_list() for p in log_probs],

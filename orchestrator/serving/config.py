@@ -31,6 +31,15 @@ class Role(StrEnum):
     SPARE = "spare"  # a warm spare T-node: loaded, on standby (serving/spare.py)
 
 
+class TrtllmApi(StrEnum):
+    """Which TensorRT-LLM Triton model the frontend serves as ``tensorrt_llm`` (both use
+    the name): the legacy backend's token model, or the LLM-API model (text in,
+    ``sampling_param_*``: :mod:`orchestrator.serving.llmapi`)."""
+
+    LEGACY = "legacy"
+    LLMAPI = "llmapi"
+
+
 class Mode(StrEnum):
     DISAGGREGATED = "disaggregated"  # P-nodes prefill, KV streams to the T-nodes
     COLOCATED = "colocated"  # the baseline: T-nodes prefill their own prompts
@@ -71,9 +80,11 @@ class NodeConfig:
     max_requests: int | None = None  # frontend: requests served at once; None: see
     # concurrent_requests
     max_prompt_bytes: int | None = None  # frontend: prompt text limit; None: from the context
+    trtllm_api: TrtllmApi = TrtllmApi.LEGACY  # frontend: what its tensorrt_llm model is
     # frontend: tensorrt_llm's model_transaction_policy, the backend's decoupled_mode (false:
-    # a unary ModelInfer gets one response; streaming and batches are refused)
-    trtllm_decoupled: bool = True
+    # a unary ModelInfer gets one response; streaming and batches are refused); None: the
+    # contract's default (legacy: true; llmapi: false, its model.yaml's)
+    trtllm_decoupled: bool | None = None
     prefill_urls: tuple[str, ...] = ()  # every P-node's gRPC url
     decode_urls: tuple[tuple[str, ...], ...] = ()  # each token pipeline's, stage 0 first
 
@@ -121,6 +132,13 @@ class NodeConfig:
     def device(self) -> str:
         """Where its engine runs: a node given GPUs sees only those (CUDA_VISIBLE_DEVICES)."""
         return "cuda" if self.devices.startswith("cuda") else "cpu"
+
+    @property
+    def tensorrt_llm_decoupled(self) -> bool:
+        """Whether the frontend's tensorrt_llm model is deployed decoupled."""
+        if self.trtllm_decoupled is None:
+            return self.trtllm_api is TrtllmApi.LEGACY
+        return self.trtllm_decoupled
 
     @property
     def replicates(self) -> bool:

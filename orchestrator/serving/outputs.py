@@ -26,14 +26,27 @@ PERF = {"arrival_time_ns": np.int64, "first_scheduled_time_ns": np.int64,
 NO_DRAFTS = {"acceptance_rate": 0.0, "total_accepted_draft_tokens": 0, "total_draft_tokens": 0}
 
 
+def kv_cache_use(new_blocks: int, reused_blocks: int = 0) -> dict[str, int | float]:
+    """One sequence's KV-cache counts, the one place both contracts' ``kv_cache_*``
+    outputs come from (:class:`~orchestrator.serving.batch.BatchReply` calls it). A
+    "block" here is a prompt-KV slot (one per token stage) the sequence was given anew
+    (``new_blocks``: each a miss) or found already filled (``reused_blocks``: a prefix
+    cache's hits; none yet)."""
+    total = new_blocks + reused_blocks
+    return {"kv_cache_alloc_new_blocks": new_blocks, "kv_cache_reused_blocks": reused_blocks,
+            "kv_cache_missed_blocks": new_blocks, "kv_cache_alloc_total_blocks": total,
+            "kv_cache_hit_rate": reused_blocks / total if total else 0.0}
+
+
 def sequence_outputs(meta: Mapping) -> dict[str, np.ndarray]:
     """``batch_index``, ``sequence_index``, the perf metrics and log-probs a response
     carries; ``meta`` is :class:`~orchestrator.serving.batch.BatchReply`'s."""
     outputs = {"batch_index": np.array([[meta["batch_index"]]], np.int32),
                "sequence_index": np.array([[meta["sequence_index"]]], np.int32)}
     if "perf" in meta:
-        for name, value in (meta["perf"] | NO_DRAFTS).items():
-            outputs[name] = np.array([[value]], dtype=PERF[name])
+        perf = meta["perf"] | NO_DRAFTS
+        for name, dtype in PERF.items():
+            outputs[name] = np.array([[perf[name]]], dtype=dtype)
     if "log_probs" in meta:
         lp = meta["log_probs"]
         outputs |= response_tensors([TokenLogProb.from_list(p) for p in lp["tokens"]],

@@ -94,6 +94,12 @@ def inputs(request, names: list[str]) -> dict[str, np.ndarray | None]:
     return found
 
 
+def parameters(request) -> dict[str, object]:
+    """A request's parameters (``parameters=`` of a tritonclient call)."""
+    with _ipc:
+        return json.loads(request.parameters() or "{}")
+
+
 def text(array: np.ndarray) -> str:
     """One string from a ``[1]`` or ``[1, 1]`` BYTES tensor."""
     if array.size != 1:
@@ -130,6 +136,12 @@ def check_signed(request, verifier: Verifier, model: str, op: str) -> None:
         parameters, request_id = request.parameters(), request.request_id()
         tensors = {t.name(): t.as_numpy() for t in request.inputs()}
     verifier.check_request(parameters, model, op, request_id, tensors)
+
+
+def cancelled_error(message: str) -> pb_utils.InferenceResponse:
+    """A request ended by its client (gRPC CANCELLED)."""
+    return pb_utils.InferenceResponse(
+        error=pb_utils.TritonError(message, pb_utils.TritonError.CANCELLED))
 
 
 def refused(message: str) -> pb_utils.InferenceResponse:

@@ -73,3 +73,16 @@ def test_configs_match_the_published_contract(model):
     required = {t.name for t in published.input if not t.optional}
     assert {t.name for t in published.input if t.optional} <= optional
     assert required & optional == MADE_OPTIONAL.get(model, set())
+
+
+def test_the_llmapi_config_matches_the_published_contract():
+    """``--trtllm-api llmapi``'s tensorrt_llm against TensorRT-LLM's LLM-API model
+    (``trtllm_contract/llmapi/``): the same inputs and outputs, names, types, dims and
+    optional ones, none of our own; unbatched (its model.yaml's max_batch_size 0)."""
+    published = load(HERE / "trtllm_contract" / "llmapi" / "tensorrt_llm.pbtxt")
+    ours = load(REPO / "model_repository" / "tensorrt_llm_llmapi" / "config.pbtxt")
+    assert ours.max_batch_size == published.max_batch_size == 0
+    for kind in ("input", "output"):
+        assert tensors(getattr(ours, kind)) == tensors(getattr(published, kind)), kind
+    assert ({t.name for t in ours.input if t.optional}
+            == {t.name for t in published.input if t.optional})
