@@ -24,6 +24,7 @@ A request streams if its ``streaming`` input or its ``Streaming`` request parame
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -60,6 +61,8 @@ REFUSED = {"image_url": "multimodal input", "lora_id": "LoRA adapters",
            "lora_ckpt_source": "LoRA adapters"}
 INPUTS = ("text_input", "streaming", "stop", BEST_OF, STOP_STRINGS, *SAMPLING,
           *OPTIONAL_OUTPUTS, *REFUSED)
+_LLMAPI_NAME = {new: old for old, new in SAMPLING.items()}
+_ENSEMBLE_NAME = re.compile(r"\b(" + "|".join(_LLMAPI_NAME) + r")\b")
 STREAMING_PARAMETER = "Streaming"  # the request parameter llmapi_client.py sends
 # The published config's perf outputs, from BatchReply's perf metrics (meta["perf"])
 PERF = {"kv_cache_reused_block": ("kv_cache_reused_blocks", np.int32),
@@ -137,9 +140,14 @@ def llmapi_jobs(entry: EntryPoint, tokenizer: Tokenizer, end_pad: tuple[int | No
                            "(dejavu up --trtllm-decoupled true)")
     prompt = np.array([[request.prompt]], dtype=np.object_)
     words = [tokenizer.encode(s, add_special_tokens=False).ids for s in request.stop]
-    jobs = entry.split({**request.tensors,
-                        **encode_batch(tokenizer, entry.limits, {"text_input": prompt}, end_pad),
-                        "stop_ids": np.array([[json.dumps(words).encode()]], np.object_)})
+    try:
+        jobs = entry.split({**request.tensors,
+                            **encode_batch(tokenizer, entry.limits, {"text_input": prompt},
+                                           end_pad),
+                            "stop_ids": np.array([[json.dumps(words).encode()]], np.object_)})
+    except RequestError as exc:  # named as the client sent it: sampling_param_top_p, ...
+        raise RequestError(_ENSEMBLE_NAME.sub(lambda m: _LLMAPI_NAME[m.group(0)], str(exc))
+                           ) from None
     reply.start(request, jobs[0].prompt_ids)
     return jobs
 
