@@ -10,8 +10,9 @@ from pathlib import Path
 import yaml
 
 from orchestrator.cluster.container import kubernetes_host, repo_main
-from orchestrator.cluster.launcher import topology_arguments
+from orchestrator.cluster.launcher import settings_from, topology_arguments
 from orchestrator.cluster.topology import Topology, node_configs
+from orchestrator.serving.config import TrtllmApi
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -98,3 +99,15 @@ def test_every_node_writes_a_repository(tmp_path):
         assert repo_main([node, str(out), "--model", "/model", "--decode-depth", "2"]) == 0
         assert len([p for p in out.iterdir() if (p / "config.pbtxt").is_file()]) == models
     assert repo_main(["decode7", str(tmp_path / "x"), "--model", "/model"]) == 1
+
+
+def test_compose_and_kubernetes_say_which_tensorrt_llm_they_serve():
+    """``--trtllm-api`` in the one topology both deploy (legacy, as `dejavu up`'s default;
+    llmapi serves TensorRT-LLM's LLM-API model as tensorrt_llm)."""
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    parser = argparse.ArgumentParser()
+    topology_arguments(parser)
+    flags = compose["x-topology"]["DEJAVU_TOPOLOGY"].split()
+    assert settings_from(parser.parse_args(flags))["trtllm_api"] == TrtllmApi.LEGACY
+    assert settings_from(parser.parse_args([*flags, "--trtllm-api", "llmapi"]))[
+        "trtllm_api"] == TrtllmApi.LLMAPI

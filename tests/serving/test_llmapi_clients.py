@@ -8,6 +8,8 @@ named, with INVALID_ARGUMENT."""
 
 from __future__ import annotations
 
+import json
+import subprocess
 import time
 
 import numpy as np
@@ -26,6 +28,7 @@ from llmapi_calls import Stream, Unary, is_cancelled, request_inputs, stop_input
 from tritonclient.utils import InferenceServerException
 
 from clients.generate import stream_grpc
+from clients.perf import install_tools
 from orchestrator.control.auth import load_secret
 from orchestrator.control.client import ControlClient
 from orchestrator.engine.tokenizer import load_tokenizer
@@ -235,3 +238,33 @@ def test_perf_metrics_and_kv_cache_counts(cluster):
             out["kv_cache_hit_rate"], out["total_draft_tokens"]) == (0, 1, 1, 1, 0.0, 0)
     plain = unary(url, request_inputs(PROMPTS[0], MAX_TOKENS))
     assert plain.as_numpy("arrival_time_ns") is None and plain.as_numpy("finish_reason") is None
+
+
+# aiperf's template endpoint: the model's inputs as Triton's HTTP infer takes them
+AIPERF_TEMPLATE = (
+    '{"inputs": [{"name": "text_input", "shape": [1], "datatype": "BYTES", '
+    '"data": [{{ text|tojson }}]}, {"name": "sampling_param_max_tokens", "shape": [1], '
+    '"datatype": "INT32", "data": [{{ max_tokens }}]}]}')
+AIPERF_TEXT = "response_field:outputs[?name=='text_output'].data[0] | [0]"
+
+
+def test_aiperf_loads_it_through_its_template_endpoint(cluster, model, tmp_path):
+    """genai-perf 0.0.16 cannot (its Triton inputs are the ensemble's: max_tokens, ...);
+    aiperf, its successor, with a payload template over Triton's HTTP infer: every request
+    completes."""
+    tools = install_tools()
+    (tmp_path / "llmapi.json.j2").write_text(AIPERF_TEMPLATE)
+    subprocess.run([str(tools.aiperf), "profile", "-m", "tensorrt_llm",
+                    "--endpoint-type", "template", "-u", f"http://{cluster.frontend.http_url}",
+                    "--endpoint", "/v2/models/tensorrt_llm/infer",
+                    "--extra-inputs", "payload_template:llmapi.json.j2",
+                    "--extra-inputs", AIPERF_TEXT, "--tokenizer", str(model),
+                    "--concurrency", "2", "--request-count", "4", "--warmup-request-count", "2",
+                    "--synthetic-input-tokens-mean", "16", "--synthetic-input-tokens-stddev", "0",
+                    "--output-tokens-mean", str(MAX_TOKENS), "--random-seed", "0",
+                    "--ui-type", "none", "--artifact-dir", "artifacts"],
+                   cwd=tmp_path, env=tools.env(), check=True, timeout=300,
+                   stdout=subprocess.DEVNULL)
+    summary = json.loads((tmp_path / "artifacts" / "profile_export_aiperf.json").read_text())
+    assert summary["request_count"]["avg"] == 4
+    assert not summary.get("error_summary")

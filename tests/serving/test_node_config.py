@@ -149,3 +149,22 @@ def test_tensorrt_llm_is_decoupled_unless_the_deployment_says_not(tmp_path):
     data = json.loads(cluster()["frontend"].to_json()) | {"trtllm_decoupled": "false"}
     with pytest.raises(ValueError, match="trtllm_decoupled must be true or false"):
         NodeConfig.from_json(json.dumps(data))
+
+
+@pytest.mark.parametrize(("api", "decoupled", "want"), [
+    ("legacy", None, True), ("llmapi", None, False), ("llmapi", True, True)])
+def test_trtllm_api_picks_the_model_served_as_tensorrt_llm(tmp_path, api, decoupled, want):
+    """``--trtllm-api llmapi``: TensorRT-LLM's LLM-API model (its config and model.py) under
+    the name tensorrt_llm, not decoupled unless asked (its model.yaml's default); the other
+    models as they are."""
+    config = cluster(trtllm_api=api, trtllm_decoupled=decoupled)["frontend"]
+    write_node_repo(tmp_path, config)
+    text = (tmp_path / "tensorrt_llm" / "config.pbtxt").read_text()
+    assert ("sampling_param_max_tokens" in text) == (api == "llmapi")
+    assert ("decoupled: true" in text) == want
+    code = (tmp_path / "tensorrt_llm" / "1" / "model.py").read_text()
+    assert ("orchestrator.serving.llmapi" in code) == (api == "llmapi")
+    assert "decoupled: true" in (tmp_path / "tensorrt_llm_bls" / "config.pbtxt").read_text()
+    data = json.loads(config.to_json()) | {"trtllm_api": "v2"}
+    with pytest.raises(ValueError, match="trtllm_api must be one of legacy, llmapi"):
+        NodeConfig.from_json(json.dumps(data))
