@@ -148,7 +148,7 @@ def llmapi_jobs(entry: EntryPoint, tokenizer: Tokenizer, end_pad: tuple[int | No
     except RequestError as exc:  # named as the client sent it: sampling_param_top_p, ...
         raise RequestError(_ENSEMBLE_NAME.sub(lambda m: _LLMAPI_NAME[m.group(0)], str(exc))
                            ) from None
-    reply.start(request, jobs[0].prompt_ids)
+    reply.start(request, jobs[0].prompt_ids, words)
     return jobs
 
 
@@ -167,10 +167,11 @@ class LlmapiReply:
         self.stop_words: list[tuple[str, list[int]]] = []
         self.generated: list[int] = []
 
-    def start(self, request: LlmapiRequest, prompt_ids: list[int]) -> None:
+    def start(self, request: LlmapiRequest, prompt_ids: list[int],
+              stop_ids: list[list[int]]) -> None:
+        """``stop_ids``: each of the request's stop strings as tokens."""
         self.request, self.prompt_ids = request, prompt_ids
-        self.stop_words = [(s, self.tokenizer.encode(s, add_special_tokens=False).ids)
-                           for s in request.stop]
+        self.stop_words = list(zip(request.stop, stop_ids, strict=True))
 
     def respond(self, tokens: list[int], meta: Mapping, final: bool) -> dict[str, np.ndarray]:
         """The response that carries ``tokens`` (:class:`~orchestrator.serving.batch.

@@ -124,7 +124,7 @@ def test_a_streamed_reply_carries_the_text_so_far_and_ends_with_its_reasons(toke
                    return_stop_reason=np.array([True]), return_cumulative_logprob=np.array([True]),
                    sampling_param_return_perf_metrics=np.array([True]))
     reply = LlmapiReply(tokenizer, end_id=2)
-    reply.start(request, prompt)
+    reply.start(request, prompt, [])
     first = reply.respond(new[:1], perf_meta(False), final=False)
     assert first["text_output"][0].decode() == tokenizer.decode(new[:1], skip_special_tokens=True)
     assert first["finish_reason"][0] == b"None" and first["stop_reason"][0] == b"None"
@@ -145,7 +145,7 @@ def test_a_unary_reply_holds_the_prompt_and_cuts_a_stop_string(tokenizer):
     request = read(sampling_param_stop=np.array([stop.encode()], object),
                    return_finish_reason=np.array([True]), return_stop_reason=np.array([True]))
     reply = LlmapiReply(tokenizer, end_id=2)
-    reply.start(request, prompt)
+    reply.start(request, prompt, [[stop_id]])
     out = reply.respond(new, {"full_text": True}, final=True)
     assert out["text_output"][0].decode() == tokenizer.decode(prompt + new[:-1],
                                                              skip_special_tokens=True)
