@@ -617,7 +617,9 @@ def _devices(node: dict) -> str:
 
 
 def status_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="dejavu status", description="show the local cluster")
+    parser = argparse.ArgumentParser(
+        prog="dejavu status", description="show the local cluster; exit 1 when a role that "
+        "serves is down or the controller does not answer (a spare down is a warning)")
     parser.add_argument("--json", action="store_true", help="print the state as JSON")
     args = _running(parser, argv)
     if args is None:
@@ -626,6 +628,9 @@ def status_main(argv: list[str]) -> int:
     for node in state["nodes"]:
         node["ready"] = is_ready(node["http"])
     view = controller_view(state)
+    state["warnings"] = [f"{n['name']} DOWN: the spare pool is short one warm spare (a used "
+                         f"spare's replacement loading); every role still serves"
+                         for n in state["nodes"] if n["role"] == Role.SPARE and not n["ready"]]
     if args.json:
         print(json.dumps(state, indent=2))
     else:
@@ -646,8 +651,17 @@ def status_main(argv: list[str]) -> int:
         if api:
             print(f"OpenAI API {api['url']} pid {api['pid']}: "
                   f"{'serving' if alive(api['pid']) else 'GONE'}")
-    healthy = "error" not in view and all(n["controller"] in ("alive", "-") for n in state["nodes"])
-    return 0 if healthy and all(n["ready"] for n in state["nodes"]) else 1
+        for warning in state["warnings"]:
+            print(f"warning: {warning}")
+    return 0 if serving(state, view) else 1
+
+
+def serving(state: dict, view: dict) -> bool:
+    """Every role that serves is up (a spare is not one: a degraded spare pool is a
+    warning) and the controller answers and counts each registered node alive."""
+    return "error" not in view and all(
+        n["ready"] and n["controller"] in ("alive", "-")
+        for n in state["nodes"] if n["role"] != Role.SPARE)
 
 
 def controller_view(state: dict) -> dict:
