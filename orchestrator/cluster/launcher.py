@@ -65,7 +65,6 @@ from orchestrator.cluster.tritonserver import (
 )
 from orchestrator.cluster.watchdog import STATE_FILE, STOPPING, read_pid, spawn, start_module
 from orchestrator.control.auth import (
-    admin_token,
     load_secret,
     new_secret,
     open_private,
@@ -150,7 +149,6 @@ class Cluster:
         self.watchdog: subprocess.Popen | None = None
         # Readable by this user only; the models get its path, never the secret.
         self.secret_file = write_secret(self.run_dir / SECRET_FILE, new_secret())
-        admin = admin_token(load_secret(self.secret_file))
         self.controller = Controller(self.run_dir / "logs" / "controller.log", port=free_port(),
                                      timeout_s=controller_timeout_s, secret_file=self.secret_file)
         self.backend_dir = make_backend_dir(self.run_dir / "backends")
@@ -180,7 +178,7 @@ class Cluster:
             # A per-run id: the controller and the KV transports tell clusters apart.
             config = replace(config, name=f"{name}-{server.grpc_port}",
                              **device_params(self.devices.get(name)))
-            server.admin_token, server.public = admin, config.role is Role.FRONTEND
+            server.public = config.role is Role.FRONTEND
             shutil.rmtree(server.repo, ignore_errors=True)
             write_node_repo(server.repo, config)
             self.nodes.append(Node(config, server))

@@ -68,7 +68,7 @@ from orchestrator.cluster.watchdog import (
     stopping,
     write_atomic,
 )
-from orchestrator.control.auth import admin_token, load_secret
+from orchestrator.control.auth import load_secret
 from orchestrator.control.client import ControlClient
 from orchestrator.fault.client import query_status
 from orchestrator.fault.rpc import Stub
@@ -366,7 +366,6 @@ class Supervisor:
         ports = (int(node[k].split(":")[1]) for k in ("http", "grpc", "metrics"))
         server = TritonServer(node["name"], repo, Path(state["backends"]), Path(node["log"]),
                               *ports, incarnation=incarnation, devices=node_devices(config.devices),
-                              admin_token=admin_token(self.secret),
                               public=config.role is Role.FRONTEND)
         clean_shm(node["shm_prefix"])  # a node that died on its own left its regions
         server.launch()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-import secrets
 import shutil
 import signal
 import socket
@@ -28,7 +27,7 @@ from pathlib import Path
 import pytriton
 
 from orchestrator.cluster.devices import Devices
-from orchestrator.control.auth import ADMIN_HEADER, UMASK, open_private
+from orchestrator.control.auth import UMASK, open_private
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "model_repository"
@@ -36,11 +35,19 @@ MODEL_CODE = ROOT / "backends" / "python"
 WHEEL = Path(pytriton.__file__).resolve().parent / "tritonserver"
 WHEEL_LIBS = WHEEL.parents[1] / "nvidia_pytriton.libs"
 SHM_DIR = Path("/dev/shm")
-# Triton APIs that need the cluster's admin header: on the client-facing frontend, those that
-# reach into the server's memory, logs or models; on internal nodes, all but inference and
-# health (the launcher's readiness probe).
+# Triton APIs no client may call: on the client-facing frontend, those that reach into the
+# server's memory, logs or models; on internal nodes, all but inference and health (the
+# launcher's readiness probe). Nothing in the cluster calls them.
 PUBLIC_RESTRICTED = ("shared-memory", "model-repository", "trace", "logging")
 INTERNAL_RESTRICTED = (*PUBLIC_RESTRICTED, "metadata", "model-config", "statistics")
+# Triton 2.51 opens a restricted API to the request whose header (key, value) matches its
+# rule, and takes the rule from argv only, where every local user reads it. So the rule names
+# a header no client can send: a line feed in the value (HTTP/1.1 and HTTP/2 forbid it in a
+# field value; Triton's HTTP server drops such a request) and, for gRPC, which prefixes the
+# key with ``triton-grpc-protocol-``, an upper-case letter in the key too (HTTP/2 forbids it
+# in a field name and gRPC resets the stream; gRPC does pass a line feed in a value).
+LOCKED_HTTP = "dejavu-locked=no client\nsends this"
+LOCKED_GRPC = "Dejavu-Locked=no client\nsends this"
 
 
 class ServerError(RuntimeError):
@@ -127,9 +134,6 @@ class TritonServer:
     incarnation: int = 0  # started again after a failure this many times
     devices: Devices | None = None  # pinned to these cores / GPUs (None: anywhere)
     host: str = "127.0.0.1"  # where it listens (a container: every interface)
-    # The admin header's value (auth.admin_token); the default, known to nobody, turns the
-    # restricted APIs off.
-    admin_token: str = field(default_factory=lambda: secrets.token_hex(32), repr=False)
     public: bool = False  # serves clients (the frontend): metadata, config, statistics open
 
     @property
@@ -167,8 +171,8 @@ class TritonServer:
 
     def restriction_flags(self) -> list[str]:
         apis = ",".join(PUBLIC_RESTRICTED if self.public else INTERNAL_RESTRICTED)
-        rule = f"{apis}:{ADMIN_HEADER}={self.admin_token}"
-        return [f"--http-restricted-api={rule}", f"--grpc-restricted-protocol={rule}"]
+        return [f"--http-restricted-api={apis}:{LOCKED_HTTP}",
+                f"--grpc-restricted-protocol={apis}:{LOCKED_GRPC}"]
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
