@@ -51,6 +51,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from orchestrator.cluster.devices import Devices, parse_assignments
+from orchestrator.cluster.shm_namespace import ShmNamespace, start_namespace, stop_namespace
 from orchestrator.cluster.topology import Topology, decode_name, node_configs, write_node_repo
 from orchestrator.cluster.tritonserver import (
     ServerError,
@@ -147,6 +148,7 @@ class Cluster:
         self.run_dir.chmod(0o700)
         self.supervisor: subprocess.Popen | None = None
         self.watchdog: subprocess.Popen | None = None
+        self.namespace: ShmNamespace | None = None  # the nodes' private /dev/shm
         # Readable by this user only; the models get its path, never the secret.
         self.secret_file = write_secret(self.run_dir / SECRET_FILE, new_secret())
         self.controller = Controller(self.run_dir / "logs" / "controller.log", port=free_port(),
@@ -215,8 +217,10 @@ class Cluster:
     def start(self, timeout_s: float = 180.0) -> None:
         try:
             (self.run_dir / STOPPING).unlink(missing_ok=True)  # a former cluster's down left it
+            self.namespace = start_namespace(self.run_dir / "logs" / "namespace.log")
             self.controller.start()
             for node in self.nodes:
+                node.server.namespace = self.namespace
                 node.server.launch()
             if self.openai is not None:  # it needs no node to start: while they load
                 self.openai.start(timeout_s)
@@ -255,6 +259,7 @@ class Cluster:
                 stop_processes([process.pid], timeout_s=5.0)
                 process.wait(timeout=5)
         stop_servers([node.server for node in self.nodes])
+        stop_namespace(self.namespace)
         self.controller.stop()
         if self.openai is not None:
             self.openai.stop()
@@ -270,6 +275,7 @@ class Cluster:
             "openai": self.openai.describe() if self.openai else None,
             "supervisor": {"log": str(self.run_dir / "logs" / "supervisor.log")},
             "backends": str(self.backend_dir),
+            "namespace": self.namespace.describe() if self.namespace else None,
             "nodes": [n.describe() for n in self.nodes],
         }
         with open_private(self.run_dir / STATE_FILE) as f:
@@ -717,9 +723,13 @@ def stop_described(run_dir: str | Path) -> list[str]:
             stopped.append(f"the {role}")
     state = read_state(run_dir)
     stop_processes([node["pid"] for node in state["nodes"] if node["pid"]])
+    namespace = ShmNamespace.from_state(state)
     for node in state["nodes"]:
-        clean_shm(node["shm_prefix"])
+        clean_shm(node["shm_prefix"], namespace)
         stopped.append(node["name"])
+    if namespace is not None:
+        stop_namespace(namespace)
+        stopped.append("the namespace holder")
     if (state.get("controller") or {}).get("pid"):
         stop_processes([state["controller"]["pid"]], timeout_s=5.0)
         stopped.append("the controller")

@@ -7,6 +7,7 @@ told to stop, then reads them all for a marker. Prints one JSON report."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pwd
@@ -231,37 +232,29 @@ def restricted(servers: list[dict], region: str) -> dict:
             "controls": controls, "http_without_header": sorted(plain), "client": refusals}
 
 
-def watch(prefix: str, marker: str, stop_file: str, ready_file: str) -> dict:
-    """Poll /dev/shm every millisecond for ``prefix*`` and keep open every region it can,
-    until ``stop_file`` exists; then read each one it holds for ``marker``."""
+def watch(marker: str, stop_file: str, ready_file: str, *prefixes: str) -> dict:
+    """Poll /dev/shm every millisecond for regions named ``prefixes*`` and keep open every
+    one it can, until ``stop_file`` exists; then read each one it holds for ``marker``."""
     held: dict[str, int] = {}
     seen: set[str] = set()
-    denied: set[str] = set()
     Path(ready_file).touch()
     polls = 0
     while not os.path.exists(stop_file):
         polls += 1
-        try:
-            names = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
-        except OSError:
-            names = []
-        for name in names:
-            seen.add(name)
-            if name in held:
+        for name in os.listdir("/dev/shm"):
+            if not name.startswith(prefixes) or name in held:
                 continue
-            try:
+            seen.add(name)
+            with contextlib.suppress(OSError):  # not ours to open, or gone
                 held[name] = os.open(f"/dev/shm/{name}", os.O_RDONLY)
-            except OSError:
-                denied.add(name)
         time.sleep(0.001)
     found = []
     for name, fd in held.items():
-        size = os.fstat(fd).st_size
-        if marker.encode() in os.pread(fd, size, 0):
+        if marker.encode() in os.pread(fd, os.fstat(fd).st_size, 0):
             found.append(name)
         os.close(fd)
-    return {"polls": polls, "seen": sorted(seen), "denied": sorted(denied),
-            "opened": sorted(held), "marker_in": found}
+    return {"polls": polls, "seen": sorted(seen), "opened": sorted(held),
+            "marker_in": sorted(found)}
 
 
 if __name__ == "__main__":

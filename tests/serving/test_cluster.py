@@ -9,7 +9,6 @@ and the cluster serves the next one.
 from __future__ import annotations
 
 import concurrent.futures
-import glob
 import json
 import socket
 import time
@@ -231,7 +230,7 @@ def test_a_hundred_failed_or_cancelled_requests_leave_nothing_behind(cluster, mo
     seat keeps the queue non-empty; a leaked Python-backend region shows in /dev/shm.
     """
     servers = [node.server for node in cluster.nodes]
-    regions_before = {s.name: len(glob.glob(f"/dev/shm/{s.shm_prefix}*")) for s in servers}
+    regions_before = {s.name: len(s.shm_regions()) for s in servers}
     long_prompt = "word " * MAX_SEQ_LEN
     bad = [("", MAX_TOKENS), (PROMPTS[0], 0), (PROMPTS[0], -1), (PROMPTS[0], MAX_SEQ_LEN + 1),
            (long_prompt, MAX_TOKENS)]
@@ -251,7 +250,7 @@ def test_a_hundred_failed_or_cancelled_requests_leave_nothing_behind(cluster, mo
     while metric(decode, "dejavu_queue_length") > 0:
         assert time.monotonic() < deadline, "the T-node still holds cancelled requests"
         time.sleep(0.1)
-    regions_after = {s.name: len(glob.glob(f"/dev/shm/{s.shm_prefix}*")) for s in servers}
+    regions_after = {s.name: len(s.shm_regions()) for s in servers}
     assert regions_after == regions_before
     burst = PROMPTS * 3  # 18 requests at once > 16 KV slots
     results = run_concurrently("grpc", cluster.frontend.grpc_url, burst, max_tokens=MAX_TOKENS)

@@ -1,26 +1,34 @@
-"""Issue 31's findings 1-3 tried as an attacker would on a real cluster (1 P-node, 1 T-node):
-Triton's shared-memory, logging, trace and repository APIs on the public port; another local
-user reading the cluster's regions and files; a captured internal request sent again, or
-with another body."""
+"""Issue 31's findings 1-3 and issue 44's 1-2 tried as an attacker would on a real cluster
+(1 P-node, 1 T-node): Triton's shared-memory, logging, trace and repository APIs on every
+port, with everything /proc shows; another local user reading the cluster's regions (from
+before the cluster starts) and files; a captured internal request sent again, or with
+another body."""
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
+import shutil
 import stat
 import subprocess
+import tempfile
+import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from cluster_helpers import ids_of, module_cluster, reference
+from cluster_helpers import MAX_SEQ_LEN, ids_of, module_cluster, reference
 from local_user import run_as_local_user
 
 from clients.common import PROMPTS
-from clients.generate import stream_grpc
+from clients.generate import stream_grpc, stream_http
+from orchestrator.cluster.launcher import Cluster
 from orchestrator.cluster.tritonserver import SHM_DIR
 from orchestrator.control.auth import load_secret, request_parameters
 from orchestrator.control.client import tensor
@@ -34,7 +42,44 @@ MAX_TOKENS = 8
 NOBODY = 65534
 
 
-cluster = module_cluster("security", prefill=1, decode=1)
+@contextmanager
+def watched_up(model: Path, run_dir: Path, **kwargs) -> Iterator[Cluster]:
+    """A cluster started while another local user watches /dev/shm (as root: the watcher
+    runs as that user), from before its first process: ``cluster.watch`` says how to stop
+    it. The watcher's control, a 0644 region holding the marker, shows it opens and reads
+    what it can."""
+    cluster = Cluster(model, run_dir=run_dir, max_seq_len=MAX_SEQ_LEN, **kwargs)
+    cluster.watch = None
+    if os.geteuid() == 0:
+        marker = f"zebra{secrets.token_hex(6)}"
+        control = SHM_DIR / f"dejavu_watchcontrol_{secrets.token_hex(4)}"
+        control.write_text(f"a region another user may read: {marker}")
+        control.chmod(0o644)
+        talk = Path(tempfile.mkdtemp(prefix="dejavu-watch-"))
+        talk.chmod(0o777)  # the watcher's ready mark, and the test's stop mark
+        prefixes = [control.name] + [n.server.shm_prefix for n in cluster.nodes]
+        process = run_as_local_user("watch", marker, str(talk / "stop"), str(talk / "ready"),
+                                    *prefixes)
+        deadline = time.monotonic() + 60
+        while not (talk / "ready").exists():
+            assert process.poll() is None and time.monotonic() < deadline, "no watcher"
+            time.sleep(0.01)
+        cluster.watch = {"process": process, "marker": marker, "control": control.name,
+                         "stop": talk / "stop", "prefixes": prefixes[1:]}
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+        if cluster.watch is not None:
+            cluster.watch["stop"].touch()
+            cluster.watch["process"].kill()
+            cluster.watch["process"].wait()
+            control.unlink(missing_ok=True)
+            shutil.rmtree(talk, ignore_errors=True)
+
+
+cluster = module_cluster("security", up=watched_up, prefill=1, decode=1)
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +90,6 @@ def expected(model):
 def _serves(cluster, expected) -> None:
     chunks = list(stream_grpc(cluster.frontend.grpc_url, PROMPTS[0], max_tokens=MAX_TOKENS))
     assert ids_of(chunks) == expected[0]
-
-
-def _regions(server) -> list[Path]:
-    return sorted(SHM_DIR.glob(f"{server.shm_prefix}*"))
 
 
 def _http(server, method: str, path: str, body: dict | None = None,
@@ -99,10 +140,38 @@ def test_no_local_user_opens_a_restricted_api_with_what_proc_shows(cluster, expe
     _serves(cluster, expected)
 
 
+def test_a_local_user_watching_dev_shm_from_before_up_opens_no_region(cluster, model,
+                                                                    expected):
+    """Issue 44's finding 1: a watcher, another local user polling /dev/shm every
+    millisecond from before the cluster's first process, opens none of the cluster's
+    regions (they live in the cluster's own /dev/shm) and reads no prompt's marker sent
+    after, through the ensemble (HTTP, gRPC) and tensorrt_llm_bls."""
+    need_root()
+    watch = cluster.watch
+    prompt = f"{PROMPTS[0]} {watch['marker']}"
+    url = cluster.frontend
+    for model_name in ("ensemble", "tensorrt_llm_bls"):
+        assert ids_of(stream_grpc(url.grpc_url, prompt, True, model_name,
+                                  max_tokens=MAX_TOKENS))
+    assert ids_of(stream_http(url.http_url, prompt, False, "ensemble", max_tokens=MAX_TOKENS))
+    # The prompts went through the frontend's regions: the cluster's user finds one there.
+    frontend = cluster.frontend.shm_regions()
+    assert any(watch["marker"].encode() in path.read_bytes() for path in frontend)
+    watch["stop"].touch()
+    out, err = watch["process"].communicate(timeout=120)
+    assert watch["process"].returncode == 0, err
+    report = json.loads(out)
+    assert report["polls"] > 1000  # it watched all along the start
+    assert report["opened"] == [watch["control"]]  # it opens what it can: nothing else
+    assert report["marker_in"] == [watch["control"]]
+    assert report["seen"] == [watch["control"]]  # the cluster's regions are not in its view
+    _serves(cluster, expected)
+
+
 def _cluster_files(cluster) -> list[Path]:
     run_dir = Path(cluster.run_dir)
     files = [p for p in run_dir.rglob("*") if p.is_file()]
-    regions = [p for node in cluster.nodes for p in _regions(node.server)]
+    regions = [p for node in cluster.nodes for p in node.server.shm_regions()]
     assert run_dir / "cluster.json" in files and run_dir / "secret" in files
     assert any(p.parent.name == "logs" for p in files) and regions
     return files + regions
