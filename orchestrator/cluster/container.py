@@ -29,6 +29,7 @@ import logging
 import os
 import re
 import secrets
+import shlex
 import shutil
 import sys
 import time
@@ -146,7 +147,7 @@ def node_main(argv: list[str]) -> int:
                           host=args.host, devices=devices,
                           public=config.role is Role.FRONTEND)
     command = server.command()
-    print(f"{config.name}: {' '.join(command)}", flush=True)
+    print(f"{config.name}: {shlex.join(command)}", flush=True)
     os.umask(UMASK)
     if devices is not None:
         devices.pin()
