@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import random
 import signal
 import sys
@@ -385,27 +384,28 @@ class Chaos(threading.Thread):
 # -- /proc -------------------------------------------------------------------------------------
 
 
-def roles(run_dir: Path) -> dict[str, tuple[int, str | None]]:
-    """Each role's process group leader and its /dev/shm prefix (nodes only)."""
+def roles(run_dir: Path) -> dict[str, tuple[int, list[Path]]]:
+    """Each role's process group leader and its /dev/shm regions (nodes only)."""
     from orchestrator.cluster.chaos import targets
     from orchestrator.cluster.launcher import read_state
+    from orchestrator.cluster.shm_namespace import ShmNamespace
+    from orchestrator.cluster.tritonserver import shm_regions
 
     state = read_state(run_dir)
-    found = {name: (t["pid"], t.get("shm_prefix")) for name, t in
-             targets(state, run_dir).items() if t.get("pid")}
+    namespace = ShmNamespace.from_state(state)
+    found = {name: (t["pid"], shm_regions(t["shm_prefix"], namespace)
+                    if t.get("shm_prefix") else [])
+             for name, t in targets(state, run_dir).items() if t.get("pid")}
     if (state.get("openai") or {}).get("pid"):
-        found["openai"] = (state["openai"]["pid"], None)
+        found["openai"] = (state["openai"]["pid"], [])
     return found
 
 
-def _shm_bytes(prefix: str | None) -> int:
-    if not prefix:
-        return 0
+def _shm_bytes(regions: list[Path]) -> int:
     total = 0
-    for entry in os.scandir("/dev/shm"):
-        if entry.name.startswith(prefix):
-            with contextlib.suppress(OSError):
-                total += entry.stat().st_blocks * 512  # pages in use, not the nominal size
+    for path in regions:
+        with contextlib.suppress(OSError):
+            total += path.stat().st_blocks * 512  # pages in use, not the nominal size
     return total
 
 
@@ -423,13 +423,13 @@ class Sampler(threading.Thread):
             return  # the state file is being rewritten
         groups = process_groups()
         at = round(time.monotonic() - self.start_t, 1)
-        for role, (pid, prefix) in sorted(leaders.items()):
+        for role, (pid, regions) in sorted(leaders.items()):
             g = groups.get(pid)
             if g is None:
                 continue  # killed, not started again yet
             self.rows.append({"t_s": at, "role": role, "pid": pid, "procs": g["processes"],
                               "rss_mb": round(g["rss_kb"] / 1024, 1), "threads": g["threads"],
-                              "fds": g["fds"], "shm_mb": round(_shm_bytes(prefix) / 2**20, 1)})
+                              "fds": g["fds"], "shm_mb": round(_shm_bytes(regions) / 2**20, 1)})
 
     def run(self) -> None:
         while True:

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from orchestrator.cluster.launcher import STATE_FILE, read_state
+from orchestrator.cluster.shm_namespace import ShmNamespace
 from orchestrator.cluster.tritonserver import alive, clean_shm
 from orchestrator.cluster.watchdog import read_pid
 from orchestrator.control.auth import load_secret
@@ -31,7 +32,9 @@ SIGNALS = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM}
 def targets(state: dict, run_dir: str | Path) -> dict[str, dict]:
     """Every process that can be killed, by name: the nodes, the controller, the OpenAI API,
     the supervisor and its watchdog."""
-    found = {node["name"]: node for node in state["nodes"]}
+    # A node's regions are in its cluster's namespace (ShmNamespace.from_state reads it).
+    found = {node["name"]: {**node, "namespace": state.get("namespace")}
+             for node in state["nodes"]}
     for role in ("controller", "openai"):
         if (state.get(role) or {}).get("pid"):
             found[role] = {"name": role, "role": role, **state[role]}
@@ -54,7 +57,7 @@ def kill(target: dict, sig: signal.Signals, timeout_s: float = 15.0) -> None:
                                f"after {sig.name}")
         time.sleep(0.05)
     if target.get("shm_prefix"):
-        clean_shm(target["shm_prefix"])
+        clean_shm(target["shm_prefix"], ShmNamespace.from_state(target))
 
 
 def drop(target: dict, secret_file: str) -> int:

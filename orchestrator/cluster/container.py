@@ -29,6 +29,7 @@ import logging
 import os
 import re
 import secrets
+import shlex
 import shutil
 import sys
 import time
@@ -47,7 +48,7 @@ from orchestrator.cluster.launcher import (
 )
 from orchestrator.cluster.topology import node_configs, write_node_repo
 from orchestrator.cluster.tritonserver import TritonServer, is_ready, make_backend_dir
-from orchestrator.control.auth import UMASK, admin_token, load_secret
+from orchestrator.control.auth import UMASK, load_secret
 from orchestrator.fault.client import query_status
 from orchestrator.fault.rpc import Stub
 from orchestrator.fault.stage_recovery import recover_stage
@@ -144,11 +145,9 @@ def node_main(argv: list[str]) -> int:
     server = TritonServer(args.node, repo, make_backend_dir(args.work / "backends"),
                           args.work / "unused.log", HTTP_PORT, GRPC_PORT, METRICS_PORT,
                           host=args.host, devices=devices,
-                          admin_token=admin_token(config.secret()),
                           public=config.role is Role.FRONTEND)
     command = server.command()
-    shown = [a for a in command if a not in server.restriction_flags()]  # the header's value
-    print(f"{config.name}: {' '.join(shown)}", flush=True)
+    print(f"{config.name}: {shlex.join(command)}", flush=True)
     os.umask(UMASK)
     if devices is not None:
         devices.pin()

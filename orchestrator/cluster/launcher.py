@@ -51,6 +51,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from orchestrator.cluster.devices import Devices, parse_assignments
+from orchestrator.cluster.shm_namespace import ShmNamespace, start_namespace, stop_namespace
 from orchestrator.cluster.topology import Topology, decode_name, node_configs, write_node_repo
 from orchestrator.cluster.tritonserver import (
     ServerError,
@@ -65,7 +66,6 @@ from orchestrator.cluster.tritonserver import (
 )
 from orchestrator.cluster.watchdog import STATE_FILE, STOPPING, read_pid, spawn, start_module
 from orchestrator.control.auth import (
-    admin_token,
     load_secret,
     new_secret,
     open_private,
@@ -148,9 +148,9 @@ class Cluster:
         self.run_dir.chmod(0o700)
         self.supervisor: subprocess.Popen | None = None
         self.watchdog: subprocess.Popen | None = None
+        self.namespace: ShmNamespace | None = None  # the nodes' private /dev/shm
         # Readable by this user only; the models get its path, never the secret.
         self.secret_file = write_secret(self.run_dir / SECRET_FILE, new_secret())
-        admin = admin_token(load_secret(self.secret_file))
         self.controller = Controller(self.run_dir / "logs" / "controller.log", port=free_port(),
                                      timeout_s=controller_timeout_s, secret_file=self.secret_file)
         self.backend_dir = make_backend_dir(self.run_dir / "backends")
@@ -180,7 +180,7 @@ class Cluster:
             # A per-run id: the controller and the KV transports tell clusters apart.
             config = replace(config, name=f"{name}-{server.grpc_port}",
                              **device_params(self.devices.get(name)))
-            server.admin_token, server.public = admin, config.role is Role.FRONTEND
+            server.public = config.role is Role.FRONTEND
             shutil.rmtree(server.repo, ignore_errors=True)
             write_node_repo(server.repo, config)
             self.nodes.append(Node(config, server))
@@ -217,8 +217,10 @@ class Cluster:
     def start(self, timeout_s: float = 180.0) -> None:
         try:
             (self.run_dir / STOPPING).unlink(missing_ok=True)  # a former cluster's down left it
+            self.namespace = start_namespace(self.run_dir / "logs" / "namespace.log")
             self.controller.start()
             for node in self.nodes:
+                node.server.namespace = self.namespace
                 node.server.launch()
             if self.openai is not None:  # it needs no node to start: while they load
                 self.openai.start(timeout_s)
@@ -257,6 +259,7 @@ class Cluster:
                 stop_processes([process.pid], timeout_s=5.0)
                 process.wait(timeout=5)
         stop_servers([node.server for node in self.nodes])
+        stop_namespace(self.namespace)
         self.controller.stop()
         if self.openai is not None:
             self.openai.stop()
@@ -272,6 +275,7 @@ class Cluster:
             "openai": self.openai.describe() if self.openai else None,
             "supervisor": {"log": str(self.run_dir / "logs" / "supervisor.log")},
             "backends": str(self.backend_dir),
+            "namespace": self.namespace.describe() if self.namespace else None,
             "nodes": [n.describe() for n in self.nodes],
         }
         with open_private(self.run_dir / STATE_FILE) as f:
@@ -625,7 +629,9 @@ def _devices(node: dict) -> str:
 
 
 def status_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="dejavu status", description="show the local cluster")
+    parser = argparse.ArgumentParser(
+        prog="dejavu status", description="show the local cluster; exit 1 when a role that "
+        "serves is down or the controller does not answer (a spare down is a warning)")
     parser.add_argument("--json", action="store_true", help="print the state as JSON")
     args = _running(parser, argv)
     if args is None:
@@ -634,6 +640,9 @@ def status_main(argv: list[str]) -> int:
     for node in state["nodes"]:
         node["ready"] = is_ready(node["http"])
     view = controller_view(state)
+    state["warnings"] = [f"{n['name']} DOWN: the spare pool is short one warm spare (a used "
+                         f"spare's replacement loading); every role still serves"
+                         for n in state["nodes"] if n["role"] == Role.SPARE and not n["ready"]]
     if args.json:
         print(json.dumps(state, indent=2))
     else:
@@ -654,8 +663,17 @@ def status_main(argv: list[str]) -> int:
         if api:
             print(f"OpenAI API {api['url']} pid {api['pid']}: "
                   f"{'serving' if alive(api['pid']) else 'GONE'}")
-    healthy = "error" not in view and all(n["controller"] in ("alive", "-") for n in state["nodes"])
-    return 0 if healthy and all(n["ready"] for n in state["nodes"]) else 1
+        for warning in state["warnings"]:
+            print(f"warning: {warning}")
+    return 0 if serving(state, view) else 1
+
+
+def serving(state: dict, view: dict) -> bool:
+    """Every role that serves is up (a spare is not one: a degraded spare pool is a
+    warning) and the controller answers and counts each registered node alive."""
+    return "error" not in view and all(
+        n["ready"] and n["controller"] in ("alive", "-")
+        for n in state["nodes"] if n["role"] != Role.SPARE)
 
 
 def controller_view(state: dict) -> dict:
@@ -713,9 +731,13 @@ def stop_described(run_dir: str | Path) -> list[str]:
             stopped.append(f"the {role}")
     state = read_state(run_dir)
     stop_processes([node["pid"] for node in state["nodes"] if node["pid"]])
+    namespace = ShmNamespace.from_state(state)
     for node in state["nodes"]:
-        clean_shm(node["shm_prefix"])
+        clean_shm(node["shm_prefix"], namespace)
         stopped.append(node["name"])
+    if namespace is not None:
+        stop_namespace(namespace)
+        stopped.append("the namespace holder")
     if (state.get("controller") or {}).get("pid"):
         stop_processes([state["controller"]["pid"]], timeout_s=5.0)
         stopped.append("the controller")

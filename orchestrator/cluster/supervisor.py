@@ -59,6 +59,7 @@ from orchestrator.cluster.launcher import (
     read_state,
 )
 from orchestrator.cluster.pid_watch import PidWatch
+from orchestrator.cluster.shm_namespace import ShmNamespace
 from orchestrator.cluster.topology import write_node_repo
 from orchestrator.cluster.tritonserver import ServerError, TritonServer, alive, clean_shm
 from orchestrator.cluster.watchdog import (
@@ -68,7 +69,7 @@ from orchestrator.cluster.watchdog import (
     stopping,
     write_atomic,
 )
-from orchestrator.control.auth import admin_token, load_secret
+from orchestrator.control.auth import load_secret
 from orchestrator.control.client import ControlClient
 from orchestrator.fault.client import query_status
 from orchestrator.fault.rpc import Stub
@@ -366,9 +367,9 @@ class Supervisor:
         ports = (int(node[k].split(":")[1]) for k in ("http", "grpc", "metrics"))
         server = TritonServer(node["name"], repo, Path(state["backends"]), Path(node["log"]),
                               *ports, incarnation=incarnation, devices=node_devices(config.devices),
-                              admin_token=admin_token(self.secret),
-                              public=config.role is Role.FRONTEND)
-        clean_shm(node["shm_prefix"])  # a node that died on its own left its regions
+                              public=config.role is Role.FRONTEND,
+                              namespace=ShmNamespace.from_state(state))
+        clean_shm(node["shm_prefix"], server.namespace)  # a node that died left its regions
         server.launch()
         self.children.append(server.process)
         # Recorded at once: `dejavu down` stops it even if it is never ready.

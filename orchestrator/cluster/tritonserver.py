@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-import secrets
 import shutil
 import signal
 import socket
@@ -28,19 +27,27 @@ from pathlib import Path
 import pytriton
 
 from orchestrator.cluster.devices import Devices
-from orchestrator.control.auth import ADMIN_HEADER, UMASK, open_private
+from orchestrator.cluster.shm_namespace import SHM_DIR, ShmNamespace
+from orchestrator.control.auth import UMASK, open_private
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "model_repository"
 MODEL_CODE = ROOT / "backends" / "python"
 WHEEL = Path(pytriton.__file__).resolve().parent / "tritonserver"
 WHEEL_LIBS = WHEEL.parents[1] / "nvidia_pytriton.libs"
-SHM_DIR = Path("/dev/shm")
-# Triton APIs that need the cluster's admin header: on the client-facing frontend, those that
-# reach into the server's memory, logs or models; on internal nodes, all but inference and
-# health (the launcher's readiness probe).
+# Triton APIs no client may call: on the client-facing frontend, those that reach into the
+# server's memory, logs or models; on internal nodes, all but inference and health (the
+# launcher's readiness probe). Nothing in the cluster calls them.
 PUBLIC_RESTRICTED = ("shared-memory", "model-repository", "trace", "logging")
 INTERNAL_RESTRICTED = (*PUBLIC_RESTRICTED, "metadata", "model-config", "statistics")
+# Triton 2.51 opens a restricted API to the request whose header (key, value) matches its
+# rule, and takes the rule from argv only, where every local user reads it. So the rule names
+# a header no client can send: a line feed in the value (HTTP/1.1 and HTTP/2 forbid it in a
+# field value; Triton's HTTP server drops such a request) and, for gRPC, which prefixes the
+# key with ``triton-grpc-protocol-``, an upper-case letter in the key too (HTTP/2 forbids it
+# in a field name and gRPC resets the stream; gRPC does pass a line feed in a value).
+LOCKED_HTTP = "dejavu-locked=no client\nsends this"
+LOCKED_GRPC = "Dejavu-Locked=no client\nsends this"
 
 
 class ServerError(RuntimeError):
@@ -130,10 +137,8 @@ class TritonServer:
     incarnation: int = 0  # started again after a failure this many times
     devices: Devices | None = None  # pinned to these cores / GPUs (None: anywhere)
     host: str = "127.0.0.1"  # where it listens (a container: every interface)
-    # The admin header's value (auth.admin_token); the default, known to nobody, turns the
-    # restricted APIs off.
-    admin_token: str = field(default_factory=lambda: secrets.token_hex(32), repr=False)
     public: bool = False  # serves clients (the frontend): metadata, config, statistics open
+    namespace: ShmNamespace | None = None  # started inside it: its /dev/shm is the cluster's
 
     @property
     def shm_prefix(self) -> str:
@@ -170,8 +175,8 @@ class TritonServer:
 
     def restriction_flags(self) -> list[str]:
         apis = ",".join(PUBLIC_RESTRICTED if self.public else INTERNAL_RESTRICTED)
-        rule = f"{apis}:{ADMIN_HEADER}={self.admin_token}"
-        return [f"--http-restricted-api={rule}", f"--grpc-restricted-protocol={rule}"]
+        return [f"--http-restricted-api={apis}:{LOCKED_HTTP}",
+                f"--grpc-restricted-protocol={apis}:{LOCKED_GRPC}"]
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -189,8 +194,9 @@ class TritonServer:
         """Start the process without waiting: several nodes can start side by side."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open_private(self.log_path, "ab") as log:
+            enter = [] if self.namespace is None else self.namespace.enter()
             self.process = subprocess.Popen(
-                self.command(),
+                enter + self.command(),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=self.environment(),
@@ -202,6 +208,9 @@ class TritonServer:
     def is_ready(self) -> bool:
         return is_ready(self.http_url)
 
+    def shm_regions(self) -> list[Path]:
+        return shm_regions(self.shm_prefix, self.namespace)
+
     def wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -210,9 +219,9 @@ class TritonServer:
                     f"tritonserver {self.name} exited with {self.process.returncode}; "
                     f"log {self.log_path}:\n{self.log_tail()}"
                 )
-            protect_shm(self.shm_prefix)  # as soon as the stubs make them
+            protect_shm(self.shm_prefix, self.namespace)  # as soon as the stubs make them
             if self.is_ready():
-                protect_shm(self.shm_prefix)
+                protect_shm(self.shm_prefix, self.namespace)
                 return
             time.sleep(0.2)
         self.stop()
@@ -238,7 +247,7 @@ def stop_servers(servers: list[TritonServer], timeout_s: float = 15.0) -> None:
     for process in started:
         process.wait(timeout=5)
     for server in servers:
-        clean_shm(server.shm_prefix)
+        clean_shm(server.shm_prefix, server.namespace)
 
 
 def is_ready(http_url: str) -> bool:
@@ -286,19 +295,30 @@ def alive(pid: int) -> bool:
         return False
 
 
-def protect_shm(prefix: str) -> None:
+def protect_shm(prefix: str, namespace: ShmNamespace | None = None) -> None:
     """Make a node's Python-backend regions its user's alone: the backend creates them 0644
-    whatever the umask (boost.interprocess sets the mode after ``shm_open``)."""
-    for path in SHM_DIR.glob(f"{prefix}*"):
+    whatever the umask (boost.interprocess sets the mode after ``shm_open``). In the
+    cluster's namespace (``namespace``) no other user sees them anyway."""
+    for path in shm_regions(prefix, namespace):
         with contextlib.suppress(OSError):  # gone meanwhile
             path.chmod(0o600)
 
 
-def clean_shm(prefix: str) -> None:
+def clean_shm(prefix: str, namespace: ShmNamespace | None = None) -> None:
     """Remove the Python backend's shared-memory regions a killed node leaves behind: its
     prefix and a uuid. Not a later incarnation's, whose prefix extends this one's (the
     supervisor may have started it already: its stubs would never come up)."""
-    for path in SHM_DIR.glob(f"{prefix}*"):
+    for path in shm_regions(prefix, namespace):
         with contextlib.suppress(ValueError):
             uuid.UUID(path.name.removeprefix(prefix))
             path.unlink(missing_ok=True)
+
+
+def shm_regions(prefix: str, namespace: ShmNamespace | None = None) -> list[Path]:
+    """A node's Python-backend regions (``namespace``: its cluster's, else the host's)."""
+    return sorted(_shm_dir(namespace).glob(f"{prefix}*"))
+
+
+def _shm_dir(namespace: ShmNamespace | None) -> Path:
+    """Where a node's regions are: its cluster's namespace's /dev/shm, else the host's."""
+    return SHM_DIR if namespace is None else namespace.shm_dir

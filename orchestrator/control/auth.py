@@ -57,17 +57,6 @@ def mac(secret: bytes, body: bytes) -> bytes:
     return hashlib.blake2b(body, key=key, digest_size=MAC_BYTES).digest()
 
 
-ADMIN_HEADER = "dejavu-admin"  # the header Triton's restricted APIs demand (gRPC prefixes it)
-GRPC_ADMIN_HEADER = f"triton-grpc-protocol-{ADMIN_HEADER}"
-
-
-def admin_token(secret: bytes) -> str:
-    """The value of :data:`ADMIN_HEADER` that opens a node's restricted Triton APIs
-    (shared memory, logging, trace, repository control; all but inference and health on an
-    internal node): derived from the cluster secret, so only the cluster has it."""
-    return mac(secret, b"triton-restricted-api").hex()
-
-
 def new_secret() -> bytes:
     return os.urandom(32)
 

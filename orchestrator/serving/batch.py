@@ -54,8 +54,8 @@ def split(tensors: Mapping[str, np.ndarray | None], check: CheckRow) -> list[Seq
     if ids is None or lengths is None or ids.ndim != 2:
         raise RequestError("input_ids must be [batch, tokens] with input_lengths [batch, 1]")
     jobs = []
-    for row in range(ids.shape[0]):
-        prompt = ids[row, : int(lengths[row].reshape(-1)[0])]
+    for row, length in enumerate(prompt_lengths(ids, lengths)):
+        prompt = ids[row, :length]
         signature = None if auth is None else auth[row].reshape(-1)[0]
         try:
             params = GenerationParams.from_tensors(tensors, row)
@@ -67,6 +67,27 @@ def split(tensors: Mapping[str, np.ndarray | None], check: CheckRow) -> list[Seq
         jobs += [SequenceJob(row, i, prompt, params.for_sequence(i))
                  for i in range(params.num_return_sequences)]
     return jobs
+
+
+def prompt_lengths(ids: np.ndarray, lengths: np.ndarray) -> list[int]:
+    """Each row's ``input_lengths``, checked against the ids sent: a row's prompt is its
+    first ``length`` ids (the rest pad it to the longest row), so a length is in
+    [0, width] and the longest row's is the width. Anything else is a client's bug, refused
+    rather than served as another prompt."""
+    width = ids.shape[1]
+    if lengths.size != ids.shape[0] or lengths.dtype.kind not in "iu":
+        raise RequestError(f"input_lengths must be [batch, 1] integers, one per row of "
+                           f"input_ids ({ids.shape[0]} rows), got {lengths.dtype} "
+                           f"{list(lengths.shape)}")
+    found = [int(n) for n in lengths.reshape(-1)]
+    for row, n in enumerate(found):
+        # One row has no padding; several: the longest has none.
+        if not 0 <= n <= width or (n != width and max(found) != width):
+            where = f" (batch row {row})" if len(found) > 1 else ""
+            raise RequestError(f"input_lengths {n}{where} is not the number of ids sent: "
+                               f"input_ids has {width} a row"
+                               + (", and the longest row none of padding" if where else ""))
+    return found
 
 
 class BatchReply:

@@ -336,14 +336,13 @@ def usage(cluster) -> dict[str, dict[str, int]]:
     open fds, processes, and its /dev/shm regions. Its tritonserver's orphaned sockets are
     counted apart from the fds (see :func:`orphaned_sockets`)."""
     groups = process_groups()
-    shm = os.listdir("/dev/shm")
     found = {}
     for node in cluster.nodes:
         server = node.server
         orphaned = orphaned_sockets(server.process.pid)
         group = groups[server.process.pid]
         found[server.name] = {**group, "fds": group["fds"] - orphaned, "orphaned": orphaned,
-                              "shm": sum(name.startswith(server.shm_prefix) for name in shm)}
+                              "shm": len(server.shm_regions())}
     return found
 
 

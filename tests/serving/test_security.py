@@ -1,34 +1,36 @@
-"""Issue 31's findings 1-3 tried as an attacker would on a real cluster (1 P-node, 1 T-node):
-Triton's shared-memory, logging, trace and repository APIs on the public port; another local
-user reading the cluster's regions and files; a captured internal request sent again, or
-with another body."""
+"""Issue 31's findings 1-3 and issue 44's 1-2 tried as an attacker would on a real cluster
+(1 P-node, 1 T-node): Triton's shared-memory, logging, trace and repository APIs on every
+port, with everything /proc shows; another local user reading the cluster's regions (from
+before the cluster starts) and files; a captured internal request sent again, or with
+another body."""
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
+import shutil
 import stat
 import subprocess
+import tempfile
+import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from cluster_helpers import ids_of, module_cluster, reference
-from tritonclient.utils import InferenceServerException
+from cluster_helpers import MAX_SEQ_LEN, ids_of, module_cluster, reference
+from local_user import run_as_local_user
 
 from clients.common import PROMPTS
-from clients.generate import stream_grpc
+from clients.generate import stream_grpc, stream_http
+from orchestrator.cluster.launcher import Cluster
 from orchestrator.cluster.tritonserver import SHM_DIR
-from orchestrator.control.auth import (
-    ADMIN_HEADER,
-    GRPC_ADMIN_HEADER,
-    admin_token,
-    load_secret,
-    request_parameters,
-)
+from orchestrator.control.auth import load_secret, request_parameters
 from orchestrator.control.client import tensor
 from orchestrator.control.errors import ErrorCode
 from orchestrator.engine.tokenizer import load_tokenizer
@@ -40,7 +42,44 @@ MAX_TOKENS = 8
 NOBODY = 65534
 
 
-cluster = module_cluster("security", prefill=1, decode=1)
+@contextmanager
+def watched_up(model: Path, run_dir: Path, **kwargs) -> Iterator[Cluster]:
+    """A cluster started while another local user watches /dev/shm (as root: the watcher
+    runs as that user), from before its first process: ``cluster.watch`` says how to stop
+    it. The watcher's control, a 0644 region holding the marker, shows it opens and reads
+    what it can."""
+    cluster = Cluster(model, run_dir=run_dir, max_seq_len=MAX_SEQ_LEN, **kwargs)
+    cluster.watch = None
+    if os.geteuid() == 0:
+        marker = f"zebra{secrets.token_hex(6)}"
+        control = SHM_DIR / f"dejavu_watchcontrol_{secrets.token_hex(4)}"
+        control.write_text(f"a region another user may read: {marker}")
+        control.chmod(0o644)
+        talk = Path(tempfile.mkdtemp(prefix="dejavu-watch-"))
+        talk.chmod(0o777)  # the watcher's ready mark, and the test's stop mark
+        prefixes = [control.name] + [n.server.shm_prefix for n in cluster.nodes]
+        process = run_as_local_user("watch", marker, str(talk / "stop"), str(talk / "ready"),
+                                    *prefixes)
+        deadline = time.monotonic() + 60
+        while not (talk / "ready").exists():
+            assert process.poll() is None and time.monotonic() < deadline, "no watcher"
+            time.sleep(0.01)
+        cluster.watch = {"process": process, "marker": marker, "control": control.name,
+                         "stop": talk / "stop", "prefixes": prefixes[1:]}
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+        if cluster.watch is not None:
+            cluster.watch["stop"].touch()
+            cluster.watch["process"].kill()
+            cluster.watch["process"].wait()
+            control.unlink(missing_ok=True)
+            shutil.rmtree(talk, ignore_errors=True)
+
+
+cluster = module_cluster("security", up=watched_up, prefill=1, decode=1)
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +90,6 @@ def expected(model):
 def _serves(cluster, expected) -> None:
     chunks = list(stream_grpc(cluster.frontend.grpc_url, PROMPTS[0], max_tokens=MAX_TOKENS))
     assert ids_of(chunks) == expected[0]
-
-
-def _regions(server) -> list[Path]:
-    return sorted(SHM_DIR.glob(f"{server.shm_prefix}*"))
 
 
 def _http(server, method: str, path: str, body: dict | None = None,
@@ -69,52 +104,74 @@ def _http(server, method: str, path: str, body: dict | None = None,
         return error.code
 
 
-def test_shared_memory_logging_trace_and_repository_need_the_cluster_header(cluster,
-                                                                            expected):
-    """Finding 1: registering another process's /dev/shm region, or raising the log level,
-    through any node's HTTP or gRPC port is refused; on internal nodes so is everything but
-    inference and health. The cluster's own header opens them; clients still get served."""
-    region = _regions(cluster.frontend)[0].name  # the frontend's Python-backend IPC region
-    register = {"key": f"/{region}", "offset": 0, "byte_size": 64}
-    for node in cluster.nodes:
-        server = node.server
-        restricted = [("POST", f"/v2/systemsharedmemory/region/{region}/register", register),
-                      ("GET", "/v2/systemsharedmemory/status", None),
-                      ("POST", "/v2/logging", {"log_verbose_level": 1}),
-                      ("GET", "/v2/logging", None),
-                      ("GET", "/v2/trace/setting", None),
-                      ("POST", "/v2/repository/index", {}),
-                      ("POST", "/v2/repository/models/ensemble/unload", {})]
-        if node.role != "frontend":
-            restricted += [("GET", "/v2", None), ("GET", "/v2/models/decode/config", None),
-                           ("GET", "/v2/models/stats", None)]
-        for method, path, body in restricted:
-            assert _http(server, method, path, body) == 403, (node.role, path)
-        assert _http(server, "GET", "/v2/health/ready") == 200
+def need_root() -> None:
+    """The probes run as another user: only root starts them (CI runs as root)."""
+    if os.geteuid() != 0:
+        if os.environ.get("CI"):
+            pytest.fail("this check starts a process as another user: run it as root")
+        pytest.skip("starts a process as another user: needs root")
 
-        client = grpcclient.InferenceServerClient(server.grpc_url)
-        try:
-            for call, args in [(client.register_system_shared_memory, (region, f"/{region}", 64)),
-                               (client.get_system_shared_memory_status, ()),
-                               (client.update_log_settings, ({"log_verbose_level": 1},)),
-                               (client.get_trace_settings, ()),
-                               (client.unload_model, ("ensemble",))]:
-                with pytest.raises(InferenceServerException, match="restricted"):
-                    call(*args)
-            admin = {GRPC_ADMIN_HEADER: admin_token(load_secret(cluster.secret_file))}
-            assert client.get_log_settings(headers=admin, as_json=True)["settings"]
-            assert client.is_server_ready()
-        finally:
-            client.close()
-    admin = {ADMIN_HEADER: admin_token(load_secret(cluster.secret_file))}
-    assert _http(cluster.frontend, "GET", "/v2/logging", headers=admin) == 200
+
+MODELS = {"frontend": "ensemble", "prefill": "prefill", "decode": "decode"}
+
+
+def test_no_local_user_opens_a_restricted_api_with_what_proc_shows(cluster, expected):
+    """Issue 31's finding 1 and issue 44's 2: registering a shared-memory region, the log
+    level, trace settings, the model repository (on internal nodes, all but inference and
+    health) are refused on every node's HTTP and gRPC port to an unprivileged local user who
+    read every /proc/<pid>/cmdline and environ it could and sent every header rule it found
+    there, byte for byte over raw HTTP/1.1 and HTTP/2 (Triton takes the rule from argv only:
+    it names a header no client can send). Health stays open; clients are still served."""
+    need_root()
+    servers = [{"http": n.server.http_url, "grpc": n.server.grpc_url,
+                "internal": n.role != "frontend", "model": MODELS[n.role]}
+               for n in cluster.nodes]
+    probe = run_as_local_user("restricted", json.dumps(servers),
+                              f"{cluster.frontend.shm_prefix}x")
+    out, err = probe.communicate(timeout=300)
+    assert probe.returncode == 0, err
+    report = json.loads(out)
+    assert report["read"]["cmdline"] > 0 and len(report["rules"]) >= 2  # the nodes' rules
+    assert all(report["controls"])  # health answers, raw HTTP/1.1 and HTTP/2 alike
+    assert report["served"] == [], report["served"]
+    assert report["http_without_header"] == [403]
+    assert report["client"] and all("StatusCode.UNAVAILABLE" in line and "restricted" in line
+                                    for line in report["client"]), report["client"]
+    _serves(cluster, expected)
+
+
+def test_a_local_user_watching_dev_shm_from_before_up_opens_no_region(cluster, model,
+                                                                    expected):
+    """Issue 44's finding 1: a watcher, another local user polling /dev/shm every
+    millisecond from before the cluster's first process, opens none of the cluster's
+    regions (they live in the cluster's own /dev/shm) and reads no prompt's marker sent
+    after, through the ensemble (HTTP, gRPC) and tensorrt_llm_bls."""
+    need_root()
+    watch = cluster.watch
+    prompt = f"{PROMPTS[0]} {watch['marker']}"
+    url = cluster.frontend
+    for model_name in ("ensemble", "tensorrt_llm_bls"):
+        assert ids_of(stream_grpc(url.grpc_url, prompt, True, model_name,
+                                  max_tokens=MAX_TOKENS))
+    assert ids_of(stream_http(url.http_url, prompt, False, "ensemble", max_tokens=MAX_TOKENS))
+    # The prompts went through the frontend's regions: the cluster's user finds one there.
+    frontend = cluster.frontend.shm_regions()
+    assert any(watch["marker"].encode() in path.read_bytes() for path in frontend)
+    watch["stop"].touch()
+    out, err = watch["process"].communicate(timeout=120)
+    assert watch["process"].returncode == 0, err
+    report = json.loads(out)
+    assert report["polls"] > 1000  # it watched all along the start
+    assert report["opened"] == [watch["control"]]  # it opens what it can: nothing else
+    assert report["marker_in"] == [watch["control"]]
+    assert report["seen"] == [watch["control"]]  # the cluster's regions are not in its view
     _serves(cluster, expected)
 
 
 def _cluster_files(cluster) -> list[Path]:
     run_dir = Path(cluster.run_dir)
     files = [p for p in run_dir.rglob("*") if p.is_file()]
-    regions = [p for node in cluster.nodes for p in _regions(node.server)]
+    regions = [p for node in cluster.nodes for p in node.server.shm_regions()]
     assert run_dir / "cluster.json" in files and run_dir / "secret" in files
     assert any(p.parent.name == "logs" for p in files) and regions
     return files + regions
@@ -134,8 +191,7 @@ def test_another_local_user_reads_no_region_or_file(cluster, expected):
     probe = ("import sys\nopened = []\nfor path in sys.argv[1:]:\n"
              "    try:\n        open(path, 'rb').read(1)\n        opened.append(path)\n"
              "    except PermissionError:\n        pass\nprint('\\n'.join(opened))\n")
-    if os.geteuid() != 0:
-        pytest.fail("this check starts a process as user nobody: run it as root")
+    need_root()
     result = subprocess.run(["/usr/bin/python3", "-c", probe, *map(str, paths)],
                             user=NOBODY, group=NOBODY, capture_output=True, text=True,
                             timeout=30, cwd="/")

@@ -39,6 +39,21 @@ def failed_requests(entry: dict) -> float:
     return metric(SimpleNamespace(metrics_port=port), "dejavu_requests", outcome="failed")
 
 
+def assert_status_serves(run_dir, capsys) -> None:
+    """``dejavu status`` (JSON and text) exits 0; the spare, whenever it shows DOWN, is a
+    warning in both."""
+    capsys.readouterr()
+    assert status_main(["--dir", str(run_dir), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    down = not node(shown, "spare0")["ready"]
+    assert [w.startswith("spare0 DOWN") for w in shown["warnings"]] == [True] * down
+    assert status_main(["--dir", str(run_dir)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    spare_down = any(line.startswith("spare0 ") and " DOWN " in line for line in lines)
+    warned = any(line.startswith("warning: spare0 DOWN") for line in lines)
+    assert warned == spare_down, lines
+
+
 def test_a_killed_stage_moves_to_the_spare_and_a_new_spare_starts(model, tmp_path, capsys):
     expected = reference(model, PROMPTS[:4], FAULT_TOKENS, to_end=False)
     with fault_cluster(model, tmp_path, decode=1, decode_depth=2, spares=1) as cluster:
@@ -58,7 +73,9 @@ def test_a_killed_stage_moves_to_the_spare_and_a_new_spare_starts(model, tmp_pat
         deadline = time.monotonic() + 120
         while True:  # a new spare where the lost node was, loaded and on standby
             fresh = node(read_state(tmp_path), "spare0")
-            if fresh.get("pid") and alive(fresh["pid"]) and is_ready(fresh["http"]):
+            ready = bool(fresh.get("pid") and alive(fresh["pid"]) and is_ready(fresh["http"]))
+            assert_status_serves(tmp_path, capsys)  # while it loads too: a warning at most
+            if ready:
                 break
             assert time.monotonic() < deadline, "no new spare"
             time.sleep(0.2)

@@ -144,3 +144,38 @@ def test_a_non_decoupled_token_model_takes_one_whole_sequence_per_request():
         check_unary([job(True)])
     with pytest.raises(RequestError, match="2 sequences"):
         check_unary([job(False), job(False, 1)])
+
+
+@pytest.mark.parametrize("length", [-1, 2, 10, 2**31 - 1])
+def test_input_lengths_other_than_the_ids_sent_are_refused(length):
+    """With 4 ids sent, -1 had dropped the last one, 2 used two and 10 was clipped."""
+    from orchestrator.serving.batch import split
+
+    def check(ids, signature, params):
+        pass
+
+    ids = np.array([[5, 6, 7, 8]], np.int32)
+    sent = request(input_ids=ids, input_lengths=np.array([[length]], np.int32))
+    with pytest.raises(RequestError, match=rf"input_lengths {length} is not the number of "
+                                           r"ids sent: input_ids has 4 a row"):
+        split(ensemble_tensors(sent), check)
+    jobs = split(ensemble_tensors(request(input_ids=ids, input_lengths=np.array([[4]]))), check)
+    assert [job.prompt_ids for job in jobs] == [[5, 6, 7, 8]]
+
+
+def test_padded_rows_keep_their_lengths_and_the_longest_fills_the_width():
+    from orchestrator.serving.batch import split
+
+    def check(ids, signature, params):
+        pass
+
+    rows = {name: np.repeat(value, 2, axis=0) for name, value in request().items()}
+    padded = rows | {"input_ids": np.array([[5, 6, 7], [8, 9, 0]], np.int32),
+                     "input_lengths": np.array([[3], [2]], np.int32)}
+    assert [j.prompt_ids for j in split(ensemble_tensors(padded), check)] == [[5, 6, 7], [8, 9]]
+    for lengths, message in [([[2], [2]], r"input_lengths 2 \(batch row 0\) is not the number"),
+                             ([[3], [4]], r"input_lengths 4 \(batch row 1\) is not the"),
+                             ([[3]], r"one per row of input_ids \(2 rows\)")]:
+        with pytest.raises(RequestError, match=message):
+            split(ensemble_tensors(padded | {"input_lengths": np.array(lengths, np.int32)}),
+                  check)

@@ -208,6 +208,8 @@ def test_token_model_refuses_what_it_cannot_do_and_serves_on(cluster, model, exp
         ("draft_input_ids", np.array([[1, 2]], np.int32), "speculative decoding"),
         ("beam_width", np.array([[2]], np.int32), "beam_width 2 is not supported"),
         ("runtime_top_p", np.array([[1.5]], np.float32), "top_p must be in [0, 1]"),
+        *[("input_lengths", np.array([[length]], np.int32), "is not the number of ids sent")
+          for length in (-1, len(prompt[0]) - 1, len(prompt[0]) + 1, 2**31 - 1)],
     ]:
         got = answers(cluster.frontend.grpc_url, "tensorrt_llm",
                       token_request(prompt, True, eos, 0) | {name: value})
