@@ -123,4 +123,5 @@ def write_node_repo(repo: Path, config: NodeConfig) -> None:
     """The model repository of one node: each of its role's models gets the config."""
     for model in ROLE_MODELS[config.role]:
         add_model(repo, model, {"config": config.to_json()} if model != "ensemble" else None,
-                  decoupled=config.trtllm_decoupled or model != "tensorrt_llm")
+                  decoupled=config.trtllm_decoupled or model != "tensorrt_llm",
+                  instances=config.frontend_instances if model == "orchestrator" else 1)

@@ -122,8 +122,7 @@ class EmulatedEngine:
         seconds = self.profile.decode_s(len(caches), context) * self.share * self.time_scale
         pairs = [self._pairs(x[None], c, c.length) for x, c in zip(inputs, caches, strict=True)]
         for cache, p in zip(caches, pairs, strict=True):
-            for layer in self.kv_layout.layer_range:
-                cache.layer(layer)[0, 0, cache.length, :2] = p[0]
+            cache.data[:, 0, 0, cache.length, :2] = p[0]  # every layer's K at once
             cache.length += 1
         out = torch.cat(pairs)
         self._sleep_until(start + seconds)
