@@ -416,6 +416,9 @@ class Frontend:
                     admitted = True
                     first = self._prefill(request_id, prompt_ids, params, tickets, is_cancelled)
                 counted(*first, False)
+            # Its tokens go out from the feed's thread as they come; this one waits for
+            # the last ones (no thread woken per token).
+            stream.forward(lambda tokens, log_probs: counted(tokens, log_probs, False))
             while not done:
                 tokens, log_probs, done = stream.tokens(is_cancelled)
                 counted(tokens, log_probs, done)
@@ -432,6 +435,8 @@ class Frontend:
                 raise
             raise ServingError(str(exc)) from exc
         finally:
+            if stream is not None:
+                stream.stop_forwarding()  # no token in flight on the feed's thread after this
             self.decode.done(url, left + prompt)
             self.decode.leave(url)
             if stream is not None:
