@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import statistics
 import time
 from dataclasses import dataclass
@@ -33,7 +34,8 @@ from orchestrator.cluster.tritonserver import proc_stat
 PROFILE = "splitwise-llama2-70b-h100"
 # Process roles, in the report's order: (role, does a label belong to it).
 ROLES = (
-    ("frontend orchestrator stub", lambda label: label == "frontend orchestrator (Python stub)"),
+    ("frontend orchestrator stub", lambda label: label.startswith(
+        "frontend orchestrator (Python stub)")),
     ("frontend other stubs", lambda label: label.startswith("frontend ")
      and label.endswith("(Python stub)")),
     ("tritonservers", lambda label: label.endswith(" tritonserver")),
@@ -61,13 +63,26 @@ class Stream:
     arrivals: list[float]  # perf_counter, one per token (a response of n: n times)
 
 
+def label_of(pid: int) -> str:
+    """Breakdown's label, and a model instance's name where a model has several (a stub's
+    argument: ``orchestrator_0_1``)."""
+    label = _label(pid)
+    if label.endswith("(Python stub)"):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().decode(errors="replace").split("\0")
+        instance = next((a for a in argv if re.fullmatch(r"\w+_\d+_(\d+)", a)), "")
+        if instance and not instance.endswith("_0_0"):
+            label += f" {instance}"
+    return label
+
+
 def cluster_pids(pgids: set[int]) -> dict[int, str]:
-    """Every live process of the cluster's process groups, by its label (breakdown's)."""
+    """Every live process of the cluster's process groups, by its label."""
     found = {}
     for pid, stat in _live_processes():
         if int(stat[2]) in pgids:
             try:
-                found[pid] = _label(pid)
+                found[pid] = label_of(pid)
             except OSError:  # gone meanwhile
                 continue
     return found
