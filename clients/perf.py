@@ -475,10 +475,12 @@ def main(argv: list[str]) -> int:
                         "(genai-perf completions/chat, aiperf), with --url")
     parser.add_argument("--modes", nargs="+", choices=["disaggregated", "colocated"],
                         default=["disaggregated", "colocated"])
-    parser.add_argument("--concurrency", type=int, nargs="+", default=list(range(1, 9)))
+    parser.add_argument("--concurrency", type=int, nargs="+",
+                        help="concurrent streams (default 1..8; --cpu: 1 16 64)")
     parser.add_argument("--requests", type=int, default=12,
                         help="requests per concurrent stream at each level")
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, help="tokens per request (default 32; --cpu: "
+                        "220)")
     parser.add_argument("--prompt", default=PROMPT)
     parser.add_argument("--genai-concurrency", type=int, default=4,
                         help="genai-perf's one concurrency (0: skip genai-perf and aiperf)")
@@ -502,7 +504,23 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--pin", action="store_true",
                         help="the T-node alone on the last core, the rest (frontend, P-node, "
                         "perf_analyzer) on the others; the bare engine on the T-node's core")
+    parser.add_argument("--cpu", action="store_true",
+                        help="instead: the cluster's CPU per streamed token by process role, "
+                        "an emulated 1P+1T cluster on --profile (clients/serving_cpu.py)")
+    parser.add_argument("--profile", default="splitwise-llama2-70b-h100",
+                        help="--cpu: the emulated engine's profile")
+    parser.add_argument("--batch", type=int, default=64, help="--cpu: the T-node's max batch")
+    parser.add_argument("--frontend-instances", type=int, default=1,
+                        help="--cpu: orchestrator model instances in the frontend")
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="--cpu: tokens per streamed response")
     args = parser.parse_args(argv)
+    if args.concurrency is None:
+        args.concurrency = [1, 16, 64] if args.cpu else list(range(1, 9))
+    if args.max_tokens is None:
+        args.max_tokens = 220 if args.cpu else 32
+    if args.cpu:
+        return _cpu(args)
     if args.breakdown:
         return _breakdown(args)
     if bool(args.url) != bool(args.http_url):
@@ -568,6 +586,27 @@ def _breakdown(args) -> int:
     write_csv(out / "breakdown.csv", breakdown.rows())
     print(breakdown.report(args.max_tokens, args.breakdown_requests))
     print(f"wrote {out}/breakdown.csv")
+    return 0
+
+
+def _cpu(args) -> int:
+    from clients.serving_cpu import COLUMNS, run_cpu
+
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        model_dir = (args.model or dummy_model(args.out, args.arch, args.preset)).resolve()
+        rows = run_cpu(model_dir, out, args.concurrency, args.max_tokens, args.batch,
+                       args.profile, args.frontend_instances, args.stream_interval)
+    except (ServerError, RuntimeError, ValueError, OSError) as exc:
+        print(f"dejavu bench serving --cpu: {exc}", file=sys.stderr)
+        return 1
+    write_csv(out / "cpu.csv", rows)
+    print(f"\n{args.profile}, batch {args.batch}, {args.max_tokens} tokens per stream, "
+          f"{args.frontend_instances} orchestrator instance(s), stream interval "
+          f"{args.stream_interval}; ms of CPU per streamed token:\n")
+    print(markdown(rows, COLUMNS))
+    print(f"wrote {out}/cpu.csv")
     return 0
 
 

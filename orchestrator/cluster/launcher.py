@@ -516,6 +516,13 @@ def topology_arguments(parser: argparse.ArgumentParser) -> None:
                         "backend's decoupled_mode (default: legacy true, llmapi false, as "
                         "its model.yaml): true streams; false serves a unary ModelInfer "
                         "(one response), refusing streaming (and batches) as they do")
+    parser.add_argument("--frontend-instances", type=int, default=1, metavar="N",
+                        help="processes of the frontend's orchestrator model (the ensemble's "
+                        "token path), requests spread across them: one carries ~3,000 "
+                        "tokens/s (docs/bench-serving.md)")
+    parser.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                        help="tokens per streamed response after the first (the ensemble's "
+                        "stream, OpenAI streams): fewer responses, less CPU per token")
     parser.add_argument("--time-scale", type=float, default=1.0, metavar="K",
                         help="--engine emulated: every step sleeps the profile's time x K "
                         "(a K-times slower replay, so the serving path's own CPU stays small "
@@ -539,7 +546,8 @@ def settings_from(args: argparse.Namespace) -> dict:
             "trtllm_api": args.trtllm_api,
             "trtllm_decoupled": (None if args.trtllm_decoupled is None
                                  else args.trtllm_decoupled == "true"),
-            "time_scale": args.time_scale}
+            "time_scale": args.time_scale, "frontend_instances": args.frontend_instances,
+            "stream_interval": args.stream_interval}
 
 
 def engine_profile(engine: str, profile: str) -> str:

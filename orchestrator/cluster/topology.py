@@ -128,4 +128,5 @@ def write_node_repo(repo: Path, config: NodeConfig) -> None:
         add_model(repo, model, {"config": config.to_json()} if model != "ensemble" else None,
                   decoupled=config.tensorrt_llm_decoupled or not trtllm,
                   source=LLMAPI_MODEL if trtllm and config.trtllm_api is TrtllmApi.LLMAPI
-                  else model)
+                  else model,
+                  instances=config.frontend_instances if model == "orchestrator" else 1)

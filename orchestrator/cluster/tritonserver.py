@@ -94,14 +94,16 @@ def _parameter(key: str, value: str) -> str:
 
 
 DECOUPLED = "model_transaction_policy { decoupled: true }"
+ONE_INSTANCE = "kind: KIND_CPU count: 1 }"
 
 
 def add_model(repo: Path, model: str, params: dict[str, str] | None = None,
-              decoupled: bool = True, source: str = "") -> None:
+              decoupled: bool = True, source: str = "", instances: int = 1) -> None:
     """Copy ``model``'s config (plus ``params``) and its model.py into ``repo``;
     ``decoupled`` false: a decoupled model's config made non-decoupled; ``source``: the
     folder (of ``model_repository/`` and ``backends/python/``) served under the name
-    ``model`` (default: ``model``'s own)."""
+    ``model`` (default: ``model``'s own); ``instances``: its instance group's count (a
+    config of one instance)."""
     source = source or model
     config = CONFIGS / source / "config.pbtxt"
     if not config.exists():
@@ -113,6 +115,10 @@ def add_model(repo: Path, model: str, params: dict[str, str] | None = None,
         if DECOUPLED not in text:
             raise ValueError(f"model {model!r} is not decoupled")
         text = text.replace(DECOUPLED, "model_transaction_policy { decoupled: false }")
+    if instances != 1:
+        if ONE_INSTANCE not in text:
+            raise ValueError(f"model {model!r} has no instance group of one instance")
+        text = text.replace(ONE_INSTANCE, f"kind: KIND_CPU count: {instances} }}")
     text += "".join(_parameter(k, str(v)) for k, v in (params or {}).items())
     with open_private(repo / model / "config.pbtxt") as f:
         f.write(text)

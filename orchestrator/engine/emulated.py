@@ -115,17 +115,25 @@ class EmulatedEngine:
 
     def decode(self, inputs: torch.Tensor, caches: Sequence[KVCache]) -> torch.Tensor:
         start = self._clock()
-        self._check([x[None] for x in inputs], caches)
+        if not len(inputs) or len(inputs) != len(caches):
+            raise ValueError(f"{len(inputs)} inputs but {len(caches)} caches")
+        self._check_layouts(caches)
+        self._check_input(inputs)  # the whole batch at once: its CPU is the T-node's
         if any(c.length >= self.kv_layout.max_seq_len for c in caches):
             raise ValueError(f"a cache is full ({self.kv_layout.max_seq_len} positions)")
         context = sum(c.length for c in caches) / len(caches) + 1
         seconds = self.profile.decode_s(len(caches), context) * self.share * self.time_scale
-        pairs = [self._pairs(x[None], c, c.length) for x, c in zip(inputs, caches, strict=True)]
-        for cache, p in zip(caches, pairs, strict=True):
-            for layer in self.kv_layout.layer_range:
-                cache.layer(layer)[0, 0, cache.length, :2] = p[0]
+        if self.stage.is_first:
+            rows = []
+            for token, cache in zip(inputs.tolist(), caches, strict=True):
+                state = int(cache.data[0, 0, 0, cache.length - 1, 1]) if cache.length else 0
+                rows.append((token, next_state(state, token)))
+            out = torch.tensor(rows, dtype=torch.float32)
+        else:
+            out = inputs[:, :2].float()
+        for cache, pair in zip(caches, out, strict=True):
+            cache.data[:, 0, 0, cache.length, :2] = pair  # every layer's K at once
             cache.length += 1
-        out = torch.cat(pairs)
         self._sleep_until(start + seconds)
         return self._logits(out) if self.stage.is_last else self._hidden(out)
 
@@ -151,8 +159,8 @@ class EmulatedEngine:
 
     def _logits(self, pairs: torch.Tensor) -> torch.Tensor:
         logits = torch.zeros(len(pairs), self.vocab_size)
-        for row, state in enumerate(pairs[:, 1].tolist()):
-            logits[row, token_of(int(state), self.vocab_size)] = LOGIT
+        tokens = [token_of(int(state), self.vocab_size) for state in pairs[:, 1].tolist()]
+        logits[torch.arange(len(pairs)), torch.tensor(tokens)] = LOGIT
         return logits
 
     # -- checks and time -----------------------------------------------------
@@ -162,18 +170,25 @@ class EmulatedEngine:
             raise ValueError("empty batch")
         if len(inputs) != len(caches):
             raise ValueError(f"{len(inputs)} inputs but {len(caches)} caches")
+        self._check_layouts(caches)
+        limit = self.kv_layout.max_seq_len
+        for x in inputs:
+            self._check_input(x)
+            if not 0 < len(x) <= limit:
+                raise ValueError(f"input of {len(x)} positions; need 1..{limit}")
+
+    def _check_layouts(self, caches: Sequence[KVCache]) -> None:
         for cache in caches:
             if cache.layout != self.kv_layout:
                 raise ValueError(f"cache layout {cache.layout}, want {self.kv_layout}")
-        limit = self.kv_layout.max_seq_len
-        for x in inputs:
-            if self.stage.is_first and (x.dim() != 1 or x.dtype.is_floating_point or len(x) and (
-                    int(x.min()) < 0 or int(x.max()) >= self.vocab_size)):
-                raise ValueError(f"first stage takes 1-D token ids in [0, {self.vocab_size})")
-            if not self.stage.is_first and (x.dim() != 2 or x.shape[1] != self.hidden_size):
-                raise ValueError(f"stage takes [T, {self.hidden_size}] hidden states")
-            if not 0 < len(x) <= limit:
-                raise ValueError(f"input of {len(x)} positions; need 1..{limit}")
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        """Token ids (first stage, 1-D) or hidden states (``[T, hidden]``)."""
+        if self.stage.is_first and (x.dim() != 1 or x.dtype.is_floating_point or len(x) and (
+                int(x.min()) < 0 or int(x.max()) >= self.vocab_size)):
+            raise ValueError(f"first stage takes 1-D token ids in [0, {self.vocab_size})")
+        if not self.stage.is_first and (x.dim() != 2 or x.shape[1] != self.hidden_size):
+            raise ValueError(f"stage takes [T, {self.hidden_size}] hidden states")
 
     def _sleep_until(self, deadline: float) -> None:
         left = deadline - self._clock()

@@ -85,6 +85,11 @@ class NodeConfig:
     # a unary ModelInfer gets one response; streaming and batches are refused); None: the
     # contract's default (legacy: true; llmapi: false, its model.yaml's)
     trtllm_decoupled: bool | None = None
+    # frontend: processes of its ``orchestrator`` model (each its own Frontend, feed and
+    # streams; Triton spreads the ensemble's requests across them): one carries ~3,000
+    # tokens/s at most
+    frontend_instances: int = 1
+    stream_interval: int = 1  # frontend: tokens per streamed response after the first
     prefill_urls: tuple[str, ...] = ()  # every P-node's gRPC url
     decode_urls: tuple[tuple[str, ...], ...] = ()  # each token pipeline's, stage 0 first
 
@@ -96,7 +101,8 @@ class NodeConfig:
         self._validate()
 
     def _validate(self) -> None:
-        positive = ("depth", "prefill_depth", "max_batch", "threads",
+        positive = ("depth", "prefill_depth", "max_batch", "threads", "frontend_instances",
+                    "stream_interval",
                     "heartbeat_s", "recover_timeout_s", "time_scale")
         for name in (*positive, "max_seq_len", "num_slots", "max_prompt_bytes", "max_requests",
                      "reserve_ttl_s"):

@@ -70,7 +70,8 @@ class EntryPoint:
                             config.secret(), controller=config.controller, metrics=metrics,
                             max_sequences=config.max_sequences(),
                             pipeline_sequences=config.pipeline_sequences(),
-                            timeout_s=FRONTEND_TIMEOUT_S * config.time_scale)
+                            timeout_s=FRONTEND_TIMEOUT_S * config.time_scale,
+                            stream_interval=config.stream_interval)
         return cls(frontend, RequestLimits.for_node(config, tokenizer), metrics,
                    config.concurrent_requests())
 

@@ -131,7 +131,7 @@ class Frontend:
         secret: bytes, timeout_s: float = FRONTEND_TIMEOUT_S, controller: str = "",
         watch_s: float = 0.1,
         rerun_wait_s: float = 1.0, metrics: Metrics | None = None, max_sequences: int = 0,
-        pipeline_sequences: list[int] | None = None,
+        pipeline_sequences: list[int] | None = None, stream_interval: int = 1,
     ) -> None:
         """``decode_pipelines``: each token pipeline's stage urls, stage 0 (its head) first;
         ``secret``: the cluster's (every request to a node is signed with it);
@@ -139,7 +139,8 @@ class Frontend:
         the reruns; ``max_sequences``: sequences in flight at once (0: no bound), the
         rest wait their turn here instead of asking the T-nodes for a slot again and
         again; ``pipeline_sequences``: those each pipeline holds (the router passes
-        over a full one)."""
+        over a full one); ``stream_interval``: tokens per streamed response after the
+        first (which goes at once), as vLLM's and TensorRT-LLM's."""
         self.prefill = Router(prefill_urls) if prefill_urls else None
         heads = [stages[0] for stages in decode_pipelines]
         self.decode = Router(heads, slots=dict(zip(heads, pipeline_sequences or [],
@@ -148,7 +149,7 @@ class Frontend:
         # The controller's name of each token pipeline (the launcher's order) -> its head.
         self.heads = {f"decode{i}": stages[0] for i, stages in enumerate(decode_pipelines)}
         self.timeout_s, self.rerun_wait_s = timeout_s, rerun_wait_s
-        self.max_sequences = max_sequences
+        self.max_sequences, self.stream_interval = max_sequences, stream_interval
         self.seats = threading.Semaphore(max_sequences) if max_sequences else None
         self.secret, self.pool = secret, ClientPool()
         self.control = ControlClient(secret, timeout_s, self.pool)
@@ -284,7 +285,8 @@ class Frontend:
                 if len(log_probs) != len(tokens):  # a node that lost them: never silently
                     raise Refused(f"{len(tokens)} tokens came with {len(log_probs)} log-probs")
                 held_log_probs.extend(log_probs[repeats:])
-            if not (final or params.stream and held):
+            if not (final or params.stream and len(held) >= (self.stream_interval if sent
+                                                                else 1)):
                 return
             # A stream that fell behind gets every token it waits for in one response.
             emit(list(held), list(held_log_probs) if params.return_log_probs else None,
@@ -414,6 +416,9 @@ class Frontend:
                     admitted = True
                     first = self._prefill(request_id, prompt_ids, params, tickets, is_cancelled)
                 counted(*first, False)
+            # Its tokens go out from the feed's thread as they come; this one waits for
+            # the last ones (no thread woken per token).
+            stream.forward(lambda tokens, log_probs: counted(tokens, log_probs, False))
             while not done:
                 tokens, log_probs, done = stream.tokens(is_cancelled)
                 counted(tokens, log_probs, done)
@@ -430,6 +435,8 @@ class Frontend:
                 raise
             raise ServingError(str(exc)) from exc
         finally:
+            if stream is not None:
+                stream.stop_forwarding()  # no token in flight on the feed's thread after this
             self.decode.done(url, left + prompt)
             self.decode.leave(url)
             if stream is not None:

@@ -11,6 +11,14 @@ the step advanced. A request's own responses are its KV ticket, its failure
 and its last (empty) response; it is done once both that and the feed's word
 that its tokens are done have come, in either order (they travel apart).
 
+Once a request streams (:meth:`RequestStream.forward`), the listener's thread
+hands each feed message's tokens to every request it names, one after another,
+instead of queueing them for each request's own thread: waking 64 threads a
+step, each taking the GIL in turn, cost the frontend as much as the responses
+themselves (py-spy; 0.16 ms a token with 4 tokens per response). The request's
+thread waits only for its end: its last tokens, its last response, a failure,
+or its client leaving.
+
 The stream breaking (the node died or was started again) fails every request on
 it, and the next request opens a new one. Nothing on it is ever cancelled: a
 request whose client left is ended with a signed ``end`` op (Triton 2.51 races a
@@ -39,6 +47,10 @@ from orchestrator.serving.feed import FeedListener, FeedRow
 log = logging.getLogger(__name__)
 
 CANCEL_POLL_S = 0.05  # how often a waiting request asks Triton whether its client left
+# ... and one waiting for its tokens: each question is an IPC round trip to tritonserver that
+# holds the stub's GIL, and asked every 50 ms by 64 streams it cost as much as their tokens'
+# responses (py-spy); a client that left is noticed within this, its slot freed then.
+TOKEN_CANCEL_POLL_S = 0.5
 
 
 class Cancelled(Exception):
@@ -58,6 +70,20 @@ class _Tokens:
     done: bool
 
 
+# a request's new tokens and their log-probs (None: not asked for), on the listener's thread
+Forward = Callable[[list[int], list[TokenLogProb] | None], None]
+
+
+@dataclass(eq=False)
+class _Forwarding:
+    """Where the feed's tokens for one request go as they come; ``lock`` is held while
+    they are handed on, so a request that stops forwarding has none in flight after."""
+
+    relay: Forward | None  # None once it failed
+    responses: queue.SimpleQueue  # where a failure of ``relay`` goes
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
 class NodeStream:
     """One stream to a T-node's ``decode`` model and the token feed on it."""
 
@@ -69,7 +95,8 @@ class NodeStream:
         # When the node last sent anything: a request queued for a slot in a full batch
         # hears nothing of its own for as long as the batch runs, yet is not lost.
         self.heard_at = time.monotonic()
-        self._queues: dict[str, queue.Queue] = {}
+        self._queues: dict[str, queue.SimpleQueue] = {}
+        self._forwards: dict[str, _Forwarding] = {}
         self._lock = threading.Lock()
         self._feed_ended = threading.Event()
         listener.subscribe(self.feed_id, self._deliver, lambda: self._break(
@@ -83,12 +110,37 @@ class NodeStream:
         with self._lock:
             if self.broken is not None:
                 raise self.broken
-            responses = self._queues[request_id] = queue.Queue()
+            responses = self._queues[request_id] = queue.SimpleQueue()  # C: cheap wake-ups
         return RequestStream(self, request_id, responses, timeout_s)
 
     def forget(self, request_id: str) -> None:
+        self.stop_forwarding(request_id)
         with self._lock:
             self._queues.pop(request_id, None)
+
+    def forward(self, request_id: str, relay: Forward) -> tuple[_Forwarding | None, list]:
+        """From now on the feed's tokens for ``request_id`` that do not end it go to
+        ``relay`` on the listener's thread. Returns its forwarding, its lock taken (the
+        listener waits until the caller releases it), and what its queue held meanwhile,
+        in order, for the caller to hand on first (None and nothing: it was forgotten)."""
+        with self._lock:
+            responses = self._queues.get(request_id)
+            if responses is None:
+                return None, []
+            forwarding = self._forwards[request_id] = _Forwarding(relay, responses)
+            forwarding.lock.acquire()
+            queued = []
+            while not responses.empty():
+                queued.append(responses.get())
+        return forwarding, queued
+
+    def stop_forwarding(self, request_id: str) -> None:
+        """No token of ``request_id`` is handed on after this returns."""
+        with self._lock:
+            forwarding = self._forwards.pop(request_id, None)
+        if forwarding is not None:
+            with forwarding.lock:  # one in flight ends first
+                pass
 
     def send(self, request_id: str, op: str, arrays: dict[str, np.ndarray]) -> None:
         """A signed request on the stream; raises the stream's error if it is broken."""
@@ -131,10 +183,26 @@ class NodeStream:
             self._feed_ended.set()
 
     def _deliver(self, rows: list[FeedRow]) -> None:
-        """On the listener's thread: the feed's tokens of one step."""
+        """On the listener's thread: the feed's tokens of one step, handed on to the
+        requests that forward them, queued for the others (and each request's last)."""
         self.heard_at = time.monotonic()
-        for rid, tokens, log_probs, done in rows:
-            self._put(rid, _Tokens(tokens, log_probs, done))
+        forwarded = []
+        with self._lock:  # queued or forwarded, never both: see forward()
+            for rid, tokens, log_probs, done in rows:
+                forwarding = None if done else self._forwards.get(rid)
+                if forwarding is not None:
+                    forwarded.append((forwarding, tokens, log_probs))
+                elif (responses := self._queues.get(rid)) is not None:
+                    responses.put(_Tokens(tokens, log_probs, done))
+        for forwarding, tokens, log_probs in forwarded:
+            with forwarding.lock:
+                if forwarding.relay is None:
+                    continue  # it failed: the request ends with that failure
+                try:
+                    forwarding.relay(tokens, log_probs)
+                except Exception as exc:  # the request's own thread raises it
+                    forwarding.relay = None
+                    forwarding.responses.put(exc)
 
     def _put(self, request_id: str, item: object) -> None:
         with self._lock:
@@ -173,7 +241,7 @@ class RequestStream:
 
     node: NodeStream
     request_id: str
-    responses: queue.Queue
+    responses: queue.SimpleQueue
     timeout_s: float
     _cancel_check_at: float = 0.0
     _fed_done: bool = False  # the feed said its tokens are done
@@ -183,6 +251,27 @@ class RequestStream:
     def send(self, arrays: dict[str, np.ndarray]) -> None:
         self.node.send(self.request_id, "generate", {
             **arrays, "feed": np.array([self.node.feed_id.encode()], dtype=np.object_)})
+
+    def forward(self, relay: Forward) -> None:
+        """Hand every token of this request from now on to ``relay`` as it comes, on the
+        feed listener's thread, but its last ones (:meth:`tokens` returns those); what
+        came before goes to ``relay`` first, here. A failure of ``relay`` is raised by
+        :meth:`tokens`; :meth:`close` stops it."""
+        forwarding, queued = self.node.forward(self.request_id, relay)
+        items, self._held = self._held + queued, []
+        try:
+            for item in items:
+                if isinstance(item, _Tokens) and not item.done:
+                    relay(item.ids, item.log_probs)
+                else:  # its last tokens, a response or a failure: tokens() takes them
+                    self._held.append(item)
+        except BaseException:
+            if forwarding is not None:
+                forwarding.relay = None
+            raise
+        finally:
+            if forwarding is not None:
+                forwarding.lock.release()
 
     def next(self, is_cancelled: Callable[[], bool]) -> grpcclient.InferResult:
         """The next response on the request's own stream (its ticket, its failure raised)."""
@@ -222,17 +311,21 @@ class RequestStream:
         except Exception:  # a broken stream: the node already lost the request with it
             log.debug("could not end %s on %s", self.request_id, self.node.url, exc_info=True)
 
+    def stop_forwarding(self) -> None:
+        """No token is handed on from the feed's thread after this returns."""
+        self.node.stop_forwarding(self.request_id)
+
     def close(self) -> None:
         self.node.forget(self.request_id)
 
     def _take(self, is_cancelled: Callable[[], bool]) -> object:
         """The next item from the queue; asking Triton whether the client left costs a
-        round trip, so that is asked every ``CANCEL_POLL_S`` at most."""
+        round trip, so that is asked every ``TOKEN_CANCEL_POLL_S`` at most."""
         deadline = time.monotonic() + self.timeout_s
         while True:
             now = time.monotonic()
             if now >= self._cancel_check_at:
-                self._cancel_check_at = now + CANCEL_POLL_S
+                self._cancel_check_at = now + TOKEN_CANCEL_POLL_S
                 if is_cancelled():
                     raise Cancelled()
             if now >= deadline:

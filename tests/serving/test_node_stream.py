@@ -100,3 +100,57 @@ def test_a_request_queued_behind_a_running_batch_waits_while_its_node_steps():
     finally:
         stop.set()
         stepping.join(5)
+
+
+def node_with(*request_ids: str):
+    """A NodeStream's delivery side alone (no Triton): its queues, forwards and lock."""
+    from orchestrator.serving.node_stream import NodeStream
+
+    node = NodeStream.__new__(NodeStream)
+    node.url, node.heard_at, node._lock = "t:1", time.monotonic(), threading.Lock()
+    node._queues = {rid: queue.SimpleQueue() for rid in request_ids}
+    node._forwards = {}
+    return node
+
+
+def test_a_streaming_request_gets_its_tokens_on_the_feeds_thread_and_its_last_on_its_own():
+    node = node_with("r", "other")
+    request = RequestStream(node, "r", node._queues["r"], 5.0)
+    node._deliver([("r", [1], None, False), ("other", [9], None, False)])
+    relayed: list[list[int]] = []
+    request.forward(lambda tokens, log_probs: relayed.append(tokens))
+    assert relayed == [[1]]  # what came before, first
+    node._deliver([("r", [2, 3], None, False), ("other", [8], None, False)])
+    assert relayed == [[1], [2, 3]]  # handed on as it came, on the listener's thread
+    node._deliver([("r", [4], None, True)])
+    node._queues["r"].put(Result(True))
+    assert request.tokens(never_cancelled) == ([4], None, True)  # the last, with the final
+    assert relayed == [[1], [2, 3]]
+    other = RequestStream(node, "other", node._queues["other"], 5.0)
+    node._queues["other"].put(Result(True))
+    node._deliver([("other", [7], None, True)])
+    assert other.tokens(never_cancelled) == ([9, 8, 7], None, True)  # not forwarded: queued
+
+
+def test_a_relay_that_fails_ends_the_request_and_a_stopped_one_gets_nothing_more():
+    node = node_with("r")
+    request = RequestStream(node, "r", node._queues["r"], 5.0)
+    calls: list[list[int]] = []
+
+    def failing(tokens, log_probs) -> None:
+        calls.append(tokens)
+        raise RuntimeError("the client's stream is closed")
+
+    request.forward(failing)
+    node._deliver([("r", [1], None, False)])
+    node._deliver([("r", [2], None, False)])
+    assert calls == [[1]]
+    with pytest.raises(RuntimeError, match="closed"):
+        request.tokens(never_cancelled)
+    node = node_with("r")
+    request = RequestStream(node, "r", node._queues["r"], 5.0)
+    relayed: list[list[int]] = []
+    request.forward(lambda tokens, log_probs: relayed.append(tokens))
+    request.stop_forwarding()
+    node._deliver([("r", [5], None, False)])
+    assert relayed == [] and node._queues["r"].get_nowait().ids == [5]

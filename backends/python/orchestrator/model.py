@@ -15,7 +15,9 @@ class TritonPythonModel:
         config = pb.node_config(args)
         self.secret = config.secret()
         self.tokenizer = load_tokenizer(config.model_dir)
-        self.entry = EntryPoint.for_node(config, pb.TritonMetrics(config.name or "frontend"))
+        instance = args["model_instance_name"] if config.frontend_instances > 1 else ""
+        self.entry = EntryPoint.for_node(config, pb.TritonMetrics(config.name or "frontend",
+                                                                  instance=instance))
 
     def execute(self, requests):
         pb.serve(self.entry, requests, self.jobs, self.respond)
