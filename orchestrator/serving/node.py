@@ -75,6 +75,8 @@ def stage_service(config: NodeConfig, metrics: Metrics | None,
                      make_transport=make_transport)
     if controller is not None:  # a successor it cannot reach: tell the controller at once
         node.on_unreachable = controller.suspect
+        if node.receiver is not None:  # a lost P-node's slots are free once it is declared
+            controller.on_ended = node.receiver.writers_ended
     if config.depth == 1:  # nothing to connect: serve at once (also where no launcher bootstraps)
         node.start()
     recovery = None
