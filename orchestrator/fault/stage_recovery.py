@@ -148,7 +148,7 @@ def recover_stage(call: Call, urls: list[str], plan: dict, quiet_timeout_s: floa
     with _Calls(call, depth) as calls:
         began = time.monotonic()
 
-        def wire() -> tuple[dict[int, bytes], dict[int, bytes]]:
+        def wire() -> tuple[dict[int, bytes], dict[int, bytes], float]:
             """Every stage's endpoints, and each replacement wired to its neighbours (not
             started: nothing reaches it yet), while the survivors settle."""
             ring, replicas = _endpoints(calls, urls)
@@ -156,11 +156,12 @@ def recover_stage(call: Call, urls: list[str], plan: dict, quiet_timeout_s: floa
                         for x in failed])
             calls.each([(urls[x], "replicate", [replicas[(x + 1) % depth], replicas[x - 1]])
                         for x in failed])
-            return ring, replicas
+            return ring, replicas, time.monotonic()
 
         wired = calls.pool.submit(wire)
         _settle(calls, urls, survivors, quiet_timeout_s)
-        ring, replicas = wired.result()
+        quiet = time.monotonic()
+        ring, replicas, wired_at = wired.result()
         settled = time.monotonic()
         # Once settled: the predecessors' rings and replicas go to the replacements.
         reconnects = [(urls[x - 1], "reconnect", [ring[x], replicas[x]])
@@ -182,10 +183,12 @@ def recover_stage(call: Call, urls: list[str], plan: dict, quiet_timeout_s: floa
         restored = time.monotonic()
         _resume(calls, urls, survivors, lengths, failed, plan["epoch"])
         done = time.monotonic()
-    log.warning("stages %s recovered: %s in %.2f s (settling %.2f s, restoring KV %.2f s, "
+    log.warning("stages %s recovered: %s in %.2f s (settling %.2f s: quiet after %.2f s, "
+                "replacements wired after %.2f s; rewinding %.2f s, restoring KV %.2f s, "
                 "resuming %.2f s)", failed, "recomputed from prompts" if recompute
                 else f"resumed at {resume} with {len(rewound['lengths'])} requests kept",
-                done - began, settled - began, restored - rewound_at, done - restored)
+                done - began, settled - began, quiet - began, wired_at - began,
+                rewound_at - settled, restored - rewound_at, done - restored)
     return rewound["lengths"]
 
 
