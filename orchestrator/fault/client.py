@@ -93,6 +93,10 @@ class ControllerClient:
         self._beats = 0  # heartbeats sent: each carries the next number
         self._rejoin = False  # registered before, with a controller that forgot it since
         self._warned = False  # "unreachable" logged since the last contact
+        # Told the node ids whose processes ended (a T-node frees the KV slots they would
+        # have written), as the beats bring them; ``_ended_seen``: how many it was told.
+        self.on_ended: Callable[[list[str]], None] | None = None
+        self._ended_seen = 0
         self._acks: dict[tuple[int, int], int] = {}  # (source stage, microbatch) -> step
         self._unsent: set[tuple[int, int]] = set()
         self._lock = threading.Lock()
@@ -185,8 +189,13 @@ class ControllerClient:
                 self._register()
             if heartbeat:
                 self._beats += 1  # the controller refuses a number it has seen
-                reply = self._call("Heartbeat", {"node_id": self.node_id, "seq": self._beats})
+                reply = self._call("Heartbeat", {"node_id": self.node_id, "seq": self._beats,
+                                                 "ended_seen": self._ended_seen})
                 self.epoch, self.state = reply["epoch"], reply["state"]
+                if self.on_ended is not None:  # none yet: the next beats ask again
+                    self._ended_seen = reply["ended_seen"]
+                    if reply["ended"]:
+                        self.on_ended(reply["ended"])
             self._flush_acks()
             if not self.connected:
                 log.info("%s: connected to the controller", self.node_id)

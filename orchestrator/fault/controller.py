@@ -94,6 +94,9 @@ class ControllerState:
         self.probe = probe or listening
         self.nodes: dict[str, Node] = {}
         self.pipelines: dict[str, Pipeline] = {}
+        # Nodes whose processes ended, in the order heard: heartbeats hand them on, so a
+        # T-node frees a KV slot that a lost P-node would have written at once.
+        self.ended: list[str] = []
         self.lock = threading.Lock()
 
     # -- node lifecycle ------------------------------------------------------
@@ -139,7 +142,8 @@ class ControllerState:
 
     def heartbeat(self, req: dict) -> dict:
         """``seq``: the node's heartbeat number, larger than its last (a replayed beat must
-        not keep a dead node alive)."""
+        not keep a dead node alive). ``ended_seen``: how many of :attr:`ended` the node has;
+        the reply's ``ended`` are the rest."""
         node, seq = self._node(str(req["node_id"])), int(req["seq"])
         with self.lock:
             if seq <= node.last_beat:
@@ -148,7 +152,10 @@ class ControllerState:
             node.last_beat = seq
             node.last_seen = self.clock()
             pipeline = self.pipelines[node.pipeline]
-            return {"epoch": pipeline.epoch, "state": pipeline.state}
+            seen = int(req.get("ended_seen", 0))
+            seen = 0 if seen > len(self.ended) else seen  # a controller started again
+            return {"epoch": pipeline.epoch, "state": pipeline.state,
+                    "ended": self.ended[seen:], "ended_seen": len(self.ended)}
 
     def ack(self, req: dict) -> dict:
         """``acks``: a list of [source stage, microbatch, step] held by the calling node."""
@@ -202,6 +209,8 @@ class ControllerState:
         node_id = str(req["node_id"])
         with self.lock:
             node = self.nodes.get(node_id)
+            if node is not None and node_id not in self.ended:
+                self.ended.append(node_id)
             if node is None or not node.alive:
                 return {"dead": node is not None}
             node.alive = False

@@ -28,7 +28,7 @@ from orchestrator.pipeline.node import StageNode
 
 class DiskReplication:
     def __init__(self, node: StageNode, folder: str | Path, *, ack: AckFn | None = None) -> None:
-        self.node, self.folder, self._ack = node, Path(folder), ack
+        self.node, self.folder, self.ack = node, Path(folder), ack
         self.folder.mkdir(parents=True, exist_ok=True)
         self._files: dict[int, torch.Tensor] = {}  # seq id -> its mapped KV slot
         self._written: dict[int, int] = {}  # seq id -> positions on disk
@@ -96,8 +96,8 @@ class DiskReplication:
             self._file(seq_id)[:, :, :, start:cache.length].copy_(
                 cache.data[:, :, :, start:cache.length])
             self._written[seq_id] = cache.length
-        if self._ack is not None:
-            self._ack(self.node.index, microbatch, step)
+        if self.ack is not None:
+            self.ack(self.node.index, microbatch, step)
 
     def _on_release(self, seq_id: int) -> None:
         self._remove(seq_id)

@@ -139,7 +139,7 @@ class NodeReplication:
         self.node, self.secret, self.timeout_s = node, secret, timeout_s
         self.slots = slots or config.microbatches * config.batch_size + config.prompt_slots
         self.transport = make_transport(f"{node.name}-replica")
-        self._ack = ack
+        self.ack = ack  # set later by a spare that prepared its stage on standby
         # Where this stage's own KV lands when its holder restores it (recovery step 1).
         self.landing = ReplicaStore(self.transport, node.engine.kv_layout, self.slots, secret,
                                     timeout_s=timeout_s)
@@ -168,12 +168,22 @@ class NodeReplication:
             raise RuntimeError(f"stage {self.node.index}: node.connect() before replicating")
         succ = self._endpoints_of("next", next, 1)
         pred = self._endpoints_of("previous", previous, -1)
-        self.server.store = ReplicaStore(self.transport, KVLayout(**pred["layout"]), self.slots,
-                                         self.secret, self._ack, self.timeout_s)
+        self.hold(KVLayout(**pred["layout"]))
+        self.server.store.ack = self.ack
         self._replicate_to(succ)
         worker = self.node.worker
         assert worker is not None
         worker.on_step, worker.on_release = self._on_step, self._on_release
+
+    def hold(self, previous: KVLayout) -> None:
+        """Make the store of the predecessor's replicas now (a spare on standby: not while a
+        pipeline waits for it); ``connect`` keeps it if the predecessor's layout is this."""
+        store = self.server.store
+        if store is None or store.layout != previous:
+            self.server.store = ReplicaStore(self.transport, previous, self.slots, self.secret,
+                                             self.ack, self.timeout_s)
+            if store is not None:
+                store.receiver.close()
 
     def reconnect(self, next: bytes) -> None:  # noqa: A002
         """The successor was replaced: replicate to the new one from now on. Between steps

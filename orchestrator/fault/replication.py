@@ -66,7 +66,7 @@ class ReplicaStore:
         ack: AckFn | None = None,
         timeout_s: float = 10.0,
     ) -> None:
-        self.layout, self._ack = source_layout, ack
+        self.layout, self.ack = source_layout, ack
         self.receiver = KVReceiver(transport, source_layout, num_slots, secret, timeout_s)
         self._held: set[str] = set()
         self._lock = threading.Lock()
@@ -85,8 +85,8 @@ class ReplicaStore:
             self.receiver.release(request_id)
 
     def landed(self, source_stage: int, microbatch: int, step: int) -> None:
-        if self._ack is not None:
-            self._ack(source_stage, microbatch, step)
+        if self.ack is not None:
+            self.ack(source_stage, microbatch, step)
 
     def progress(self) -> None:
         """Scatter the deltas that landed; the holding stage calls it once per step."""

@@ -9,15 +9,19 @@ Two halves, as in DejaVu §4.3:
   calls each node's operations in order through ``call(url, op, args)``.
 
 The order, for lost stages X (not 0: stage 0 holds the head and the clients'
-streams)::
+streams); the calls of a row go out together, and the two rows marked ``||`` with
+each other::
 
-    head: pause; every survivor: quiet        nothing moves (steps to a lost stage died)
-    new x: connect, replicate                 its ring and replicas point at its neighbours
-    x-1: reconnect                            ring and replicas now go to the new x
-    head: rewind(resume)                      step 3: microbatch j redoes from step t
+    head: pause; every survivor: quiet  ||    nothing moves (steps to a lost stage died)
+    everyone: endpoints, replica_endpoints;
+    new x: connect, replicate           ||    its ring and replicas point at its neighbours
+    head: rewind(resume); x-1: reconnect      step 3: microbatch j redoes from step t; ring
+                                              and replicas now go to the new x
     x+1: restore -> new x: adopt              step 1: x's KV from the replica x+1 held
-    survivors: rollback; everyone: reseed     step 4, and step 2 (x-1 re-sends x's replicas)
-    new x: start; everyone: recovered; head: resume
+    survivors: rollback                       step 4 (and the replicas held are dropped)
+    everyone: reseed; new x: start            step 2 (x-1 re-sends x's replicas)
+    everyone: recovered
+    head: resume
 
 :func:`repair_links` is the same without a lost stage: a dropped connection
 (``drop_link`` is its drill) made a stage report that it cannot send on.
@@ -35,6 +39,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import asdict
 
 from orchestrator.engine.sampling import SamplingParams
@@ -46,6 +51,7 @@ from orchestrator.pipeline.node import StageNode
 log = logging.getLogger("dejavu.fault.recovery")
 
 Call = Callable[[str, str, list[bytes]], bytes]  # (node url, op, args) -> reply
+QUIET_POLL_S = 0.005  # the head is paused while the stages settle: ask often
 
 
 class RecoveryOps:
@@ -127,7 +133,7 @@ def recover_stage(call: Call, urls: list[str], plan: dict, quiet_timeout_s: floa
     """Carry out the controller's ``plan`` on a pipeline whose stages are at ``urls`` (stage
     0 first; a replacement's url in each lost slot); returns the KV length each running
     request kept (the others start over). Raises on any failed call (the head then breaks
-    at its ``recover_timeout_s``)."""
+    at its ``recover_timeout_s``). Calls that do not depend on each other go out together."""
     failed, depth = [int(x) for x in plan["failed"]], len(urls)
     if 0 in failed:
         raise ValueError("stage 0 is lost: its head and its clients' streams went with it "
@@ -139,28 +145,50 @@ def recover_stage(call: Call, urls: list[str], plan: dict, quiet_timeout_s: floa
         log.warning("stages %s and their replica holders are lost: recomputing, every "
                     "running request starts over from its prompt", failed)
 
-    began = time.monotonic()
-    ring, replicas = _settle(call, urls, survivors, quiet_timeout_s)
-    settled = time.monotonic()
-    for x in failed:
-        call(urls[x], "connect", [ring[(x + 1) % depth], ring[0]])
-        call(urls[x], "replicate", [replicas[(x + 1) % depth], replicas[x - 1]])
-        if x - 1 not in failed:
-            call(urls[x - 1], "reconnect", [ring[x], replicas[x]])
+    with _Calls(call, depth) as calls:
+        began = time.monotonic()
 
-    rewound = json.loads(call(urls[0], "rewind", [json.dumps(resume).encode()]))
-    lengths = json.dumps(rewound["lengths"]).encode()
-    rewound_at = time.monotonic()
-    for holder, x in [] if recompute else plan["restore"]:
-        call(urls[holder], "restore", [replicas[x], lengths])
-        call(urls[x], "adopt", [lengths, json.dumps(rewound["sampling"]).encode()])
-    restored = time.monotonic()
-    _resume(call, urls, survivors, lengths, failed, plan["epoch"])
-    done = time.monotonic()
-    log.warning("stages %s recovered: %s in %.2f s (settling %.2f s, restoring KV %.2f s, "
+        def wire() -> tuple[dict[int, bytes], dict[int, bytes], float]:
+            """Every stage's endpoints, and each replacement wired to its neighbours (not
+            started: nothing reaches it yet), while the survivors settle."""
+            ring, replicas = _endpoints(calls, urls)
+            calls.each([(urls[x], "connect", [ring[(x + 1) % depth], ring[0]])
+                        for x in failed])
+            calls.each([(urls[x], "replicate", [replicas[(x + 1) % depth], replicas[x - 1]])
+                        for x in failed])
+            return ring, replicas, time.monotonic()
+
+        wired = calls.pool.submit(wire)
+        _settle(calls, urls, survivors, quiet_timeout_s)
+        quiet = time.monotonic()
+        ring, replicas, wired_at = wired.result()
+        settled = time.monotonic()
+        # Once settled: the predecessors' rings and replicas go to the replacements.
+        reconnects = [(urls[x - 1], "reconnect", [ring[x], replicas[x]])
+                      for x in failed if x - 1 not in failed]
+        rewound, *_ = calls.each([(urls[0], "rewind", [json.dumps(resume).encode()]),
+                                  *reconnects])
+        rewound = json.loads(rewound)
+        lengths = json.dumps(rewound["lengths"]).encode()
+        rewound_at = time.monotonic()
+        sampling = json.dumps(rewound["sampling"]).encode()
+
+        def restore(holder: int, x: int) -> None:  # step 1: x's KV back from its holder
+            call(urls[holder], "restore", [replicas[x], lengths])
+            call(urls[x], "adopt", [lengths, sampling])
+
+        for future in [calls.pool.submit(restore, holder, x)
+                       for holder, x in ([] if recompute else plan["restore"])]:
+            future.result()
+        restored = time.monotonic()
+        _resume(calls, urls, survivors, lengths, failed, plan["epoch"])
+        done = time.monotonic()
+    log.warning("stages %s recovered: %s in %.2f s (settling %.2f s: quiet after %.2f s, "
+                "replacements wired after %.2f s; rewinding %.2f s, restoring KV %.2f s, "
                 "resuming %.2f s)", failed, "recomputed from prompts" if recompute
                 else f"resumed at {resume} with {len(rewound['lengths'])} requests kept",
-                done - began, settled - began, restored - rewound_at, done - restored)
+                done - began, settled - began, quiet - began, wired_at - began,
+                rewound_at - settled, restored - rewound_at, done - restored)
     return rewound["lengths"]
 
 
@@ -169,45 +197,70 @@ def repair_links(call: Call, urls: list[str], quiet_timeout_s: float = 30.0) -> 
     stage's report): every stage connects to its successor again, and each microbatch
     redoes its first step the head has no answer for (the step lost on the way). Returns
     how many running requests were kept."""
-    survivors = list(range(len(urls)))
-    ring, replicas = _settle(call, urls, survivors, quiet_timeout_s)
-    for i, url in enumerate(urls):
-        call(url, "reconnect", [ring[(i + 1) % len(urls)], replicas[(i + 1) % len(urls)]])
-    rewound = json.loads(call(urls[0], "rewind", [b"answered"]))
-    _resume(call, urls, survivors, json.dumps(rewound["lengths"]).encode(), [])
+    depth = len(urls)
+    survivors = list(range(depth))
+    with _Calls(call, depth) as calls:
+        endpoints = calls.pool.submit(_endpoints, calls, urls)
+        _settle(calls, urls, survivors, quiet_timeout_s)
+        ring, replicas = endpoints.result()
+        calls.each([(url, "reconnect", [ring[(i + 1) % depth], replicas[(i + 1) % depth]])
+                    for i, url in enumerate(urls)])
+        rewound = json.loads(calls.one(urls[0], "rewind", [b"answered"]))
+        _resume(calls, urls, survivors, json.dumps(rewound["lengths"]).encode(), [])
     log.warning("pipeline %s: connections restored, %d requests kept", urls[0],
                 len(rewound["lengths"]))
     return len(rewound["lengths"])
 
 
-def _settle(call: Call, urls: list[str], survivors: list[int], timeout_s: float
-            ) -> tuple[dict[int, bytes], dict[int, bytes]]:
+class _Calls:
+    """``call`` one at a time, or a round of independent calls at once (one thread each)."""
+
+    def __init__(self, call: Call, threads: int) -> None:
+        self.one = call
+        # a round of every stage's two endpoints, beside the caller's and a round's own
+        self.pool = ThreadPoolExecutor(2 * threads + 2, thread_name_prefix="recovery")
+
+    def each(self, calls: list[tuple[str, str, list[bytes]]]) -> list[bytes]:
+        """Every call's reply, in order; the first failure raises once all have ended."""
+        futures = [self.pool.submit(self.one, *c) for c in calls]
+        wait(futures)
+        return [f.result() for f in futures]
+
+    def __enter__(self) -> _Calls:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.pool.shutdown(wait=True)
+
+
+def _endpoints(calls: _Calls, urls: list[str]) -> tuple[dict[int, bytes], dict[int, bytes]]:
+    """Every stage's ring and replica endpoints (fixed for a node's life)."""
+    replies = calls.each([(url, op, []) for op in ("endpoints", "replica_endpoints")
+                          for url in urls])
+    return dict(enumerate(replies[: len(urls)])), dict(enumerate(replies[len(urls):]))
+
+
+def _settle(calls: _Calls, urls: list[str], survivors: list[int], timeout_s: float) -> None:
     """Pause the head and wait until nothing moves (a step sent to a lost stage or over a
-    lost connection is gone); every stage's ring and replica endpoints."""
-    call(urls[0], "pause", [])
-    for i in survivors:  # upstream first: what a stage passes on has reached the next
+    lost connection is gone): each survivor, upstream first (what a stage passes on has
+    reached the next), has handled what it took and has nothing in its inbox."""
+    calls.one(urls[0], "pause", [])
+    for i in survivors:
         deadline = time.monotonic() + timeout_s
-        while call(urls[i], "quiet", []) != b"1":
+        while calls.one(urls[i], "quiet", []) != b"1":
             if time.monotonic() > deadline:
                 raise TimeoutError(f"stage {i} ({urls[i]}) still busy {timeout_s} s after "
                                    "the pause")
-            time.sleep(0.05)
-    ring = {i: call(url, "endpoints", []) for i, url in enumerate(urls)}
-    replicas = {i: call(url, "replica_endpoints", []) for i, url in enumerate(urls)}
-    return ring, replicas
+            time.sleep(QUIET_POLL_S)
 
 
-def _resume(call: Call, urls: list[str], survivors: list[int], lengths: bytes,
+def _resume(calls: _Calls, urls: list[str], survivors: list[int], lengths: bytes,
             new: list[int], epoch: int | None = None) -> None:
-    """The order's last two rows (module docstring); with ``epoch``, every node closes the
-    controller's plan (its acks start over from the rollback)."""
-    for i in survivors:
-        call(urls[i], "rollback", [lengths])
-    for url in urls:
-        call(url, "reseed", [])
-    for x in new:
-        call(urls[x], "start", [])
+    """The order's last two rows (module docstring), a round each: every survivor's rollback
+    drops the replicas it holds before any reseed sends new ones. With ``epoch``, every
+    node closes the controller's plan (its acks start over from the rollback)."""
+    calls.each([(urls[i], "rollback", [lengths]) for i in survivors])
+    calls.each([*((url, "reseed", []) for url in urls), *((urls[x], "start", []) for x in new)])
     if epoch is not None:
-        for url in urls:
-            call(url, "recovered", [str(epoch).encode()])
-    call(urls[0], "resume", [])
+        calls.each([(url, "recovered", [str(epoch).encode()]) for url in urls])
+    calls.one(urls[0], "resume", [])

@@ -157,6 +157,7 @@ class KVReceiver:
         # before reuse, unless every prefill stage says it gave up (an ABORT): slot -> until.
         self._quarantine: dict[int, tuple[float, str, _Incoming]] = {}
         self._requests: dict[str, _Incoming] = {}
+        self._ended_writers: set[str] = set()  # writers whose processes ended
         self._lock = threading.RLock()
 
     def _slot_addr(self, slot: int) -> int:
@@ -174,7 +175,8 @@ class KVReceiver:
     def _retire(self, request_id: str, incoming: _Incoming, late_write_s: float) -> None:
         """Free a slot whose request ended; one a sender may still write into waits, its
         consumed word set to ``ENDED``: the sender reads it and stops writing."""
-        if incoming.state == KVPoll.SUCCESS or incoming.writers_done():
+        if (incoming.state == KVPoll.SUCCESS or incoming.writers_done()
+                or self._writers_gone(incoming)):
             self._free.append(incoming.slot)
         else:
             self.consumed[incoming.slot] = ENDED
@@ -337,6 +339,9 @@ class KVReceiver:
             if header.kind == BlockKind.ABORT:
                 self._accept_abort(header)
                 continue
+            if header.kind == BlockKind.CLAIM:
+                self._accept_claim(peer, header)
+                continue
             incoming = self._requests.get(header.request_id)
             if incoming is None or incoming.state in (KVPoll.SUCCESS, KVPoll.FAILED):
                 log.debug(
@@ -394,6 +399,36 @@ class KVReceiver:
                 if incoming.writers_done():
                     del self._quarantine[slot]
                     self._free.append(slot)
+
+    def _accept_claim(self, peer: str, header: BlockHeader) -> None:
+        """``peer`` will write the request's prompt KV (a late claim of an ended request
+        still names the writer its slot waits out)."""
+        rid = header.request_id
+        incoming = self._requests.get(rid) or next(
+            (held for _, quarantined, held in self._quarantine.values() if quarantined == rid),
+            None)
+        if incoming is not None:
+            incoming.heard_from.setdefault(peer, time.monotonic())
+            self._free_ended_writers()
+
+    def writers_ended(self, peers: list[str]) -> None:
+        """These writers' processes ended (the fault controller says so): a slot waiting
+        out a late write from them alone is free now."""
+        with self._lock:
+            self._ended_writers.update(peers)
+            self._free_ended_writers()
+
+    def _free_ended_writers(self) -> None:
+        for slot, (_, rid, incoming) in list(self._quarantine.items()):
+            if self._writers_gone(incoming):
+                log.info("KV slot of %r free: its writers %s ended", rid,
+                         sorted(incoming.heard_from))
+                del self._quarantine[slot]
+                self._free.append(slot)
+
+    def _writers_gone(self, incoming: _Incoming) -> bool:
+        """Every writer of the slot is known and has ended (none known: one may come)."""
+        return bool(incoming.heard_from) and incoming.heard_from.keys() <= self._ended_writers
 
     def _accept_delta(self, peer: str, header: BlockHeader) -> None:
         """One token step of a batch: entries ``[request id, position, crc32 | None]``."""
@@ -697,6 +732,19 @@ class KVSender:
                 handle.state = KVPoll.FAILED
             self._draining.append(handle)
             self._reclaim_staging()
+
+    def claim(self, request_id: str, tickets: list[bytes]) -> None:
+        """Tell the token stages this node will write the request's prompt KV (before it
+        waits its turn): if this process ends, they free its slots when told, not after
+        their late-write wait. A stage that cannot be reached is left to the transfer."""
+        header = encode_header(BlockHeader.for_layout(
+            BlockKind.CLAIM, request_id, self.layout, seq_len=1, payload_bytes=0), self.secret)
+        for raw in tickets:
+            # a bad ticket fails the request in ``start``, with the reason
+            with contextlib.suppress(ConnectionError, KVTransferError, ValueError):
+                ticket = Ticket.decode(raw, self.secret)
+                self.transport.add_peer(ticket.node, ticket.metadata)
+                self.transport.notify(ticket.node, header)
 
     def give_up(self, request_id: str, tickets: list[bytes]) -> None:
         """Tell the token stages a prompt will never be sent (its client left before it

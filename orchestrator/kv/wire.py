@@ -47,6 +47,8 @@ class BlockKind(enum.IntEnum):
     DELTA = 3  # one token step of a batch (position ``seq_len``)
     ABORT = 4  # a prefill stage gave up: it writes nothing more of its layers (sent once
     # every transfer it posted is done, so a slot they all missed can be reused at once)
+    CLAIM = 5  # a prefill node took the request: the token stage knows its writer before
+    # any layer lands (a writer that ends frees the slot at once, not after a late-write wait)
 
 
 @dataclass(frozen=True)

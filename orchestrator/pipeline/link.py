@@ -81,6 +81,8 @@ class LinkError(ConnectionError):
 
 
 class Link(Protocol):
+    received: int  # messages ``recv`` has returned (a receiving end's)
+
     def send(self, message: Message, timeout_s: float) -> None:
         """Deliver or raise :class:`LinkTimeout`; never blocks past ``timeout_s``."""
         ...
@@ -94,6 +96,10 @@ class Link(Protocol):
         """End the wait of a ``recv`` now (another thread has new work for the receiver)."""
         ...
 
+    def waiting(self) -> bool:
+        """A message has arrived that no ``recv`` has returned yet (any thread may ask)."""
+        ...
+
 
 class QueueLink:
     """In-process link: a bounded FIFO between two threads (a ``wake`` takes no room)."""
@@ -103,6 +109,7 @@ class QueueLink:
         self._messages: deque[Message] = deque()
         self._changed = threading.Condition()
         self._woken = False
+        self.received = 0  # messages ``recv`` returned
 
     def send(self, message: Message, timeout_s: float) -> None:
         with self._changed:
@@ -119,6 +126,7 @@ class QueueLink:
             if not self._messages:
                 return None
             message = self._messages.popleft()
+            self.received += 1
             self._changed.notify_all()  # room for a waiting sender
             return message
 
@@ -126,3 +134,7 @@ class QueueLink:
         with self._changed:
             self._woken = True
             self._changed.notify_all()
+
+    def waiting(self) -> bool:
+        with self._changed:
+            return bool(self._messages)

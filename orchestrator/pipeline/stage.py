@@ -116,6 +116,7 @@ class StageWorker:
         self._previous: int | None = None
         self.timeline: deque[Interval] = deque(maxlen=TIMELINE_KEPT)
         self._handling = False  # a message taken and not yet passed on
+        self._handled = 0  # messages handled (the inbox counts those it gave out)
         self._last_handled = time.monotonic()
         self._retired = threading.Event()
         self.thread = threading.Thread(target=self._run, name=f"stage-{index}", daemon=True)
@@ -148,12 +149,16 @@ class StageWorker:
         try:
             return self._handle(message)
         finally:
+            self._handled += 1
             self._handling, self._last_handled = False, time.monotonic()
 
     def quiet(self, for_s: float) -> bool:
-        """Nothing handled for ``for_s`` seconds: with no new work coming in (a paused
-        head), nothing waits in its inbox either (it is polled every ``poll_s``)."""
-        return not self._handling and time.monotonic() - self._last_handled > for_s
+        """Nothing handled for ``for_s`` seconds, nothing taken from the inbox and not yet
+        handled, nothing arrived in it: with no new work coming in (a paused head), this
+        stage has settled. ``for_s`` only covers a message still on the wire."""
+        return (not self._handling and self.inbox.received == self._handled
+                and not self.inbox.waiting()
+                and time.monotonic() - self._last_handled > for_s)
 
     def _handle(self, message: Message) -> bool:
         """Compute and pass on one message; False when the thread must end."""

@@ -90,6 +90,8 @@ class TransportReceiver:
         self._wakeup = threading.Event()  # ends an idle ring's wait
         self._last_arrival = time.monotonic()  # when a message last arrived (not a note:
         # the stages' heartbeats reach the head's ring 4 times a second)
+        self.received = 0  # messages ``recv`` returned
+        self._draining = threading.Lock()  # ``waiting`` drains from another thread
 
     def ticket(self) -> LinkTicket:
         return LinkTicket(self.transport.name, self.transport.metadata(), self.region.addr,
@@ -112,20 +114,28 @@ class TransportReceiver:
             elif now - begin >= SPIN_S:  # a message due soon is caught without a sleep
                 time.sleep(self.poll_s)
         slot = self._arrived.popleft()
+        self.received += 1
         return decode(self.ring[slot * self.slot_bytes : (slot + 1) * self.slot_bytes])
 
     def wake(self) -> None:
         self._woken = True  # seen within one poll_s sleep
         self._wakeup.set()  # or at once by an idle ring
 
+    def waiting(self) -> bool:
+        """Drains the transport first: a message that reached this node counts even while
+        its receiving thread is not scheduled (recovery asks from another thread)."""
+        self.drain()
+        return bool(self._arrived)
+
     def drain(self) -> None:
         """Sort what arrived into ring slots and control notes."""
-        for peer, note in self.transport.drain_notifications():
-            if note.isdigit():
-                self._arrived.append(int(note))
-                self._last_arrival = time.monotonic()
-            else:
-                self.control.append((peer, note))
+        with self._draining:
+            for peer, note in self.transport.drain_notifications():
+                if note.isdigit():
+                    self._arrived.append(int(note))
+                    self._last_arrival = time.monotonic()
+                else:
+                    self.control.append((peer, note))
 
 
 class TransportSender:

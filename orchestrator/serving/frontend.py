@@ -161,6 +161,7 @@ class Frontend:
         self.stopped = threading.Event()
         self.watcher = None
         self.status_stub: Stub | None = None
+        self.prefill_seen_alive: dict[str, bool] = {}  # P-node url -> at the last look
         if controller:
             self.status_stub = Stub(controller, secret)  # asked every watch_s: kept
             # Before serving: a frontend started again after a spare took a stage over would
@@ -193,8 +194,12 @@ class Frontend:
         for url in self.prefill_clients:
             if url in dead:
                 self.prefill.mark_down(url)
-            elif alive.get(url):
-                self.prefill.mark_up(url)  # started again: use it at once
+            elif alive.get(url) and not self.prefill_seen_alive.get(url, False):
+                # Started again: use it at once. Only then: a node this frontend saw fail
+                # is still alive to the controller until it declares it dead, and put
+                # back, it took the prompts rerun a moment later too.
+                self.prefill.mark_up(url)
+            self.prefill_seen_alive[url] = bool(alive.get(url))
         self._follow_stages(nodes)
         for head, later in self.later_stages.items():
             if dead & {head, *later}:

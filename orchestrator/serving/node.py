@@ -48,12 +48,16 @@ def load_token_service(config: NodeConfig, metrics: Metrics | None = None,
     return stage_service(config, metrics, controller)
 
 
-def stage_service(config: NodeConfig, metrics: Metrics | None,
-                  controller: ControllerClient | None, engine: Engine | None = None,
-                  make_transport: Callable[[str], Transport] | None = None) -> TokenService:
-    """One stage of a token pipeline (colocated: its prompts run in its own steps);
-    ``engine`` and ``make_transport``: what a warm spare loaded and made ahead of time (else
-    loaded and made here)."""
+StageParts = tuple[StageNode, NodeReplication | DiskReplication | None]
+
+
+def stage_parts(config: NodeConfig, engine: Engine | None = None,
+                make_transport: Callable[[str], Transport] | None = None,
+                name: str | None = None) -> StageParts:
+    """Stage ``config.stage``'s node and its replication, not yet tied to a controller: what
+    takes memory and registrations (a warm spare makes these on standby). ``engine`` and
+    ``make_transport``: loaded and made already (else here); ``name``: the node's (default:
+    the config's)."""
     slots = {"prompt_slots": config.num_slots} if config.num_slots else {}
     pipeline_config = PipelineConfig(
         depth=config.depth, batch_size=config.max_batch, mode=config.mode, swap=config.swap,
@@ -71,20 +75,33 @@ def stage_service(config: NodeConfig, metrics: Metrics | None,
                                    config.max_seq_len, config.time_scale)
     model_dir = None if engine is not None else config.model_dir  # one or the other
     node = StageNode(model_dir, config.stage, pipeline_config, secret=secret,
-                     device=config.device, name=config.name or None, engine=engine,
+                     device=config.device, name=name or config.name or None, engine=engine,
                      make_transport=make_transport)
+    if not config.replicates:
+        return node, None
+    host = config.address.rpartition(":")[0] or "127.0.0.1"
+    return node, (NodeReplication(node, secret, host=host, make_transport=make_transport)
+                  if config.replicate is ReplicateMode.ON
+                  else DiskReplication(node, config.replica_dir))
+
+
+def stage_service(config: NodeConfig, metrics: Metrics | None,
+                  controller: ControllerClient | None, engine: Engine | None = None,
+                  make_transport: Callable[[str], Transport] | None = None,
+                  parts: StageParts | None = None) -> TokenService:
+    """One stage of a token pipeline (colocated: its prompts run in its own steps);
+    ``engine`` and ``make_transport``: what a warm spare loaded and made ahead of time (else
+    loaded and made here); ``parts``: its node and replication, made ahead of time too."""
+    node, replication = parts or stage_parts(config, engine, make_transport)
     if controller is not None:  # a successor it cannot reach: tell the controller at once
         node.on_unreachable = controller.suspect
+        if node.receiver is not None:  # a lost P-node's slots are free once it is declared
+            controller.on_ended = node.receiver.writers_ended
     if config.depth == 1:  # nothing to connect: serve at once (also where no launcher bootstraps)
         node.start()
     recovery = None
-    if config.replicates:
-        ack = None if controller is None else controller.ack
-        host = config.address.rpartition(":")[0] or "127.0.0.1"
-        replication = (NodeReplication(node, secret, ack=ack, host=host,
-                                       make_transport=make_transport)
-                       if config.replicate is ReplicateMode.ON
-                       else DiskReplication(node, config.replica_dir, ack=ack))
+    if replication is not None:
+        replication.ack = None if controller is None else controller.ack
         recovery = RecoveryOps(node, replication, controller)
     return TokenService(node.engine, node=node, recovery=recovery, metrics=metrics)
 

@@ -14,7 +14,10 @@ token stage ended the request, which the P-node reads in that stage's KV slot,
 :meth:`~orchestrator.kv.connector.KVSender.ended`) is not started, and a batch
 whose every job left stops after the layer in progress;
 either way the token stages hear that nothing more will be written into the
-job's KV slots (a signed ABORT), so they reuse them at once.
+job's KV slots (a signed ABORT), so they reuse them at once. Every job's token
+stages hear first that this node will write it (a signed CLAIM, before the job
+waits for the engines): if this process ends, they free its slots as soon as the
+fault controller says so.
 """
 
 from __future__ import annotations
@@ -68,6 +71,8 @@ class PrefillWorker:
     def run(self, jobs: Sequence[PrefillJob]) -> list[First | Exception]:
         """First token (and its log-prob if the job asked) per job, or the exception that
         job failed with."""
+        for job in jobs:  # before waiting for the engines: a batch may run meanwhile
+            self.senders[0].claim(job.request_id, job.tickets)
         with self.lock:
             self.metrics.held("prompts", len(jobs))
             try:

@@ -330,6 +330,31 @@ def test_a_node_reported_lost_is_dead_at_once_and_only_that_incarnation() -> Non
     assert state.plan({"pipeline": "p"})["plan"]["failed"] == [1]
 
 
+def test_heartbeats_hand_on_the_nodes_whose_processes_ended_once_each() -> None:
+    """A T-node frees the KV slots a lost P-node would have written once its beat hears of
+    it; a node declared dead by its silence alone may still run, and is not handed on."""
+    now = [0.0]
+    state = ControllerState(timeout_s=1.0, clock=lambda: now[0], probe=lambda address: True)
+    state.register({"node_id": "t0", "pipeline": "decode0", "stage": 0, "depth": 1})
+    for p in ("p0", "p1"):
+        state.register({"node_id": p, "pipeline": f"prefill{p[1]}", "stage": 0, "depth": 1,
+                        "role": "prompt"})
+    beat = {"node_id": "t0", "seq": 1, "ended_seen": 0}
+    assert state.heartbeat(beat)["ended"] == []
+    state.lost({"node_id": "p0", "why": "its tritonserver ended"})
+    reply = state.heartbeat({**beat, "seq": 2})
+    assert (reply["ended"], reply["ended_seen"]) == (["p0"], 1)
+    assert state.heartbeat({**beat, "seq": 3, "ended_seen": 1})["ended"] == []
+    now[0] = 2.0
+    state.heartbeat({**beat, "seq": 4, "ended_seen": 1})
+    assert state.sweep() == ["p1"]  # silent: declared dead, its process not known ended
+    assert state.heartbeat({**beat, "seq": 5, "ended_seen": 1})["ended"] == []
+    state.lost({"node_id": "p1"})  # then its process ends (the supervisor killed it)
+    assert state.heartbeat({**beat, "seq": 6, "ended_seen": 1})["ended"] == ["p1"]
+    # A node that knows more than a controller started again is told everything again.
+    assert state.heartbeat({**beat, "seq": 7, "ended_seen": 9})["ended"] == ["p0", "p1"]
+
+
 def test_the_supervisors_pid_watch_reports_a_node_whose_process_ended(controller_factory,
                                                                       tmp_path) -> None:
     """The supervisor sees its node's tritonserver end (here a child standing for it) and

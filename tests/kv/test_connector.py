@@ -295,6 +295,40 @@ def test_a_prompt_given_up_before_it_started_frees_its_slot() -> None:
     receiver.reserve("b", 4)  # both slots
 
 
+def test_a_slot_whose_claimed_writer_ended_is_free_once_told() -> None:
+    cluster = Cluster(1, 1)
+    receiver = cluster.receivers[0]
+    cluster.senders[0].claim("lost", cluster.reserve("lost", 4))  # nothing written yet
+    receiver.release("lost")  # a writer may still write: the slot waits it out
+    receiver.writers_ended(["another-node"])
+    receiver.reserve("a", 4)
+    with pytest.raises(RuntimeError, match="no free KV slot"):
+        receiver.reserve("b", 4)
+    receiver.writers_ended(["p0"])  # the claim named it: nothing can come from it now
+    receiver.reserve("b", 4)
+
+
+def test_a_slot_released_after_its_writer_ended_is_free_at_once() -> None:
+    cluster = Cluster(1, 1)
+    receiver = cluster.receivers[0]
+    cluster.senders[0].claim("lost", cluster.reserve("lost", 4))
+    receiver.writers_ended(["p0"])
+    receiver.release("lost")
+    receiver.reserve("a", 4)
+    receiver.reserve("b", 4)  # both slots
+
+
+def test_an_unclaimed_slot_waits_out_a_late_writer_whoever_ended() -> None:
+    cluster = Cluster(1, 1)
+    receiver = cluster.receivers[0]
+    cluster.reserve("unknown", 4)
+    receiver.release("unknown")
+    receiver.writers_ended(["p0"])  # the writer is not known: it may be another
+    receiver.reserve("a", 4)
+    with pytest.raises(RuntimeError, match="no free KV slot"):
+        receiver.reserve("b", 4)
+
+
 def test_an_abort_without_the_secret_frees_nothing() -> None:
     cluster = Cluster(1, 1)
     receiver = cluster.receivers[0]

@@ -36,3 +36,29 @@ def test_a_frontend_started_after_a_takeover_serves_at_the_spares_address(monkey
         assert frontend.later_stages["h:1"] == ["spare:1"]
     finally:
         frontend.close()
+
+
+def test_a_p_node_seen_failing_stays_out_until_the_controller_sees_it_come_back(
+        monkeypatch) -> None:
+    """The frontend sees a killed P-node's calls fail before the controller declares it
+    dead: the controller's 'alive' meanwhile must not put it back (the prompts it reran
+    went to it again); its return after a death does."""
+    from orchestrator.fault import client
+
+    view = {"nodes": [registration("p:1", 0, pipeline="prefill0"),
+                      registration("p:2", 0, pipeline="prefill1")]}
+    monkeypatch.setattr(client, "query_status", lambda *args, **kwargs: view)
+    frontend = Frontend(["p:1", "p:2"], [["h:1"]], b"secret", controller="c:1",
+                        watch_s=3600.0)
+    try:
+        frontend.prefill.mark_down("p:1")  # a call to it failed
+        frontend._look(1.0)  # not declared dead yet
+        assert frontend.prefill.pick(1) == "p:2"
+        view["nodes"][0] = registration("p:1", 0, alive=False, pipeline="prefill0")
+        frontend._look(1.0)
+        view["nodes"].append(registration("p:1", 0, pipeline="prefill0"))  # started again
+        frontend._look(1.0)
+        frontend.prefill.leave("p:2")
+        assert frontend.prefill.pick(1 << 20) == "p:1"  # p:2 holds the pending tokens
+    finally:
+        frontend.close()
