@@ -403,9 +403,9 @@ def engine_profile_of(model_dir: Path, lengths: list[tuple[int, int]], batch: in
     torch engine measured on one ``machine`` over a grid that spans the workload (prompts,
     batch 1 to ``batch``, contexts), and its m at the mean prompt."""
     from orchestrator.engine.config import ModelConfig
+    from orchestrator.engine.measure import measure_profile
     from orchestrator.engine.torch_engine import load_engine
     from orchestrator.planner.perf_model import Workload, measure_timings
-    from orchestrator.profiles.measure import measure_profile
     from orchestrator.profiles.profile import load_profile
 
     if engine_profile:
