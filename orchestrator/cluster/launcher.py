@@ -510,6 +510,12 @@ def topology_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--engine emulated: every step sleeps the profile's time x K "
                         "(a K-times slower replay, so the serving path's own CPU stays small "
                         "against the engine's time; divide measured times by K)")
+    parser.add_argument("--prefix-cache-mb", type=float, default=256.0, metavar="MIB",
+                        help="every node that prefills (P-nodes; colocated: the token "
+                        "pipelines) keeps this much prompt KV to reuse for prompts that share "
+                        "a prefix (host memory on CPU, device memory on a GPU); 0: off")
+    parser.add_argument("--kv-block", type=int, default=32, metavar="TOKENS",
+                        help="tokens per prefix-cache block (a prompt reuses whole blocks)")
     parser.add_argument("--replicate", choices=list(ReplicateMode), default=ReplicateMode.ON,
                         help="T-stages stream KV replicas to the next stage (disk: to local "
                         "disk); a lost stage is started again and resumes from them "
@@ -527,7 +533,8 @@ def settings_from(args: argparse.Namespace) -> dict:
     return {"max_seq_len": args.max_seq_len, "swap": args.swap, "replicate": args.replicate,
             "max_batch": args.max_batch, "profile": engine_profile(args.engine, args.profile),
             "trtllm_decoupled": args.trtllm_decoupled == "true",
-            "time_scale": args.time_scale}
+            "time_scale": args.time_scale, "prefix_cache_mb": args.prefix_cache_mb,
+            "kv_block": args.kv_block}
 
 
 def engine_profile(engine: str, profile: str) -> str:

@@ -74,6 +74,11 @@ class NodeConfig:
     # frontend: tensorrt_llm's model_transaction_policy, the backend's decoupled_mode (false:
     # a unary ModelInfer gets one response; streaming and batches are refused)
     trtllm_decoupled: bool = True
+    # Every node that prefills (P-nodes; colocated: the token pipeline's one stage) keeps a
+    # prefix cache of this many MiB of prompt KV (host memory on CPU, device memory on a
+    # GPU), by blocks of kv_block tokens; 0: none
+    prefix_cache_mb: float = 0.0
+    kv_block: int = 32
     prefill_urls: tuple[str, ...] = ()  # every P-node's gRPC url
     decode_urls: tuple[tuple[str, ...], ...] = ()  # each token pipeline's, stage 0 first
 
@@ -85,7 +90,7 @@ class NodeConfig:
         self._validate()
 
     def _validate(self) -> None:
-        positive = ("depth", "prefill_depth", "max_batch", "threads",
+        positive = ("depth", "prefill_depth", "max_batch", "threads", "kv_block",
                     "heartbeat_s", "recover_timeout_s", "time_scale")
         for name in (*positive, "max_seq_len", "num_slots", "max_prompt_bytes", "max_requests",
                      "reserve_ttl_s"):
@@ -101,6 +106,9 @@ class NodeConfig:
         if self.time_scale != 1.0 and not self.profile:
             raise ValueError("node config: time_scale slows the emulated engine; it needs a "
                              "profile")
+        if self.prefix_cache_mb < 0:
+            raise ValueError(f"node config: prefix_cache_mb must be >= 0, got "
+                             f"{self.prefix_cache_mb}")
         if self.pipeline < 0:
             raise ValueError(f"node config: pipeline must be >= 0, got {self.pipeline}")
         if self.dead_after_s <= self.heartbeat_s:

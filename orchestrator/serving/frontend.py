@@ -70,6 +70,7 @@ from orchestrator.serving.node_stream import (
 from orchestrator.serving.params import GenerationParams
 from orchestrator.serving.router import NoNodeError, Router
 from orchestrator.serving.text import CONTEXT_TOKENS
+from orchestrator.serving.usage import RequestUsage
 
 log = logging.getLogger(__name__)
 
@@ -262,8 +263,10 @@ class Frontend:
         params: GenerationParams,
         emit: Emit,
         is_cancelled: Callable[[], bool],
+        usage: RequestUsage | None = None,
     ) -> None:
         """Relay tokens through ``emit`` until the last; raises ServingError or Cancelled.
+        ``usage`` gets what the prompt cost (its cached tokens) before the first token.
 
         A request whose token pipeline failed it after admission (a lost stage with no
         replica to resume from, a lost head) runs again from its prompt, on a pipeline
@@ -302,7 +305,8 @@ class Frontend:
                 if is_cancelled():
                     raise Cancelled()
                 try:
-                    return self._generate_once(prompt_ids, params, relay, is_cancelled)
+                    return self._generate_once(prompt_ids, params, relay, is_cancelled,
+                                               usage or RequestUsage())
                 except NodeBusy:
                     if time.monotonic() + busy_wait > busy_until:
                         raise
@@ -373,6 +377,7 @@ class Frontend:
         params: GenerationParams,
         relay: Relay,
         is_cancelled: Callable[[], bool],
+        usage: RequestUsage,
     ) -> None:
         """One try: route, hand the prompt from P to T, relay tokens. Raises PipelineLost
         if the pipeline fails the request after admitting it."""
@@ -413,7 +418,8 @@ class Frontend:
                     stream, tickets = admit(request_id)
                     admitted = True
                     first = self._prefill(request_id, prompt_ids, params, tickets, is_cancelled)
-                counted(*first, False)
+                tokens, log_probs, usage.cached_tokens = first
+                counted(tokens, log_probs, False)
             while not done:
                 tokens, log_probs, done = stream.tokens(is_cancelled)
                 counted(tokens, log_probs, done)
@@ -477,11 +483,11 @@ class Frontend:
     def _prefill(
         self, request_id: str, prompt_ids: list[int], params: GenerationParams,
         tickets: np.ndarray, is_cancelled: Callable[[], bool],
-    ) -> tuple[list[int], list[TokenLogProb] | None]:
-        """The first token, and its log-prob if the request asked. A client that leaves
-        meanwhile ends the wait; the call is not cancelled (Triton 2.51 races a cancellation
-        against a response): the T-side ``end`` marks the request's KV slot ended, which the
-        P-node reads, and it stops after the layer in progress."""
+    ) -> tuple[list[int], list[TokenLogProb] | None, int]:
+        """The first token, its log-prob if the request asked, the prompt's cached tokens.
+        A client that leaves meanwhile ends the wait; the call is not cancelled (Triton 2.51
+        races a cancellation against a response): the T-side ``end`` marks the request's KV
+        slot ended, which the P-node reads, and it stops after the layer in progress."""
         assert self.prefill is not None
         with self.prefill.assign(len(prompt_ids)) as url:
             arrays = {**request_arrays(prompt_ids, params), "kv_ticket": tickets}
@@ -518,7 +524,9 @@ class Frontend:
                     self.prefill.mark_down(url)
                     raise PrefillLost(str(exc)) from exc
                 raise Refused(str(exc)) from exc
-            return [int(result.as_numpy("output_ids")[0])], _log_probs(result)
+            cached = result.as_numpy("cached_tokens")
+            return ([int(result.as_numpy("output_ids")[0])], _log_probs(result),
+                    0 if cached is None else int(cached[0]))
 
 
 def _log_probs(result: grpcclient.InferResult) -> list[TokenLogProb] | None:

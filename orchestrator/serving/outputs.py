@@ -27,10 +27,12 @@ NO_DRAFTS = {"acceptance_rate": 0.0, "total_accepted_draft_tokens": 0, "total_dr
 
 
 def sequence_outputs(meta: Mapping) -> dict[str, np.ndarray]:
-    """``batch_index``, ``sequence_index``, the perf metrics and log-probs a response
-    carries; ``meta`` is :class:`~orchestrator.serving.batch.BatchReply`'s."""
+    """``batch_index``, ``sequence_index``, ``cached_tokens`` (the prompt's tokens a node's
+    prefix cache held), the perf metrics and log-probs a response carries; ``meta`` is
+    :class:`~orchestrator.serving.batch.BatchReply`'s."""
     outputs = {"batch_index": np.array([[meta["batch_index"]]], np.int32),
-               "sequence_index": np.array([[meta["sequence_index"]]], np.int32)}
+               "sequence_index": np.array([[meta["sequence_index"]]], np.int32),
+               "cached_tokens": np.array([[meta.get("cached_tokens", 0)]], np.int32)}
     if "perf" in meta:
         for name, value in (meta["perf"] | NO_DRAFTS).items():
             outputs[name] = np.array([[value]], dtype=PERF[name])

@@ -41,10 +41,10 @@ class TritonPythonModel:
             if isinstance(result, Exception):
                 responses[i] = _failure(result)
             else:
-                token, log_prob = result
-                outputs = {"output_ids": pb.ids([token])}
-                if log_prob is not None:
-                    outputs["log_probs"] = pb.strings(encode_log_probs([log_prob]))
+                outputs = {"output_ids": pb.ids([result.token]),
+                           "cached_tokens": pb.ids([result.cached_tokens])}
+                if result.log_prob is not None:
+                    outputs["log_probs"] = pb.strings(encode_log_probs([result.log_prob]))
                 responses[i] = pb.response(**outputs)
         return responses
 

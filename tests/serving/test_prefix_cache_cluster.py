@@ -1,0 +1,84 @@
+"""KV reuse on real tritonservers: a P-node's prefix cache over a multi-turn conversation.
+
+Each turn's prompt is the last one, its answer and a new message: the P-node loads the
+cached blocks, prefills only the rest, and the greedy tokens are the single-process
+reference's (the cache off). ``cached_tokens`` says exactly the blocks reused; a request
+under another ``cache_salt`` never hits the blocks of the first.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from cluster_helpers import MAX_SEQ_LEN, cluster_up, eventually, metric, module_cluster
+from test_trtllm_clients import stream
+
+from orchestrator.engine.reference import generate
+from orchestrator.engine.torch_engine import load_engine
+
+pytestmark = pytest.mark.slow
+BLOCK = 16
+MAX_TOKENS = 6
+FIRST = [(7 * i + 3) % 500 + 1 for i in range(40)]
+MESSAGES = [[(11 * i + 5) % 500 + 1 for i in range(n)] for n in (21, 9, 30)]
+
+cluster = module_cluster("prefix", cluster_up, prefix_cache_mb=4, kv_block=BLOCK)
+
+
+def ask(url: str, prompt: list[int], salt: str = "") -> tuple[list[int], int]:
+    """Greedy ids and ``cached_tokens`` of one request to the token model."""
+    request = {"input_ids": np.array([prompt], np.int32),
+               "input_lengths": np.array([[len(prompt)]], np.int32),
+               "request_output_len": np.array([[MAX_TOKENS]], np.int32),
+               "end_id": np.array([[-1]], np.int32),
+               "streaming": np.array([[False]])}
+    if salt:
+        request["cache_salt"] = np.array([[salt.encode()]], np.object_)
+    ids, cached = [], set()
+    for result in stream(url, "tensorrt_llm", request):
+        ids += result.as_numpy("output_ids").reshape(-1).tolist()
+        cached.add(int(result.as_numpy("cached_tokens").reshape(-1)[0]))
+    assert len(cached) == 1, cached
+    return ids[len(prompt):], cached.pop()
+
+
+def conversation(engine) -> list[tuple[list[int], list[int]]]:
+    """(prompt, the reference's answer) per turn: each prompt extends the last turn's."""
+    turns, prompt = [], FIRST
+    for message in [*MESSAGES, None]:
+        answer = generate([engine], [prompt], MAX_TOKENS)[0]
+        turns.append((prompt, answer))
+        if message is not None:
+            prompt = prompt + answer + message
+    return turns
+
+
+def test_multi_turn_prompts_reuse_their_prefix_token_exact(cluster, model):
+    engine = load_engine(model, max_seq_len=MAX_SEQ_LEN)
+    url = cluster.frontend.grpc_url
+    previous: list[int] = []
+    for prompt, answer in conversation(engine):
+        got, cached = ask(url, prompt)
+        assert got == answer
+        # every whole block the last prompt stored, one token at least left to compute
+        assert cached == min(len(previous) // BLOCK, (len(prompt) - 1) // BLOCK) * BLOCK
+        previous = prompt
+    assert ask(url, previous) == (answer, (len(previous) - 1) // BLOCK * BLOCK)  # a repeat
+
+    p_node = cluster.role("prefill")[0].server
+    hit = eventually(lambda: metric(p_node, "dejavu_prefix_cache", what="hit_tokens"),
+                     lambda v: v > 0)
+    looked = metric(p_node, "dejavu_prefix_cache", what="lookup_tokens")
+    assert metric(p_node, "dejavu_prefix_cache", what="hit_rate") == pytest.approx(hit / looked)
+    assert 0 < metric(p_node, "dejavu_prefix_cache", what="bytes") <= metric(
+        p_node, "dejavu_prefix_cache", what="budget_bytes")
+
+
+def test_another_cache_salt_never_hits(cluster, model):
+    url = cluster.frontend.grpc_url
+    prompt = [(13 * i + 1) % 500 + 1 for i in range(50)]
+    want = generate([load_engine(model, max_seq_len=MAX_SEQ_LEN)], [prompt], MAX_TOKENS)[0]
+    assert ask(url, prompt, salt="tenant-a") == (want, 0)
+    assert ask(url, prompt, salt="tenant-b") == (want, 0)
+    assert ask(url, prompt) == (want, 0)  # no salt: the salted blocks are not its either
+    assert ask(url, prompt, salt="tenant-a") == (want, 48)
