@@ -422,6 +422,8 @@ class Frontend:
                 counted(tokens, log_probs, False)
             while not done:
                 tokens, log_probs, done = stream.tokens(is_cancelled)
+                if self.colocated:  # the node's last response says it
+                    usage.cached_tokens = stream.cached_tokens
                 counted(tokens, log_probs, done)
         except (InferenceServerException, ControlError) as exc:
             if is_unreachable(exc):

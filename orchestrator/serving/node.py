@@ -20,7 +20,7 @@ from orchestrator.kv.transport.base import Transport
 from orchestrator.layout import StageSpec
 from orchestrator.pipeline.node import PipelineConfig, StageNode
 from orchestrator.pipeline.prefix import PrefixReuse
-from orchestrator.serving.config import NodeConfig, Role
+from orchestrator.serving.config import Mode, NodeConfig, Role
 from orchestrator.serving.metrics import Metrics
 from orchestrator.serving.prefill_worker import PrefillWorker
 from orchestrator.serving.token_service import TokenService
@@ -91,6 +91,8 @@ def stage_service(config: NodeConfig, metrics: Metrics | None,
                      make_transport=make_transport)
     if controller is not None:  # a successor it cannot reach: tell the controller at once
         node.on_unreachable = controller.suspect
+    if config.mode is Mode.COLOCATED and config.depth == 1:  # it prefills: reuse prompt KV
+        node.worker.prefix = prefix_reuse(config, [node.engine])
     if config.depth == 1:  # nothing to connect: serve at once (also where no launcher bootstraps)
         node.start()
     recovery = None

@@ -81,6 +81,7 @@ class _Client:
     ended: bool = False  # by an ``end`` op: its stream still wants a final response
     request_id: str = ""
     feed: str | None = None  # the token feed its tokens go to (None: its own stream)
+    cached_tokens: int = 0  # colocated: its prompt's tokens the prefix cache held
 
 
 class TokenService:
@@ -234,7 +235,7 @@ class TokenService:
         check_prompt(prompt_ids, params, self.head.max_seq_len, self.engine.vocab_size)
         seq = Sequence(request_id, prompt_ids, params.max_tokens, params.end_id,
                        params.sampling(prompt_ids), self._on_token,
-                       stop_words=params.stop_words)
+                       stop_words=params.stop_words, cache_salt=params.cache_salt)
         with self.lock:
             if request_id in self.clients or request_id in self.feeds:
                 raise RequestError(f"request id {request_id!r} is already running here")
@@ -276,6 +277,9 @@ class TokenService:
         try:
             if not self.colocated and len(seq.output_ids) == 1 and token is not None:
                 self._count_kv(seq, client)
+            if self.colocated and len(seq.output_ids) == 1 and self.node.worker.prefix:
+                client.cached_tokens = seq.cached_tokens
+                self.metrics.prefix_cache(self.node.worker.prefix.cache)
             if token is None:
                 if seq.finish_reason is not FinishReason.CANCELLED:
                     self._send(client, [], seq.error or
@@ -347,10 +351,12 @@ class TokenService:
                 ended, self._ended_feeds = self._ended_feeds, []
             self._flush_feeds()
             for client, tokens, log_probs, final, error in work:
+                # the last response says the prompt's cached tokens, if any (colocated)
+                cached = (client.cached_tokens,) if final and client.cached_tokens else ()
                 if client.feed is None and (tokens or final):
-                    self._answer(client.emit, tokens, log_probs, final)
+                    self._answer(client.emit, tokens, log_probs, final, *cached)
                 elif final:  # its tokens went to the feed: the stream's own last response
-                    self._answer(client.emit, [], None, True)
+                    self._answer(client.emit, [], None, True, *cached)
                 if error is not None:
                     self._answer(client.fail, error)
             for feed in ended:

@@ -1,6 +1,7 @@
-"""KV reuse on real tritonservers: a P-node's prefix cache over a multi-turn conversation.
+"""KV reuse on real tritonservers: the prefix cache of the node that prefills (a P-node of
+1P+1T, a colocated T-node) over a multi-turn conversation.
 
-Each turn's prompt is the last one, its answer and a new message: the P-node loads the
+Each turn's prompt is the last one, its answer and a new message: the node loads the
 cached blocks, prefills only the rest, and the greedy tokens are the single-process
 reference's (the cache off). ``cached_tokens`` says exactly the blocks reused; a request
 under another ``cache_salt`` never hits the blocks of the first.
@@ -8,12 +9,16 @@ under another ``cache_salt`` never hits the blocks of the first.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+
 import numpy as np
 import pytest
-from cluster_helpers import MAX_SEQ_LEN, cluster_up, eventually, metric, module_cluster
+from cluster_helpers import MAX_SEQ_LEN, cluster_up, eventually, metric
 from test_trtllm_clients import stream
 
 from orchestrator.engine.reference import generate
+from orchestrator.engine.tokenizer import load_tokenizer
 from orchestrator.engine.torch_engine import load_engine
 
 pytestmark = pytest.mark.slow
@@ -22,7 +27,14 @@ MAX_TOKENS = 6
 FIRST = [(7 * i + 3) % 500 + 1 for i in range(40)]
 MESSAGES = [[(11 * i + 5) % 500 + 1 for i in range(n)] for n in (21, 9, 30)]
 
-cluster = module_cluster("prefix", cluster_up, prefix_cache_mb=4, kv_block=BLOCK)
+
+
+@pytest.fixture(scope="module", params=["disaggregated", "colocated"])
+def cluster(request, model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    with cluster_up(model, tmp_path_factory.mktemp(request.param),
+                    colocated=request.param == "colocated", prefix_cache_mb=4,
+                    kv_block=BLOCK) as up:
+        yield up
 
 
 def ask(url: str, prompt: list[int], salt: str = "") -> tuple[list[int], int]:
@@ -65,13 +77,13 @@ def test_multi_turn_prompts_reuse_their_prefix_token_exact(cluster, model):
         previous = prompt
     assert ask(url, previous) == (answer, (len(previous) - 1) // BLOCK * BLOCK)  # a repeat
 
-    p_node = cluster.role("prefill")[0].server
-    hit = eventually(lambda: metric(p_node, "dejavu_prefix_cache", what="hit_tokens"),
+    node = (cluster.role("prefill") or cluster.role("decode"))[0].server  # the one prefilling
+    hit = eventually(lambda: metric(node, "dejavu_prefix_cache", what="hit_tokens"),
                      lambda v: v > 0)
-    looked = metric(p_node, "dejavu_prefix_cache", what="lookup_tokens")
-    assert metric(p_node, "dejavu_prefix_cache", what="hit_rate") == pytest.approx(hit / looked)
-    assert 0 < metric(p_node, "dejavu_prefix_cache", what="bytes") <= metric(
-        p_node, "dejavu_prefix_cache", what="budget_bytes")
+    looked = metric(node, "dejavu_prefix_cache", what="lookup_tokens")
+    assert metric(node, "dejavu_prefix_cache", what="hit_rate") == pytest.approx(hit / looked)
+    assert 0 < metric(node, "dejavu_prefix_cache", what="bytes") <= metric(
+        node, "dejavu_prefix_cache", what="budget_bytes")
 
 
 def test_another_cache_salt_never_hits(cluster, model):
@@ -82,3 +94,22 @@ def test_another_cache_salt_never_hits(cluster, model):
     assert ask(url, prompt, salt="tenant-b") == (want, 0)
     assert ask(url, prompt) == (want, 0)  # no salt: the salted blocks are not its either
     assert ask(url, prompt, salt="tenant-a") == (want, 48)
+
+
+def test_openai_reports_cached_tokens_and_takes_a_cache_salt(cluster, model):
+    import openai
+
+    client = openai.OpenAI(base_url=cluster.openai.url, api_key="unused", max_retries=0)
+    prompt = " ".join(f"word{i}" for i in range(30))  # a prompt only this test sends
+    n = len(load_tokenizer(model).encode(prompt).ids)
+    assert n > BLOCK
+
+    def cached(**extra) -> int:
+        done = client.completions.create(model=model.name, prompt=prompt, max_tokens=3,
+                                         temperature=0, extra_body=extra)
+        assert done.usage.prompt_tokens == n
+        return done.usage.prompt_tokens_details.cached_tokens
+
+    assert cached(cache_salt="openai-tenant") == 0
+    assert cached() == 0  # its blocks are the salt's
+    assert cached(cache_salt="openai-tenant") == (n - 1) // BLOCK * BLOCK

@@ -45,10 +45,12 @@ class TritonPythonModel:
                     pb.send(sender, pb.response(reply=pb.strings(reply)), final=True)
                     continue
 
-                def emit(tokens, log_probs, final, sender=sender):
+                def emit(tokens, log_probs, final, cached_tokens=0, sender=sender):
                     outputs = {"output_ids": pb.ids(tokens)}
                     if log_probs is not None:
                         outputs["log_probs"] = pb.strings(encode_log_probs(log_probs))
+                    if cached_tokens:
+                        outputs["cached_tokens"] = pb.ids([cached_tokens])
                     pb.send(sender, pb.response(**outputs), final)
 
                 def send_ticket(ticket, sender=sender):
