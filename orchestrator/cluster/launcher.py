@@ -516,6 +516,13 @@ def topology_arguments(parser: argparse.ArgumentParser) -> None:
                         "a prefix (host memory on CPU, device memory on a GPU); 0: off")
     parser.add_argument("--kv-block", type=int, default=32, metavar="TOKENS",
                         help="tokens per prefix-cache block (a prompt reuses whole blocks)")
+    parser.add_argument("--router", choices=["jsq", "kv", "round-robin"], default="jsq",
+                        help="the frontend's routing: jsq (fewest pending tokens), kv (a "
+                        "prompt to the P-node whose prefix cache holds most of it, by the "
+                        "nodes' KV events; colocated: not yet, jsq), round-robin")
+    parser.add_argument("--kv-weight", type=float, default=1.0,
+                        help="--router kv: weight of a prompt's tokens to compute against a "
+                        "node's pending tokens")
     parser.add_argument("--replicate", choices=list(ReplicateMode), default=ReplicateMode.ON,
                         help="T-stages stream KV replicas to the next stage (disk: to local "
                         "disk); a lost stage is started again and resumes from them "
@@ -534,7 +541,7 @@ def settings_from(args: argparse.Namespace) -> dict:
             "max_batch": args.max_batch, "profile": engine_profile(args.engine, args.profile),
             "trtllm_decoupled": args.trtllm_decoupled == "true",
             "time_scale": args.time_scale, "prefix_cache_mb": args.prefix_cache_mb,
-            "kv_block": args.kv_block}
+            "kv_block": args.kv_block, "router": args.router, "kv_weight": args.kv_weight}
 
 
 def engine_profile(engine: str, profile: str) -> str:

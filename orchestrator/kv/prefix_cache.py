@@ -162,6 +162,10 @@ class PrefixCache:
     def __contains__(self, block_hash: int) -> bool:
         return block_hash in self._blocks
 
+    def held_hashes(self) -> list[int]:
+        with self._lock:
+            return list(self._blocks)
+
     def in_use(self) -> dict[int, int]:
         """Hash -> references, for every block a request holds."""
         with self._lock:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from orchestrator.kv.events import KVEventLog
 from orchestrator.kv.prefix_cache import PrefixCache, PrefixHit, block_hashes
 from orchestrator.layout import KVCache
 
@@ -33,10 +34,13 @@ class PrefixLoad:
 
 
 class PrefixReuse:
-    """A node's prefix cache, used around its prefills."""
+    """A node's prefix cache, used around its prefills, and the log of its KV events (what
+    a KV-aware router reads)."""
 
     def __init__(self, cache: PrefixCache) -> None:
         self.cache = cache
+        self.events = KVEventLog(cache.held_hashes)
+        cache.on_event = self.events.record
 
     def load(self, prompt: Sequence[int], salt: str, slots: Sequence[KVCache]) -> PrefixLoad:
         """Hold ``prompt``'s cached leading blocks (under ``salt``) and copy them into its

@@ -22,6 +22,7 @@ from enum import Enum, StrEnum
 from orchestrator.control.auth import load_secret
 from orchestrator.fault import ReplicateMode
 from orchestrator.pipeline import DEAD_AFTER_S, HEARTBEAT_S, PROMPT_SLOTS, SwapMode
+from orchestrator.serving.router import POLICIES
 
 
 class Role(StrEnum):
@@ -79,6 +80,11 @@ class NodeConfig:
     # GPU), by blocks of kv_block tokens; 0: none
     prefix_cache_mb: float = 0.0
     kv_block: int = 32
+    # frontend: how it routes (jsq: by pending tokens; kv: prompts to the prefilling node
+    # whose cache holds most of them, kv_weight x tokens to compute + pending tokens;
+    # round-robin)
+    router: str = "jsq"
+    kv_weight: float = 1.0
     prefill_urls: tuple[str, ...] = ()  # every P-node's gRPC url
     decode_urls: tuple[tuple[str, ...], ...] = ()  # each token pipeline's, stage 0 first
 
@@ -106,6 +112,11 @@ class NodeConfig:
         if self.time_scale != 1.0 and not self.profile:
             raise ValueError("node config: time_scale slows the emulated engine; it needs a "
                              "profile")
+        if self.router not in POLICIES:
+            raise ValueError(f"node config: router must be one of {', '.join(POLICIES)}, "
+                             f"got {self.router!r}")
+        if self.kv_weight < 0:
+            raise ValueError(f"node config: kv_weight must be >= 0, got {self.kv_weight}")
         if self.prefix_cache_mb < 0:
             raise ValueError(f"node config: prefix_cache_mb must be >= 0, got "
                              f"{self.prefix_cache_mb}")

@@ -45,7 +45,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from orchestrator.control.auth import request_parameters
+from orchestrator.control.auth import Unauthenticated, request_parameters
 from orchestrator.control.client import (
     ClientPool,
     ControlClient,
@@ -58,6 +58,8 @@ from orchestrator.control.errors import ControlError, ErrorCode
 from orchestrator.engine.log_probs import TokenLogProb
 from orchestrator.engine.log_probs import decode as decode_log_probs
 from orchestrator.fault.rpc import Stub
+from orchestrator.kv.events import decode_events
+from orchestrator.kv.prefix_cache import block_hashes
 from orchestrator.serving.feed import FeedListener
 from orchestrator.serving.metrics import Metrics
 from orchestrator.serving.node_stream import (
@@ -132,7 +134,8 @@ class Frontend:
         secret: bytes, timeout_s: float = FRONTEND_TIMEOUT_S, controller: str = "",
         watch_s: float = 0.1,
         rerun_wait_s: float = 1.0, metrics: Metrics | None = None, max_sequences: int = 0,
-        pipeline_sequences: list[int] | None = None,
+        pipeline_sequences: list[int] | None = None, router: str = "jsq",
+        kv_weight: float = 1.0, kv_block: int = 32,
     ) -> None:
         """``decode_pipelines``: each token pipeline's stage urls, stage 0 (its head) first;
         ``secret``: the cluster's (every request to a node is signed with it);
@@ -140,11 +143,14 @@ class Frontend:
         the reruns; ``max_sequences``: sequences in flight at once (0: no bound), the
         rest wait their turn here instead of asking the T-nodes for a slot again and
         again; ``pipeline_sequences``: those each pipeline holds (the router passes
-        over a full one)."""
-        self.prefill = Router(prefill_urls) if prefill_urls else None
+        over a full one); ``router``: jsq, kv (the P-nodes by their cached prefixes) or
+        round-robin, ``kv_weight`` and ``kv_block`` its (:class:`Router`)."""
+        self.prefill = (Router(prefill_urls, policy=router, kv_weight=kv_weight,
+                               block_tokens=kv_block) if prefill_urls else None)
         heads = [stages[0] for stages in decode_pipelines]
         self.decode = Router(heads, slots=dict(zip(heads, pipeline_sequences or [],
-                                                   strict=False)))
+                                                   strict=False)),
+                             policy="jsq" if router == "kv" else router)
         self.later_stages = {stages[0]: stages[1:] for stages in decode_pipelines}
         # The controller's name of each token pipeline (the launcher's order) -> its head.
         self.heads = {f"decode{i}": stages[0] for i, stages in enumerate(decode_pipelines)}
@@ -491,8 +497,14 @@ class Frontend:
         races a cancellation against a response): the T-side ``end`` marks the request's KV
         slot ended, which the P-node reads, and it stops after the layer in progress."""
         assert self.prefill is not None
-        with self.prefill.assign(len(prompt_ids)) as url:
+        kv_aware = self.prefill.policy == "kv"
+        hashes = (block_hashes(prompt_ids, self.prefill.block_tokens, params.cache_salt)
+                  if kv_aware else [])
+        with self.prefill.assign(len(prompt_ids), hashes) as url:
             arrays = {**request_arrays(prompt_ids, params), "kv_ticket": tickets}
+            if kv_aware:  # its KV events since those this router has indexed come back
+                arrays["kv_since"] = np.array([self.prefill.kv_cursor(url).encode()],
+                                              np.object_)
             answers: queue.Queue = queue.Queue()
             try:
                 self.prefill_clients[url].async_infer(
@@ -526,9 +538,22 @@ class Frontend:
                     self.prefill.mark_down(url)
                     raise PrefillLost(str(exc)) from exc
                 raise Refused(str(exc)) from exc
+            self._index_kv_events(url, result)
             cached = result.as_numpy("cached_tokens")
             return ([int(result.as_numpy("output_ids")[0])], _log_probs(result),
                     0 if cached is None else int(cached[0]))
+
+
+    def _index_kv_events(self, url: str, result: grpcclient.InferResult) -> None:
+        """A P-node's KV events into the router's index; one not signed with the cluster
+        secret is dropped (never the request)."""
+        blob = result.as_numpy("kv_events")
+        if blob is None or self.prefill is None:
+            return
+        try:
+            self.prefill.kv_events(url, decode_events(self.secret, blob.reshape(-1)[0]))
+        except (Unauthenticated, ValueError, KeyError, TypeError) as exc:
+            log.warning("dropped the KV events of %s: %s", url, exc)
 
 
 def _log_probs(result: grpcclient.InferResult) -> list[TokenLogProb] | None:

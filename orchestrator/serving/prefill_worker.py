@@ -94,6 +94,10 @@ class PrefillWorker:
                 else "failed" if isinstance(result, Exception) else "finished")
         return results
 
+    def kv_events(self, cursor: str) -> dict | None:
+        """Its prefix cache's KV events after a router's ``cursor`` (None: no cache)."""
+        return None if self.prefix is None else self.prefix.events.since(cursor)
+
     def staging_in_flight(self) -> int:
         """Staging blocks still taken (0 between batches once their transfers drained)."""
         return sum(sender.in_flight() for sender in self.senders)

@@ -113,3 +113,24 @@ def test_openai_reports_cached_tokens_and_takes_a_cache_salt(cluster, model):
     assert cached(cache_salt="openai-tenant") == 0
     assert cached() == 0  # its blocks are the salt's
     assert cached(cache_salt="openai-tenant") == (n - 1) // BLOCK * BLOCK
+
+
+def test_the_kv_router_sends_each_next_turn_to_the_p_node_holding_its_prefix(model, tmp_path):
+    """2 P-nodes, KV-aware routing: four first turns at once (the router spreads them by
+    queue), then their second turns at once: each finds its whole prefix cached, so the
+    router indexed the nodes' signed KV events and sent each to the node that holds it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    engine = load_engine(model, max_seq_len=MAX_SEQ_LEN)
+    firsts = [[(17 * i + 31 * c) % 500 + 1 for i in range(40)] for c in range(4)]
+    answers = generate([engine], firsts, MAX_TOKENS)
+    seconds = [p + a + MESSAGES[0] for p, a in zip(firsts, answers, strict=True)]
+    want = generate([engine], seconds, MAX_TOKENS)
+    with cluster_up(model, tmp_path, prefill=2, prefix_cache_mb=4, kv_block=BLOCK,
+                    router="kv", kv_weight=10.0) as up, ThreadPoolExecutor(4) as pool:
+        url = up.frontend.grpc_url
+        assert list(pool.map(lambda p: ask(url, p), firsts)) == [(a, 0) for a in answers]
+        got = list(pool.map(lambda p: ask(url, p), seconds))
+        assert got == [(w, len(f) // BLOCK * BLOCK) for w, f in zip(want, firsts, strict=True)]
+        eventually(lambda: sum(metric(n.server, "dejavu_prefix_cache", what="hit_tokens")
+                               for n in up.role("prefill")), lambda hits: hits == 4 * 32)

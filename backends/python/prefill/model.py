@@ -6,6 +6,7 @@ slot then reads ended; it never cancels this call) stops after the layer in prog
 
 from orchestrator.control.errors import code_of
 from orchestrator.engine.log_probs import encode as encode_log_probs
+from orchestrator.kv.events import encode_events
 from orchestrator.serving import pb
 from orchestrator.serving.node import connect_controller, load_prefill_worker
 from orchestrator.serving.params import GenerationParams
@@ -20,18 +21,21 @@ class TritonPythonModel:
     def initialize(self, args):
         config = pb.node_config(args)
         self.verifier = pb.verifier(config)
+        self.secret = config.secret()
         self.worker = load_prefill_worker(config, pb.TritonMetrics(config.name))
         self.controller = connect_controller(config)
 
     def execute(self, requests):
-        jobs, responses = [], [None] * len(requests)
+        jobs, responses, cursors = [], [None] * len(requests), {}
         for i, request in enumerate(requests):
-            tensors = pb.inputs(request, ["input_ids", "kv_ticket", "params"])
+            tensors = pb.inputs(request, ["input_ids", "kv_ticket", "params", "kv_since"])
             try:
                 pb.check_signed(request, self.verifier, "prefill", "prefill")
                 params = GenerationParams.from_json(tensors["params"])
                 tickets = list(tensors["kv_ticket"].reshape(-1))
                 prompt = tensors["input_ids"].reshape(-1).tolist()
+                if tensors["kv_since"] is not None:
+                    cursors[i] = pb.text(tensors["kv_since"])
                 jobs.append((i, PrefillJob(request.request_id(), prompt, params, tickets,
                                            pb.cancelled(request))))
             except (ValueError, PermissionError) as exc:
@@ -45,6 +49,9 @@ class TritonPythonModel:
                            "cached_tokens": pb.ids([result.cached_tokens])}
                 if result.log_prob is not None:
                     outputs["log_probs"] = pb.strings(encode_log_probs([result.log_prob]))
+                events = self.worker.kv_events(cursors[i]) if i in cursors else None
+                if events is not None:
+                    outputs["kv_events"] = pb.strings(encode_events(self.secret, events))
                 responses[i] = pb.response(**outputs)
         return responses
 
