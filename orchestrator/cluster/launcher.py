@@ -518,8 +518,9 @@ def topology_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens per prefix-cache block (a prompt reuses whole blocks)")
     parser.add_argument("--router", choices=["jsq", "kv", "round-robin"], default="jsq",
                         help="the frontend's routing: jsq (fewest pending tokens), kv (a "
-                        "prompt to the P-node whose prefix cache holds most of it, by the "
-                        "nodes' KV events; colocated: not yet, jsq), round-robin")
+                        "prompt to the node that prefills it (P-node; colocated: token "
+                        "pipeline) whose prefix cache holds most of it, by the nodes' KV "
+                        "events), round-robin")
     parser.add_argument("--kv-weight", type=float, default=1.0,
                         help="--router kv: weight of a prompt's tokens to compute against a "
                         "node's pending tokens")

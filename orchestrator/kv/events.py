@@ -25,10 +25,12 @@ KEPT_EVENTS = 4096
 
 
 class KVEventLog:
-    """A node's numbered cache events; ``held()`` lists every block held (for a reset)."""
+    """A node's numbered cache events; ``held()`` lists every block held (for a reset);
+    ``secret`` (the cluster's) signs its answers."""
 
-    def __init__(self, held: Callable[[], list[int]], keep: int = KEPT_EVENTS) -> None:
-        self.held = held
+    def __init__(self, held: Callable[[], list[int]], secret: bytes = b"",
+                 keep: int = KEPT_EVENTS) -> None:
+        self.held, self.secret = held, secret
         self.epoch = os.urandom(6).hex()
         self.number = 0  # of the last event
         self._events: deque[tuple[int, str, tuple[int, ...]]] = deque(maxlen=keep)
@@ -52,6 +54,12 @@ class KVEventLog:
                 return {"cursor": now, "events": [[kind, list(hashes)] for n, kind, hashes
                                                   in self._events if n > seen]}
         return {"cursor": now, "reset": self.held()}
+
+    def answer(self, cursor: str) -> bytes:
+        """:meth:`since`, signed (:func:`encode_events`)."""
+        if not self.secret:
+            raise ValueError("an event log without the cluster secret cannot sign")
+        return encode_events(self.secret, self.since(cursor))
 
 
 def encode_events(secret: bytes, answer: dict) -> bytes:

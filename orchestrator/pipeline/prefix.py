@@ -37,9 +37,10 @@ class PrefixReuse:
     """A node's prefix cache, used around its prefills, and the log of its KV events (what
     a KV-aware router reads)."""
 
-    def __init__(self, cache: PrefixCache) -> None:
+    def __init__(self, cache: PrefixCache, secret: bytes = b"") -> None:
+        """``secret``: the cluster's, which signs the events a router reads."""
         self.cache = cache
-        self.events = KVEventLog(cache.held_hashes)
+        self.events = KVEventLog(cache.held_hashes, secret)
         cache.on_event = self.events.record
 
     def load(self, prompt: Sequence[int], salt: str, slots: Sequence[KVCache]) -> PrefixLoad:

@@ -23,7 +23,8 @@ class ControlRequest:
 
 class Emit(Protocol):
     """New tokens, their log-probs (None: not asked for), is this the last response, and on
-    the last one (colocated) the prompt's tokens the prefix cache held, when any."""
+    the last one (colocated) the prompt's tokens the prefix cache held and the cache's KV
+    events for the request's router (signed), when any."""
 
     def __call__(self, tokens: list[int], log_probs: list[TokenLogProb] | None, final: bool,
-                 cached_tokens: int = 0, /) -> None: ...
+                 cached_tokens: int = 0, kv_events: bytes | None = None, /) -> None: ...

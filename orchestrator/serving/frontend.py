@@ -148,9 +148,11 @@ class Frontend:
         self.prefill = (Router(prefill_urls, policy=router, kv_weight=kv_weight,
                                block_tokens=kv_block) if prefill_urls else None)
         heads = [stages[0] for stages in decode_pipelines]
+        # kv routes the nodes that prefill: the T-nodes only when colocated
         self.decode = Router(heads, slots=dict(zip(heads, pipeline_sequences or [],
                                                    strict=False)),
-                             policy="jsq" if router == "kv" else router)
+                             policy="jsq" if router == "kv" and prefill_urls else router,
+                             kv_weight=kv_weight, block_tokens=kv_block)
         self.later_stages = {stages[0]: stages[1:] for stages in decode_pipelines}
         # The controller's name of each token pipeline (the launcher's order) -> its head.
         self.heads = {f"decode{i}": stages[0] for i, stages in enumerate(decode_pipelines)}
@@ -392,7 +394,9 @@ class Frontend:
         # colocated its prompt's until the first token (the prefill runs there: routing by
         # outputs alone piled 2,000-token prompts onto some nodes: 4% less served, simulated).
         left, prompt = params.max_tokens, len(prompt_ids) if self.colocated else 0
-        url = self.decode.pick(left + prompt)
+        url, charged = self.decode.route(left + prompt, self._hashes(self.decode, prompt_ids,
+                                                                     params))
+        prompt = charged - left  # kv: the prompt tokens it will compute there
 
         def counted(tokens: list[int], log_probs: list[TokenLogProb] | None,
                     final: bool) -> None:
@@ -431,6 +435,8 @@ class Frontend:
                 if self.colocated:  # the node's last response says it
                     usage.cached_tokens = stream.cached_tokens
                 counted(tokens, log_probs, done)
+            if stream.kv_events is not None:
+                self._index_kv_events(self.decode, url, stream.kv_events)
         except (InferenceServerException, ControlError) as exc:
             if is_unreachable(exc):
                 self.decode.mark_down(url)
@@ -467,7 +473,8 @@ class Frontend:
             reserved.append(stage_url)
         stream = self._node_stream(url).open(request_id, self.timeout_s)
         try:
-            stream.send(request_arrays(prompt_ids, params))
+            stream.send(request_arrays(prompt_ids, params)
+                        | (self._kv_since(self.decode, url) if self.colocated else {}))
             if self.colocated:
                 return stream, None
             ticket = stream.next(is_cancelled).as_numpy("kv_ticket")
@@ -497,14 +504,10 @@ class Frontend:
         races a cancellation against a response): the T-side ``end`` marks the request's KV
         slot ended, which the P-node reads, and it stops after the layer in progress."""
         assert self.prefill is not None
-        kv_aware = self.prefill.policy == "kv"
-        hashes = (block_hashes(prompt_ids, self.prefill.block_tokens, params.cache_salt)
-                  if kv_aware else [])
-        with self.prefill.assign(len(prompt_ids), hashes) as url:
-            arrays = {**request_arrays(prompt_ids, params), "kv_ticket": tickets}
-            if kv_aware:  # its KV events since those this router has indexed come back
-                arrays["kv_since"] = np.array([self.prefill.kv_cursor(url).encode()],
-                                              np.object_)
+        with self.prefill.assign(len(prompt_ids),
+                                 self._hashes(self.prefill, prompt_ids, params)) as url:
+            arrays = {**request_arrays(prompt_ids, params), "kv_ticket": tickets,
+                      **self._kv_since(self.prefill, url)}
             answers: queue.Queue = queue.Queue()
             try:
                 self.prefill_clients[url].async_infer(
@@ -538,20 +541,35 @@ class Frontend:
                     self.prefill.mark_down(url)
                     raise PrefillLost(str(exc)) from exc
                 raise Refused(str(exc)) from exc
-            self._index_kv_events(url, result)
+            events = result.as_numpy("kv_events")
+            if events is not None:
+                self._index_kv_events(self.prefill, url, events.reshape(-1)[0])
             cached = result.as_numpy("cached_tokens")
             return ([int(result.as_numpy("output_ids")[0])], _log_probs(result),
                     0 if cached is None else int(cached[0]))
 
 
-    def _index_kv_events(self, url: str, result: grpcclient.InferResult) -> None:
-        """A P-node's KV events into the router's index; one not signed with the cluster
-        secret is dropped (never the request)."""
-        blob = result.as_numpy("kv_events")
-        if blob is None or self.prefill is None:
-            return
+    # -- KV-aware routing (the router of the nodes that prefill) -----------------------
+
+    @staticmethod
+    def _hashes(router: Router, prompt_ids: list[int], params: GenerationParams) -> list[int]:
+        """The prompt's prefix-cache block hashes, where ``router`` routes by them."""
+        if router.policy != "kv":
+            return []
+        return block_hashes(prompt_ids, router.block_tokens, params.cache_salt)
+
+    @staticmethod
+    def _kv_since(router: Router, url: str) -> dict[str, np.ndarray]:
+        """The request's ``kv_since`` input: the node answers with its KV events since."""
+        if router.policy != "kv":
+            return {}
+        return {"kv_since": np.array([router.kv_cursor(url).encode()], np.object_)}
+
+    def _index_kv_events(self, router: Router, url: str, blob: bytes) -> None:
+        """A node's KV events into ``router``'s index; events not signed with the cluster
+        secret are dropped (never the request)."""
         try:
-            self.prefill.kv_events(url, decode_events(self.secret, blob.reshape(-1)[0]))
+            router.kv_events(url, decode_events(self.secret, blob))
         except (Unauthenticated, ValueError, KeyError, TypeError) as exc:
             log.warning("dropped the KV events of %s: %s", url, exc)
 

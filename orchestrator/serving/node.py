@@ -50,7 +50,7 @@ def prefix_reuse(config: NodeConfig, engines: list[Engine]) -> PrefixReuse | Non
     layout = replace(first, num_layers=last.first_layer + last.num_layers - first.first_layer)
     return PrefixReuse(PrefixCache.within(layout, config.kv_block,
                                           int(config.prefix_cache_mb * 2**20),
-                                          device=engines[0].device))
+                                          device=engines[0].device), config.secret())
 
 
 def load_token_service(config: NodeConfig, metrics: Metrics | None = None,

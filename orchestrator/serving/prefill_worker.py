@@ -94,9 +94,10 @@ class PrefillWorker:
                 else "failed" if isinstance(result, Exception) else "finished")
         return results
 
-    def kv_events(self, cursor: str) -> dict | None:
-        """Its prefix cache's KV events after a router's ``cursor`` (None: no cache)."""
-        return None if self.prefix is None else self.prefix.events.since(cursor)
+    def kv_events(self, cursor: str) -> bytes | None:
+        """Its prefix cache's KV events after a router's ``cursor``, signed (None: no
+        cache)."""
+        return None if self.prefix is None else self.prefix.events.answer(cursor)
 
     def staging_in_flight(self) -> int:
         """Staging blocks still taken (0 between batches once their transfers drained)."""

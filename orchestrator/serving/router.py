@@ -101,10 +101,11 @@ class Router:
         pending tokens (jsq), the lowest cost of ``hashes`` (the prompt's block hashes) to
         compute there and its pending tokens (kv), or the next in turn; ``tokens`` join its
         queue and the request holds it until :meth:`leave`."""
-        return self._pick(tokens, hashes)[0]
+        return self.route(tokens, hashes)[0]
 
-    def _pick(self, tokens: int, hashes: Sequence[int]) -> tuple[str, int]:
-        """The node and the tokens charged to its queue (kv: those it would compute)."""
+    def route(self, tokens: int, hashes: Sequence[int] = ()) -> tuple[str, int]:
+        """:meth:`pick`, and the tokens charged to the node's queue (kv: ``tokens`` less
+        those cached there); :meth:`done` gives them back."""
         now = time.monotonic()
         with self.lock:
             live = [n for n in self.pending if self.down_until[n] <= now]
@@ -158,7 +159,7 @@ class Router:
 
     @contextmanager
     def assign(self, tokens: int, hashes: Sequence[int] = ()) -> Iterator[str]:
-        node, charged = self._pick(tokens, hashes)
+        node, charged = self.route(tokens, hashes)
         try:
             yield node
         finally:

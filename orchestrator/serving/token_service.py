@@ -82,6 +82,8 @@ class _Client:
     request_id: str = ""
     feed: str | None = None  # the token feed its tokens go to (None: its own stream)
     cached_tokens: int = 0  # colocated: its prompt's tokens the prefix cache held
+    kv_since: str | None = None  # colocated, a KV-aware router's: its last response carries
+    # the prefix cache's events since this cursor
 
 
 class TokenService:
@@ -226,9 +228,11 @@ class TokenService:
         fail: Callable[[str], None],
         send_ticket: Callable[[bytes], None],
         feed: str | None = None,
+        kv_since: str | None = None,
     ) -> None:
         """Raises RequestError (nothing held) if the request cannot be served. ``feed``: the
-        token feed its tokens go to (None: ``emit`` them on its own stream)."""
+        token feed its tokens go to (None: ``emit`` them on its own stream); ``kv_since``:
+        a KV-aware router's cursor (:mod:`orchestrator.kv.events`)."""
         if self.head is None:
             raise RequestError(f"stage {self.node.index} of a token pipeline: generate "
                                "requests go to stage 0")
@@ -244,7 +248,7 @@ class TokenService:
             self.clients[request_id] = _Client(
                 emit, fail, 0 if self.colocated else 1, time.perf_counter(),
                 log_probs=[] if params.return_log_probs else None, request_id=request_id,
-                feed=feed)
+                feed=feed, kv_since=kv_since)
             self.metrics.queue_length(len(self.clients))
         try:
             if self.colocated:
@@ -351,8 +355,9 @@ class TokenService:
                 ended, self._ended_feeds = self._ended_feeds, []
             self._flush_feeds()
             for client, tokens, log_probs, final, error in work:
-                # the last response says the prompt's cached tokens, if any (colocated)
-                cached = (client.cached_tokens,) if final and client.cached_tokens else ()
+                # the last response says the prompt's cached tokens and the cache's events
+                # (colocated)
+                cached = self._prefix_outputs(client) if final else ()
                 if client.feed is None and (tokens or final):
                     self._answer(client.emit, tokens, log_probs, final, *cached)
                 elif final:  # its tokens went to the feed: the stream's own last response
@@ -361,6 +366,16 @@ class TokenService:
                     self._answer(client.fail, error)
             for feed in ended:
                 self._answer(feed.close)
+
+    def _prefix_outputs(self, client: _Client) -> tuple:
+        """A colocated request's last response's extra outputs: (cached tokens[, its
+        router's KV events, signed]), or none."""
+        prefix = self.node.worker.prefix if self.node.worker else None
+        if prefix is None:
+            return ()
+        if client.kv_since is None:
+            return (client.cached_tokens,) if client.cached_tokens else ()
+        return client.cached_tokens, prefix.events.answer(client.kv_since)
 
     @staticmethod
     def _answer(send: Callable[..., None] | None, *args: object) -> None:

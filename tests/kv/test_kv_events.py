@@ -25,6 +25,10 @@ def test_a_reader_gets_what_came_after_its_cursor_or_a_reset():
 
 
 def test_events_are_signed_with_the_cluster_secret():
+    log = KVEventLog(lambda: [5], b"secret")
+    assert decode_events(b"secret", log.answer(""))["reset"] == [5]
+    with pytest.raises(ValueError, match="cannot sign"):
+        KVEventLog(list).answer("")
     blob = encode_events(b"secret", {"cursor": "e:1", "events": []})
     assert decode_events(b"secret", blob) == {"cursor": "e:1", "events": []}
     with pytest.raises(Unauthenticated):

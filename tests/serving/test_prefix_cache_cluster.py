@@ -115,10 +115,15 @@ def test_openai_reports_cached_tokens_and_takes_a_cache_salt(cluster, model):
     assert cached(cache_salt="openai-tenant") == (n - 1) // BLOCK * BLOCK
 
 
-def test_the_kv_router_sends_each_next_turn_to_the_p_node_holding_its_prefix(model, tmp_path):
-    """2 P-nodes, KV-aware routing: four first turns at once (the router spreads them by
-    queue), then their second turns at once: each finds its whole prefix cached, so the
-    router indexed the nodes' signed KV events and sent each to the node that holds it."""
+@pytest.mark.parametrize("layout", [{"prefill": 2}, {"prefill": 0, "decode": 2,
+                                                    "colocated": True}],
+                         ids=["2P+1T", "2 colocated"])
+def test_the_kv_router_sends_each_next_turn_to_the_node_holding_its_prefix(model, tmp_path,
+                                                                         layout):
+    """2 prefilling nodes, KV-aware routing: four first turns at once (the router spreads
+    them by queue), then their second turns at once: each finds its whole prefix cached,
+    so the router indexed the nodes' signed KV events and sent each to the node holding
+    it."""
     from concurrent.futures import ThreadPoolExecutor
 
     engine = load_engine(model, max_seq_len=MAX_SEQ_LEN)
@@ -126,11 +131,12 @@ def test_the_kv_router_sends_each_next_turn_to_the_p_node_holding_its_prefix(mod
     answers = generate([engine], firsts, MAX_TOKENS)
     seconds = [p + a + MESSAGES[0] for p, a in zip(firsts, answers, strict=True)]
     want = generate([engine], seconds, MAX_TOKENS)
-    with cluster_up(model, tmp_path, prefill=2, prefix_cache_mb=4, kv_block=BLOCK,
-                    router="kv", kv_weight=10.0) as up, ThreadPoolExecutor(4) as pool:
+    with cluster_up(model, tmp_path, prefix_cache_mb=4, kv_block=BLOCK, router="kv",
+                    kv_weight=10.0, **layout) as up, ThreadPoolExecutor(4) as pool:
         url = up.frontend.grpc_url
         assert list(pool.map(lambda p: ask(url, p), firsts)) == [(a, 0) for a in answers]
         got = list(pool.map(lambda p: ask(url, p), seconds))
         assert got == [(w, len(f) // BLOCK * BLOCK) for w, f in zip(want, firsts, strict=True)]
+        nodes = up.role("prefill") or up.role("decode")
         eventually(lambda: sum(metric(n.server, "dejavu_prefix_cache", what="hit_tokens")
-                               for n in up.role("prefill")), lambda hits: hits == 4 * 32)
+                               for n in nodes), lambda hits: hits == 4 * 32)

@@ -6,7 +6,6 @@ slot then reads ended; it never cancels this call) stops after the layer in prog
 
 from orchestrator.control.errors import code_of
 from orchestrator.engine.log_probs import encode as encode_log_probs
-from orchestrator.kv.events import encode_events
 from orchestrator.serving import pb
 from orchestrator.serving.node import connect_controller, load_prefill_worker
 from orchestrator.serving.params import GenerationParams
@@ -21,7 +20,6 @@ class TritonPythonModel:
     def initialize(self, args):
         config = pb.node_config(args)
         self.verifier = pb.verifier(config)
-        self.secret = config.secret()
         self.worker = load_prefill_worker(config, pb.TritonMetrics(config.name))
         self.controller = connect_controller(config)
 
@@ -51,7 +49,7 @@ class TritonPythonModel:
                     outputs["log_probs"] = pb.strings(encode_log_probs([result.log_prob]))
                 events = self.worker.kv_events(cursors[i]) if i in cursors else None
                 if events is not None:
-                    outputs["kv_events"] = pb.strings(encode_events(self.secret, events))
+                    outputs["kv_events"] = pb.strings(events)
                 responses[i] = pb.response(**outputs)
         return responses
 
