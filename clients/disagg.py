@@ -608,10 +608,17 @@ PER_REQUEST = {"cost_per_request": "cost/req", "energy_per_request_kj": "kJ/req"
 
 
 def main(argv: list[str]) -> int:
+    if "mooncake" in {argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--trace"} | {
+            a.partition("=")[2] for a in argv if a.startswith("--trace=")}:
+        from clients.kv_reuse import main as kv_reuse_main  # its own options
+
+        return kv_reuse_main(argv)
     parser = argparse.ArgumentParser(prog="dejavu bench disagg",
                                      description=__doc__.splitlines()[0])
     model_arguments(parser, "gpt2", "small")
-    parser.add_argument("--trace", choices=["conv", "code"], default="conv")
+    parser.add_argument("--trace", choices=["conv", "code", "mooncake"], default="conv",
+                        help="an Azure trace; mooncake: KV reuse on the Mooncake "
+                        "conversation trace (clients/kv_reuse.py, its own options)")
     parser.add_argument("--requests", type=int, default=16,
                         help="requests per rate; with --duration, the planner's sample of the "
                         "trace (its mean lengths)")
