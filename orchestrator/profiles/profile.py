@@ -126,6 +126,14 @@ class EngineProfile:
         prefix = interpolate(self.prefill_tokens, self.prefill_ms, cached)
         return max(alone, whole - prefix) / 1e3
 
+    def reused_prefill_s(self, prompt_tokens: int, hit_rate: float) -> float:
+        """A prompt's prefill when a prefix cache holds ``hit_rate`` of its tokens (one token
+        at least is computed): the rest on top of the cached part (:meth:`prefill_s`)."""
+        if not 0 <= hit_rate <= 1:
+            raise ValueError(f"a hit rate is in [0, 1], got {hit_rate}")
+        cached = min(prompt_tokens - 1, round(prompt_tokens * hit_rate))
+        return self.prefill_s(prompt_tokens - cached, cached=cached)
+
     def decode_s(self, batch: int, context: float) -> float:
         """One token step of ``batch`` sequences holding ``context`` tokens each (mean)."""
         if batch < 1:
