@@ -124,7 +124,8 @@ class PrefixCache:
         self.layout, self.block_tokens, self.capacity_blocks = layout, block_tokens, capacity_blocks
         shape = (capacity_blocks, layout.num_layers, 2, layout.num_kv_heads, block_tokens,
                  layout.head_dim)
-        self.pool = torch.zeros(shape, dtype=layout.torch_dtype, device=device)
+        # empty: on CPU its pages are taken only as blocks are written
+        self.pool = torch.empty(shape, dtype=layout.torch_dtype, device=device)
         self.on_event = on_event
         self.stats = CacheStats()
         self._blocks: OrderedDict[int, _Block] = OrderedDict()  # oldest use first
