@@ -403,9 +403,9 @@ def engine_profile_of(model_dir: Path, lengths: list[tuple[int, int]], batch: in
     torch engine measured on one ``machine`` over a grid that spans the workload (prompts,
     batch 1 to ``batch``, contexts), and its m at the mean prompt."""
     from orchestrator.engine.config import ModelConfig
+    from orchestrator.engine.measure import measure_profile
     from orchestrator.engine.torch_engine import load_engine
     from orchestrator.planner.perf_model import Workload, measure_timings
-    from orchestrator.profiles.measure import measure_profile
     from orchestrator.profiles.profile import load_profile
 
     if engine_profile:
@@ -608,10 +608,17 @@ PER_REQUEST = {"cost_per_request": "cost/req", "energy_per_request_kj": "kJ/req"
 
 
 def main(argv: list[str]) -> int:
+    if "mooncake" in {argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--trace"} | {
+            a.partition("=")[2] for a in argv if a.startswith("--trace=")}:
+        from clients.kv_reuse import main as kv_reuse_main  # its own options
+
+        return kv_reuse_main(argv)
     parser = argparse.ArgumentParser(prog="dejavu bench disagg",
                                      description=__doc__.splitlines()[0])
     model_arguments(parser, "gpt2", "small")
-    parser.add_argument("--trace", choices=["conv", "code"], default="conv")
+    parser.add_argument("--trace", choices=["conv", "code", "mooncake"], default="conv",
+                        help="an Azure trace; mooncake: KV reuse on the Mooncake "
+                        "conversation trace (clients/kv_reuse.py, its own options)")
     parser.add_argument("--requests", type=int, default=16,
                         help="requests per rate; with --duration, the planner's sample of the "
                         "trace (its mean lengths)")

@@ -27,7 +27,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("generate",): ("clients.generate:main", "generate through Triton HTTP/gRPC"),
     ("plan",): ("orchestrator.planner.cli:plan_main", "size prompt and token pools"),
     ("simulate",): ("orchestrator.planner.cli:simulate_main", "simulate serving policies"),
-    ("profile",): ("orchestrator.profiles.measure:main",
+    ("profile",): ("orchestrator.engine.measure:main",
                    "measure the torch engine into an engine profile file"),
     ("bench", "kv"): ("benchmarks.kv:main", "KV streaming ablation (Fig. 11)"),
     ("bench", "recovery"): ("benchmarks.recovery:main", "failure recovery (Fig. 14, 15)"),

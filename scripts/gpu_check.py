@@ -35,9 +35,9 @@ import torch
 import torch.multiprocessing as mp
 
 from orchestrator.engine.checkpoint import make_checkpoint
+from orchestrator.engine.measure import measure_profile
 from orchestrator.engine.reference import generate
 from orchestrator.engine.torch_engine import load_engine
-from orchestrator.profiles.measure import measure_profile
 
 PROMPTS = [[5, 17, 42, 7, 99, 3, 250, 11], [300, 2, 8, 64, 128, 9]]
 

@@ -527,6 +527,20 @@ def topology_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--engine emulated: every step sleeps the profile's time x K "
                         "(a K-times slower replay, so the serving path's own CPU stays small "
                         "against the engine's time; divide measured times by K)")
+    parser.add_argument("--prefix-cache-mb", type=float, default=256.0, metavar="MIB",
+                        help="every node that prefills (P-nodes; colocated: the token "
+                        "pipelines) keeps this much prompt KV to reuse for prompts that share "
+                        "a prefix (host memory on CPU, device memory on a GPU); 0: off")
+    parser.add_argument("--kv-block", type=int, default=32, metavar="TOKENS",
+                        help="tokens per prefix-cache block (a prompt reuses whole blocks)")
+    parser.add_argument("--router", choices=["jsq", "kv", "round-robin"], default="jsq",
+                        help="the frontend's routing: jsq (fewest pending tokens), kv (a "
+                        "prompt to the node that prefills it (P-node; colocated: token "
+                        "pipeline) whose prefix cache holds most of it, by the nodes' KV "
+                        "events), round-robin")
+    parser.add_argument("--kv-weight", type=float, default=1.0,
+                        help="--router kv: weight of a prompt's tokens to compute against a "
+                        "node's pending tokens")
     parser.add_argument("--replicate", choices=list(ReplicateMode), default=ReplicateMode.ON,
                         help="T-stages stream KV replicas to the next stage (disk: to local "
                         "disk); a lost stage is started again and resumes from them "
@@ -547,7 +561,9 @@ def settings_from(args: argparse.Namespace) -> dict:
             "trtllm_decoupled": (None if args.trtllm_decoupled is None
                                  else args.trtllm_decoupled == "true"),
             "time_scale": args.time_scale, "frontend_instances": args.frontend_instances,
-            "stream_interval": args.stream_interval}
+            "stream_interval": args.stream_interval,
+            "prefix_cache_mb": args.prefix_cache_mb, "kv_block": args.kv_block,
+            "router": args.router, "kv_weight": args.kv_weight}
 
 
 def engine_profile(engine: str, profile: str) -> str:

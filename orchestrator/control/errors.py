@@ -6,6 +6,9 @@ normal response carrying ``error_code`` (an :class:`ErrorCode`) and ``error``
 parameters, and a plain Triton error carries text only. The frontend decides
 from the code whether to wait (``NO_FREE_SLOT``), run the prompt on another
 P-node (``KV_TRANSFER``), run the request again (``PIPELINE_LOST``) or give up.
+
+A library's own exception says its code with a class attribute ``error_code``
+(the KV library's do), so this module imports no layer above it.
 """
 
 from __future__ import annotations
@@ -13,7 +16,6 @@ from __future__ import annotations
 import enum
 
 from orchestrator.control.auth import Unauthenticated
-from orchestrator.kv.errors import KVTransferError, NoFreeSlot
 
 
 class ErrorCode(enum.IntEnum):
@@ -33,22 +35,18 @@ class ControlError(RuntimeError):
         self.code = code
 
 
-_BY_TYPE: tuple[tuple[type[BaseException], ErrorCode], ...] = (
-    (Unauthenticated, ErrorCode.UNAUTHENTICATED),
-    (NoFreeSlot, ErrorCode.NO_FREE_SLOT),
-    (KVTransferError, ErrorCode.KV_TRANSFER),
-)
-
-
 def code_of(error: BaseException) -> ErrorCode:
-    """The code of an exception or of the first one in its chain with a specific type;
-    otherwise a ``ValueError`` (a refused request) is ``BAD_REQUEST``."""
+    """The code of an exception or of the first one in its chain with a code of its own
+    (a ``ControlError``, an ``error_code`` attribute, ``Unauthenticated``); otherwise a
+    ``ValueError`` (a refused request) is ``BAD_REQUEST``."""
     cause: BaseException | None = error
     while cause is not None:
         if isinstance(cause, ControlError):
             return cause.code
-        for kind, code in _BY_TYPE:
-            if isinstance(cause, kind):
-                return code
+        code = getattr(type(cause), "error_code", None)
+        if isinstance(code, ErrorCode):
+            return code
+        if isinstance(cause, Unauthenticated):
+            return ErrorCode.UNAUTHENTICATED
         cause = cause.__cause__
     return ErrorCode.BAD_REQUEST if isinstance(error, ValueError) else ErrorCode.INTERNAL

@@ -46,11 +46,15 @@ class Engine(Protocol):
         caches: Sequence[KVCache],
         on_layer: LayerHook | None = None,
     ) -> list[torch.Tensor]:
-        """Run whole prompts. ``inputs[i]`` is ``[T_i]`` ids or ``[T_i, hidden]``.
+        """Run prompts on top of what each slot already holds.
 
-        Returns per sequence ``[T_i, hidden]`` hidden states, or on the last
-        stage ``[vocab]`` logits of the last position. Each cache's ``length``
-        becomes ``T_i``.
+        ``inputs[i]`` is ``[T_i]`` ids or ``[T_i, hidden]``: the *new* positions
+        ``caches[i].length ..`` of sequence ``i``, whose slot may already hold a
+        prefix (a prefix-cache hit, an earlier chunk); they attend to the whole
+        context. Returns per sequence ``[T_i, hidden]`` hidden states of the new
+        positions, or on the last stage ``[vocab]`` logits of the last position.
+        Each cache's ``length`` grows by ``T_i``; ``on_layer`` sees the grown
+        length. An empty slot is a whole prompt.
         """
         ...
 

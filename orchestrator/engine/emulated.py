@@ -2,7 +2,8 @@
 
 Only the compute is replaced. Each prefill or decode sleeps what the profile
 (:class:`~orchestrator.profiles.profile.EngineProfile`) says for its actual
-batch, prompt tokens and context, times this stage's share of the layers, so a
+batch, prompt tokens and context (a prompt's rest on a cached prefix: the new
+tokens at that context), times this stage's share of the layers, so a
 node costs little CPU and many fit on one machine; the rest of the serving path
 (Triton, orchestrator, KV transports, replication, recovery) runs as it is.
 
@@ -97,15 +98,19 @@ class EmulatedEngine:
     ) -> list[torch.Tensor]:
         start = self._clock()
         self._check(inputs, caches)
-        if any(c.length for c in caches):
-            raise ValueError("prefill needs empty caches")
-        seconds = self.profile.prefill_s(sum(len(x) for x in inputs)) * self.share * self.time_scale
-        pairs = [self._pairs(x, cache, 0) for x, cache in zip(inputs, caches, strict=True)]
+        starts = [c.length for c in caches]
+        limit = self.kv_layout.max_seq_len
+        if any(s + len(x) > limit for s, x in zip(starts, inputs, strict=True)):
+            raise ValueError(f"a prompt on its cached prefix exceeds the slot ({limit} positions)")
+        seconds = self.profile.prefill_s(
+            sum(len(x) for x in inputs), cached=sum(starts)
+        ) * self.share * self.time_scale
+        pairs = [self._pairs(x, c, s) for x, c, s in zip(inputs, caches, starts, strict=True)]
         for cache, x in zip(caches, inputs, strict=True):
-            cache.length = len(x)
+            cache.length += len(x)
         for i, layer in enumerate(self.kv_layout.layer_range):  # the hook fires layer by layer
-            for cache, p in zip(caches, pairs, strict=True):
-                cache.layer(layer)[0, 0, : len(p), :2] = p
+            for cache, p, s in zip(caches, pairs, starts, strict=True):
+                cache.layer(layer)[0, 0, s : s + len(p), :2] = p
             self._sleep_until(start + seconds * (i + 1) / self.kv_layout.num_layers)
             if on_layer is not None:
                 on_layer(layer, caches)

@@ -65,20 +65,25 @@ class TorchEngine:
     ) -> list[torch.Tensor]:
         self._check_caches(caches, len(inputs))
         lengths = [len(x) for x in inputs]
-        for i, (x, cache) in enumerate(zip(inputs, caches, strict=True)):
+        starts = [cache.length for cache in caches]
+        for i, (x, start) in enumerate(zip(inputs, starts, strict=True)):
             self._check_input(x, f"prompt {i}")
-            if not 0 < len(x) <= self.max_seq_len:
-                raise ValueError(f"prompt {i} has {len(x)} tokens; need 1..{self.max_seq_len}")
-            if cache.length:
-                raise ValueError(f"prefill needs an empty cache; cache {i} holds {cache.length}")
+            if not 0 < len(x) <= self.max_seq_len - start:
+                raise ValueError(
+                    f"prompt {i} has {len(x)} tokens on {start} cached; "
+                    f"need 1..{self.max_seq_len - start}"
+                )
         for cache, n in zip(caches, lengths, strict=True):
-            cache.length = n  # before the layers, so ``on_layer`` sees how much each layer holds
-        positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])
+            cache.length += n  # before the layers, so ``on_layer`` sees how much each layer holds
+        positions = torch.cat([
+            torch.arange(s, s + n, device=self.device)
+            for s, n in zip(starts, lengths, strict=True)
+        ])
         x = self._stage_input(torch.cat([x.to(self.device) for x in inputs]), positions)
 
         for i, w in enumerate(self.weights.layers):
             layer = self.stage.first_layer + i
-            attend = self._attend(layer, caches, [0] * len(caches), lengths)
+            attend = self._attend(layer, caches, starts, lengths)
             x = self._block(x, w, positions, attend)
             if on_layer is not None:
                 on_layer(layer, caches)
@@ -149,9 +154,10 @@ class TorchEngine:
         self, layer: int, caches: Sequence[KVCache], starts: list[int], counts: list[int]
     ) -> Attend:
         """Per sequence: write its ``count`` new K/V rows at ``start`` of its slot, then attend
-        over the slot so far. New rows are a whole prompt (start 0, causal) or one decode
-        token (sees every position). Attending in place, one sequence at a time, reads no
-        padding and copies no KV, and a sequence's result never depends on its batch."""
+        over the slot so far, each new row seeing every position up to its own: a whole
+        prompt (start 0, causal), a prompt's rest on a cached prefix, or one decode token.
+        Attending in place, one sequence at a time, reads no padding and copies no KV, and a
+        sequence's result never depends on its batch."""
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             outs = []
@@ -165,7 +171,8 @@ class TorchEngine:
                     q_i.transpose(0, 1)[None],
                     slot[None, 0, :, :end],
                     slot[None, 1, :, :end],
-                    is_causal=len(q_i) > 1,
+                    attn_mask=_causal_on_prefix(start, len(q_i), self.device),
+                    is_causal=start == 0 and len(q_i) > 1,
                     enable_gqa=True,
                 )
                 outs.append(out[0].transpose(0, 1).reshape(len(q_i), -1))
@@ -197,6 +204,16 @@ class TorchEngine:
             raise ValueError(
                 f"{what}: stage takes [T, {self.hidden_size}] hidden states, got {tuple(x.shape)}"
             )
+
+
+def _causal_on_prefix(start: int, count: int, device: torch.device) -> torch.Tensor | None:
+    """``[count, start + count]``: new row ``i`` (position ``start + i``) sees positions
+    ``0 .. start + i``. None where SDPA's own causal flag (start 0) or no mask (one row)
+    says the same: SDPA aligns ``is_causal`` top-left, right only for an empty prefix."""
+    if start == 0 or count == 1:
+        return None
+    rows = torch.arange(count, device=device)[:, None]
+    return torch.arange(start + count, device=device)[None, :] <= rows + start
 
 
 def load_engine(

@@ -1,10 +1,14 @@
-"""The one error the KV library raises for a failed or rejected transfer."""
+"""The errors the KV library raises: a failed or rejected transfer, no free slot."""
 
 from __future__ import annotations
+
+from orchestrator.control.errors import ErrorCode
 
 
 class KVTransferError(RuntimeError):
     """A transfer failed, timed out or was rejected; says which peer and why."""
+
+    error_code = ErrorCode.KV_TRANSFER  # the prompt may run on another P-node
 
     def __init__(self, peer: str, reason: str, request_id: str | None = None) -> None:
         self.peer = peer
@@ -16,3 +20,5 @@ class KVTransferError(RuntimeError):
 
 class NoFreeSlot(RuntimeError):
     """Every prompt-KV slot of a receiver is held; one is given back within a step."""
+
+    error_code = ErrorCode.NO_FREE_SLOT  # wait and ask again

@@ -452,7 +452,7 @@ class PipelineHead:
             self._error(message.error)
             self.scheduler.fail(mb, message.error)
         else:
-            self.scheduler.postprocess(mb, message.tokens, message.log_probs)
+            self.scheduler.postprocess(mb, message.tokens, message.log_probs, message.cached)
         if not self._paused:
             self._issue(mb)
         if self.on_step is not None:
@@ -567,6 +567,7 @@ def _to_message(batch: Batch) -> StepMessage:
         inputs=inputs,
         prompt_seq_ids=[s.seq_id for s in batch.prefill],
         prompts=[torch.tensor(s.prompt_ids) for s in batch.prefill],
+        salts=[s.cache_salt for s in batch.prefill],
         admit=[s.seq_id for s in batch.admit],
         release=batch.release,
         # The last stage's samplers go on after the tokens made (the P-node's first).

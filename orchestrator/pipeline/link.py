@@ -36,6 +36,8 @@ class StepMessage:
     release: list[int] = field(default_factory=list)  # free these sequences' KV first
     sampling: dict[int, SamplingParams] = field(default_factory=dict)  # sequences new here
     error: str | None = None  # an earlier stage failed this step; pass it on
+    salts: list[str] = field(default_factory=list)  # each prompt's cache salt (a pipeline's
+    # only stage reuses cached prompt KV)
 
 
 @dataclass
@@ -47,6 +49,7 @@ class TokenMessage:
     tokens: dict[int, int]  # seq id -> new token
     error: str | None = None
     log_probs: dict[int, TokenLogProb] = field(default_factory=dict)  # those that asked
+    cached: dict[int, int] = field(default_factory=dict)  # prompts run here: tokens cached
 
 
 @dataclass

@@ -24,6 +24,7 @@ from orchestrator.engine.log_probs import TokenLogProb
 from orchestrator.engine.sampling import Sampler, SamplingParams
 from orchestrator.kv.connector import KVSender, SendHandle
 from orchestrator.layout import KVCache
+from orchestrator.pipeline.prefix import PrefixLoad, PrefixReuse
 
 log = logging.getLogger(__name__)
 _FIRST_TOKEN = struct.Struct("<I")  # what the serving P-node sends too
@@ -53,18 +54,35 @@ def stream_prefill(
     save_timeout_s: float = 30.0,
     log_probs: dict[str, TokenLogProb] | None = None,
     stop: Callable[[], bool] | None = None,
+    prefix: PrefixReuse | None = None,
+    salts: Mapping[str, str] | None = None,
+    cached: dict[str, int] | None = None,
 ) -> dict[str, int]:
     """Prefill ``prompts`` (request id -> ids) on the prompt stages ``engines`` (one
     ``KVSender`` each), streaming every layer's KV while the next computes to the token
     stages that reserved ``tickets[request_id]`` (one ticket per token stage). Returns each
     first token (and puts into ``log_probs`` the log-prob of those whose sampling asks);
     raises ``KVTransferError`` naming the token stage a transfer failed to, or
-    ``PrefillCancelled`` when ``stop()`` says so (asked after every layer)."""
-    sampling = sampling or {}
+    ``PrefillCancelled`` when ``stop()`` says so (asked after every layer).
+
+    With ``prefix`` (the node's prefix cache), each prompt's cached leading blocks (under
+    ``salts[request_id]``) are loaded into its slots and only the rest is computed; every
+    layer still streams the whole prompt's KV. ``cached`` gets each prompt's cached tokens."""
+    sampling, salts = sampling or {}, salts or {}
     rids = list(prompts)
+    slots = [[engine.new_cache() for _ in rids] for engine in engines]
+    loads: list[PrefixLoad] = []
     x: list[torch.Tensor] = [torch.tensor(prompts[r], dtype=torch.long) for r in rids]
     taken: list[tuple[KVSender, SendHandle]] = []  # every staging block, given back on any exit
+    done = False
     try:
+        if prefix is not None:
+            for i, rid in enumerate(rids):
+                loads.append(prefix.load(prompts[rid], salts.get(rid, ""), [s[i] for s in slots]))
+            x = [load.rest for load in loads]
+            if cached is not None:
+                cached.update({rid: load.cached_tokens for rid, load in zip(rids, loads,
+                                                                            strict=True)})
         # Every stage's handles from the start: a prefill that stops early gives up on each
         # stage's layers, so its token stages know no writer is left (their slots free).
         handles: list[list[SendHandle]] = []
@@ -73,7 +91,8 @@ def stream_prefill(
             for rid in rids:
                 handles[-1].append(sender.start(rid, list(tickets[rid])))
                 taken.append((sender, handles[-1][-1]))
-        for engine, sender, stage_handles in zip(engines, senders, handles, strict=True):
+        for engine, sender, stage_handles, caches in zip(engines, senders, handles, slots,
+                                                         strict=True):
 
             def save(layer: int, caches: Sequence[KVCache], sender=sender,
                      hs=stage_handles) -> None:
@@ -82,7 +101,8 @@ def stream_prefill(
                 if stop is not None and stop():
                     raise PrefillCancelled(f"cancelled after layer {layer}")
 
-            x = engine.prefill(x, [engine.new_cache() for _ in rids], on_layer=save)
+            x = engine.prefill(x, caches, on_layer=save)
+        done = True
         first = {}
         for rid, logits in zip(rids, x, strict=True):
             first[rid], log_prob = Sampler(sampling.get(rid)).pick(logits[None])
@@ -95,4 +115,6 @@ def stream_prefill(
     finally:
         for sender, handle in taken:
             sender.release(handle)
+        for i, load in enumerate(loads):  # a prefill that stopped early stores nothing
+            prefix.finish(load, [s[i] for s in slots] if done else None)  # type: ignore[union-attr]
     return first

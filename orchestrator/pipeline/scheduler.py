@@ -79,12 +79,16 @@ class MicrobatchScheduler:
         return batch
 
     def postprocess(self, microbatch: int, tokens: dict[int, int],
-                    log_probs: dict[int, TokenLogProb] | None = None) -> list[Sequence]:
-        """Record one step's tokens (and the log-probs of those that asked); returns the
-        sequences that ended (their KV is freed next)."""
+                    log_probs: dict[int, TokenLogProb] | None = None,
+                    cached: dict[int, int] | None = None) -> list[Sequence]:
+        """Record one step's tokens (and the log-probs of those that asked, the cached
+        tokens of the prompts that ran); returns the sequences that ended (their KV is
+        freed next)."""
         ended = []
-        log_probs = log_probs or {}
+        log_probs, cached = log_probs or {}, cached or {}
         for seq in self.running[microbatch]:
+            if seq.seq_id in cached:
+                seq.cached_tokens = cached[seq.seq_id]
             if not seq.is_finished:  # cancelled while in flight: its token is dropped
                 seq.append(tokens[seq.seq_id], log_probs.get(seq.seq_id))
             if seq.is_finished:

@@ -41,6 +41,8 @@ class Sequence:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     on_token: TokenCallback | None = None
     stop_words: tuple[tuple[int, ...], ...] = ()  # token sequences that end it, kept
+    cache_salt: str = ""  # its prompt shares cached KV only with prompts under this salt
+    cached_tokens: int = 0  # colocated: its prompt's tokens the stage's prefix cache held
     # Pipeline-internal id: small, unique, used as the key of every stage's KV.
     seq_id: int = field(default_factory=lambda: next(_ids))
     output_ids: list[int] = field(default_factory=list)

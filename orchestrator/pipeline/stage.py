@@ -39,6 +39,7 @@ from orchestrator.pipeline.link import (
     StepMessage,
     TokenMessage,
 )
+from orchestrator.pipeline.prefix import PrefixLoad, PrefixReuse
 from orchestrator.pipeline.swapper import KVPlacement
 
 log = logging.getLogger(__name__)
@@ -115,6 +116,8 @@ class StageWorker:
         self._followed_by: dict[int, int] = {}  # microbatch -> the one that came after it
         self._previous: int | None = None
         self.timeline: deque[Interval] = deque(maxlen=TIMELINE_KEPT)
+        # A pipeline's only stage (colocated) may reuse cached prompt KV: set by its node.
+        self.prefix: PrefixReuse | None = None
         self._handling = False  # a message taken and not yet passed on
         self._handled = 0  # messages handled (the inbox counts those it gave out)
         self._last_handled = time.monotonic()
@@ -250,7 +253,17 @@ class StageWorker:
         following = self._next_microbatch(mb)
         self.kv.prefetch(following, self.members.get(following, []))
 
-        prompt_out, step_out = self._compute(message, caches) if seq_ids else ([], None)
+        loads = self._load_prefixes(message, caches)
+        try:
+            if loads:
+                message = replace(message, prompts=[load.rest for load in loads])
+            prompt_out, step_out = self._compute(message, caches) if seq_ids else ([], None)
+        except BaseException:
+            for load in loads:
+                self.prefix.finish(load, None)  # type: ignore[union-attr]
+            raise
+        for load, cache in zip(loads, caches, strict=False):
+            self.prefix.finish(load, [cache])  # type: ignore[union-attr]
         if self.on_step is not None and seq_ids:
             self.on_step(mb, message.step, seq_ids, caches)
         self.kv.close(mb, seq_ids)
@@ -260,12 +273,31 @@ class StageWorker:
         rows = list(zip(message.prompt_seq_ids, prompt_out, strict=True))
         if step_out is not None:
             rows += zip(message.seq_ids, step_out, strict=True)
-        answer = TokenMessage(mb, message.step, {})
+        answer = TokenMessage(mb, message.step, {},
+                              cached={s: load.cached_tokens for s, load in zip(
+                                  message.prompt_seq_ids, loads, strict=False)})
         for seq_id, logits in rows:
             answer.tokens[seq_id], log_prob = self.samplers[seq_id].pick(logits[None])
             if log_prob is not None:
                 answer.log_probs[seq_id] = log_prob
         return answer
+
+    def _load_prefixes(self, message: StepMessage, caches: list[KVCache]) -> list[PrefixLoad]:
+        """A pipeline's only stage with a prefix cache: each prompt's cached blocks, loaded
+        into its slot (the first caches are the prompts'); none otherwise."""
+        if self.prefix is None or not message.prompts or not (
+                self.engine.stage.is_first and self.is_last):
+            return []
+        salts = message.salts or [""] * len(message.prompts)
+        loads: list[PrefixLoad] = []
+        try:
+            for prompt, salt, cache in zip(message.prompts, salts, caches, strict=False):
+                loads.append(self.prefix.load(prompt.tolist(), salt, [cache]))
+        except BaseException:
+            for load in loads:
+                self.prefix.finish(load, None)
+            raise
+        return loads
 
     def _compute(
         self, message: StepMessage, caches: list[KVCache]

@@ -79,7 +79,10 @@ class Demand:
     prefill_s: float  # mean prefill of one prompt alone (s)
 
     @classmethod
-    def of(cls, lengths: Sequence[tuple[int, int]], cost: EngineProfile) -> Demand:
+    def of(cls, lengths: Sequence[tuple[int, int]], cost: EngineProfile,
+           hit_rate: float = 0.0) -> Demand:
+        """``hit_rate``: the share of prompt tokens a prefix cache holds (the trace's, or
+        measured): each prompt computes only the rest."""
         if not lengths or min(min(p, n) for p, n in lengths) < 1:
             raise ValueError("need at least one request, each with a prompt and an output")
         # A request of n tokens takes n - 1 token steps, at contexts p+1 .. p+n-1 (the
@@ -90,7 +93,8 @@ class Demand:
         return cls(prompt=statistics.fmean(p for p, _ in lengths),
                    output=statistics.fmean(n for _, n in lengths),
                    context=context,
-                   prefill_s=statistics.fmean(cost.prefill_s(p) for p, _ in lengths))
+                   prefill_s=statistics.fmean(cost.reused_prefill_s(p, hit_rate)
+                                              for p, _ in lengths))
 
 
 @dataclass(frozen=True)
@@ -112,11 +116,13 @@ class Capacity:
     @classmethod
     def of(cls, lengths: Sequence[tuple[int, int]], cost: EngineProfile, batch: int,
            m: float = 1.0, kv_scale: float = 1.0,
-           prompt_cost: EngineProfile | None = None) -> Capacity:
+           prompt_cost: EngineProfile | None = None, hit_rate: float = 0.0) -> Capacity:
         """``prompt_cost``: the P-nodes' profile where they are other machines (Splitwise's
-        mixed pools); ``cost`` times every other node."""
-        prompt_s = None if prompt_cost is None else Demand.of(lengths, prompt_cost).prefill_s
-        return cls(cost, Demand.of(lengths, cost), batch, m, kv_scale, prompt_s)
+        mixed pools); ``cost`` times every other node; ``hit_rate``: the prompt tokens
+        the nodes' prefix caches hold (:meth:`Demand.of`)."""
+        prompt_s = (None if prompt_cost is None
+                    else Demand.of(lengths, prompt_cost, hit_rate).prefill_s)
+        return cls(cost, Demand.of(lengths, cost, hit_rate), batch, m, kv_scale, prompt_s)
 
     @property
     def slots(self) -> int:

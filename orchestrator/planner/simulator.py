@@ -367,7 +367,9 @@ class _TokenPipe:
             return
         cost, seconds = self.sim.cost, 0.0
         if prefill:
-            seconds += cost.prefill_s(sum(s.request.prompt_len for s in prefill))
+            tokens = sum(s.request.prompt_len for s in prefill)
+            cached = sum(self.sim.cached_tokens(s.request.prompt_len) for s in prefill)
+            seconds += cost.prefill_s(tokens - cached, cached=cached)
         if decode:
             seconds += cost.decode_s(len(decode), statistics.fmean(s.context for s in decode))
         self.running[mb] = running + new
@@ -418,7 +420,8 @@ class _PromptNode:
         if self.busy or not self.queue:
             return
         seq = self.queue.popleft()
-        seconds = self.sim.m * self.sim.prompt_cost.prefill_s(seq.request.prompt_len)
+        seconds = self.sim.m * self.sim.prompt_cost.reused_prefill_s(seq.request.prompt_len,
+                                                                     self.sim.hit_rate)
         self.busy, self.busy_seconds = True, self.busy_seconds + seconds
 
         def done() -> None:
@@ -447,10 +450,14 @@ class ServingSimulator:
 
     def __init__(self, cost: EngineProfile, batch: int, prompt_nodes: int, token_pipelines: int,
                  token_depth: int, m: float = 1.0, slots: int | None = None,
-                 prompt_cost: EngineProfile | None = None) -> None:
+                 prompt_cost: EngineProfile | None = None, hit_rate: float = 0.0) -> None:
+        """``hit_rate``: the prompt tokens the prefilling nodes' prefix caches hold (the
+        trace's, or measured): each prompt computes only the rest."""
         if batch < 1 or token_pipelines < 1 or token_depth < 1 or prompt_nodes < 0 or m < 1:
             raise ValueError("need batch, token pipelines and depth >= 1, P-nodes >= 0, m >= 1")
-        self.cost, self.slots, self.m = cost, batch, m
+        if not 0 <= hit_rate <= 1:
+            raise ValueError(f"a hit rate is in [0, 1], got {hit_rate}")
+        self.cost, self.slots, self.m, self.hit_rate = cost, batch, m, hit_rate
         self.prompt_cost = prompt_cost or cost  # P-nodes of another machine: their own
         self.colocated = prompt_nodes == 0
         self.loop = EventLoop()
@@ -460,6 +467,10 @@ class ServingSimulator:
         self.seats = token_pipelines * (token_depth * batch + slots)
         self.queue: deque[Request] = deque()  # waiting for a seat at the frontend
         self.done: list[_Seq] = []
+
+    def cached_tokens(self, prompt_len: int) -> int:
+        """A prompt's tokens the prefix cache holds, at the hit rate (one computed at least)."""
+        return min(prompt_len - 1, round(prompt_len * self.hit_rate))
 
     def run(self, requests: list[Request]) -> list[RequestTimes]:
         for r in requests:

@@ -110,11 +110,29 @@ class EngineProfile:
 
     # -- the cost model ------------------------------------------------------
 
-    def prefill_s(self, prompt_tokens: int) -> float:
-        """One prefill pass over ``prompt_tokens`` tokens (all prompts of the batch)."""
+    def prefill_s(self, prompt_tokens: int, cached: int = 0) -> float:
+        """One prefill pass over ``prompt_tokens`` new tokens (all prompts of the batch) on
+        top of ``cached`` tokens their slots already hold (a prefix-cache hit, an earlier
+        chunk): what the whole pass costs beyond the cached part's own, and never less than
+        the new tokens alone (a pass's fixed cost)."""
         if prompt_tokens < 1:
             raise ValueError(f"a prefill needs at least one token, got {prompt_tokens}")
-        return interpolate(self.prefill_tokens, self.prefill_ms, prompt_tokens) / 1e3
+        if cached < 0:
+            raise ValueError(f"cached tokens must be >= 0, got {cached}")
+        alone = interpolate(self.prefill_tokens, self.prefill_ms, prompt_tokens)
+        if cached == 0:
+            return alone / 1e3
+        whole = interpolate(self.prefill_tokens, self.prefill_ms, cached + prompt_tokens)
+        prefix = interpolate(self.prefill_tokens, self.prefill_ms, cached)
+        return max(alone, whole - prefix) / 1e3
+
+    def reused_prefill_s(self, prompt_tokens: int, hit_rate: float) -> float:
+        """A prompt's prefill when a prefix cache holds ``hit_rate`` of its tokens (one token
+        at least is computed): the rest on top of the cached part (:meth:`prefill_s`)."""
+        if not 0 <= hit_rate <= 1:
+            raise ValueError(f"a hit rate is in [0, 1], got {hit_rate}")
+        cached = min(prompt_tokens - 1, round(prompt_tokens * hit_rate))
+        return self.prefill_s(prompt_tokens - cached, cached=cached)
 
     def decode_s(self, batch: int, context: float) -> float:
         """One token step of ``batch`` sequences holding ``context`` tokens each (mean)."""

@@ -22,12 +22,15 @@ from orchestrator.serving.node_stream import Cancelled
 from orchestrator.serving.outputs import kv_cache_use
 from orchestrator.serving.params import GenerationParams, RequestError, as_text
 from orchestrator.serving.router import UNAVAILABLE, NoNodeError
+from orchestrator.serving.usage import RequestUsage
 
 # (tokens, context tokens, meta, is this the request's last response); meta: batch_index,
-# sequence_index, full_text (the text holds the prompt), perf and log_probs (if asked)
+# sequence_index, full_text (the text holds the prompt), cached_tokens, perf and log_probs
+# (if asked)
 Send = Callable[[list[int], list[int], dict, bool], None]
 SendError = Callable[[str, bool], None]  # (message, is this the request's last response)
-# (prompt, params, emit(tokens, log_probs, context, final), is_cancelled); raises Cancelled
+# (prompt, params, emit(tokens, log_probs, context, final), is_cancelled, usage); raises
+# Cancelled
 Generate = Callable[..., None]
 
 
@@ -130,6 +133,7 @@ class BatchReply:
         full_text = not params.stream and not params.exclude_input_in_output
         times = {"first_scheduled_time_ns": time.time_ns()}
         cum_log_prob = 0.0
+        usage = RequestUsage()
 
         def emit(tokens: list[int], log_probs: list[TokenLogProb] | None, context: list[int],
                  final: bool) -> None:
@@ -138,7 +142,7 @@ class BatchReply:
             times.setdefault("first_token_time_ns", now)
             times["last_token_time_ns"] = now
             meta = {"batch_index": job.batch_index, "sequence_index": job.sequence_index,
-                    "full_text": final and full_text}
+                    "full_text": final and full_text, "cached_tokens": usage.cached_tokens}
             if params.return_perf_metrics:
                 meta["perf"] = {"arrival_time_ns": self.arrival_ns, **times,
                                 **kv_cache_use(self.kv_slots, REUSED_BLOCKS)}
@@ -151,7 +155,7 @@ class BatchReply:
             self._answer(lambda last: self.send(tokens, context, meta, last), final)
 
         try:
-            generate(job.prompt_ids, params, emit, is_cancelled)
+            generate(job.prompt_ids, params, emit, is_cancelled, usage)
         except Cancelled:
             # No more tokens, but the final flag still: Triton 2.51 releases a request only
             # then, and a gRPC stream that held one kept its connection (and its fd) open.

@@ -22,6 +22,7 @@ from enum import Enum, StrEnum
 from orchestrator.control.auth import load_secret
 from orchestrator.fault import ReplicateMode
 from orchestrator.pipeline import DEAD_AFTER_S, HEARTBEAT_S, PROMPT_SLOTS, SwapMode
+from orchestrator.serving.router import POLICIES
 
 
 class Role(StrEnum):
@@ -90,6 +91,16 @@ class NodeConfig:
     # tokens/s at most
     frontend_instances: int = 1
     stream_interval: int = 1  # frontend: tokens per streamed response after the first
+    # Every node that prefills (P-nodes; colocated: the token pipeline's one stage) keeps a
+    # prefix cache of this many MiB of prompt KV (host memory on CPU, device memory on a
+    # GPU), by blocks of kv_block tokens; 0: none
+    prefix_cache_mb: float = 0.0
+    kv_block: int = 32
+    # frontend: how it routes (jsq: by pending tokens; kv: prompts to the prefilling node
+    # whose cache holds most of them, kv_weight x tokens to compute + pending tokens;
+    # round-robin)
+    router: str = "jsq"
+    kv_weight: float = 1.0
     prefill_urls: tuple[str, ...] = ()  # every P-node's gRPC url
     decode_urls: tuple[tuple[str, ...], ...] = ()  # each token pipeline's, stage 0 first
 
@@ -102,7 +113,7 @@ class NodeConfig:
 
     def _validate(self) -> None:
         positive = ("depth", "prefill_depth", "max_batch", "threads", "frontend_instances",
-                    "stream_interval",
+                    "stream_interval", "kv_block",
                     "heartbeat_s", "recover_timeout_s", "time_scale")
         for name in (*positive, "max_seq_len", "num_slots", "max_prompt_bytes", "max_requests",
                      "reserve_ttl_s"):
@@ -118,6 +129,14 @@ class NodeConfig:
         if self.time_scale != 1.0 and not self.profile:
             raise ValueError("node config: time_scale slows the emulated engine; it needs a "
                              "profile")
+        if self.router not in POLICIES:
+            raise ValueError(f"node config: router must be one of {', '.join(POLICIES)}, "
+                             f"got {self.router!r}")
+        if self.kv_weight < 0:
+            raise ValueError(f"node config: kv_weight must be >= 0, got {self.kv_weight}")
+        if self.prefix_cache_mb < 0:
+            raise ValueError(f"node config: prefix_cache_mb must be >= 0, got "
+                             f"{self.prefix_cache_mb}")
         if self.pipeline < 0:
             raise ValueError(f"node config: pipeline must be >= 0, got {self.pipeline}")
         if self.dead_after_s <= self.heartbeat_s:

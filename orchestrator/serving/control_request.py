@@ -5,8 +5,8 @@ one host each saved a torch import (~1.7 s of CPU) and ~150 MB of memory that wa
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from orchestrator.engine.log_probs import TokenLogProb
 
@@ -21,5 +21,10 @@ class ControlRequest:
     args: tuple[bytes, ...] = ()
 
 
-# new tokens, their log-probs (None: not asked for), is this the last response
-Emit = Callable[[list[int], list[TokenLogProb] | None, bool], None]
+class Emit(Protocol):
+    """New tokens, their log-probs (None: not asked for), is this the last response, and on
+    the last one (colocated) the prompt's tokens the prefix cache held and the cache's KV
+    events for the request's router (signed), when any."""
+
+    def __call__(self, tokens: list[int], log_probs: list[TokenLogProb] | None, final: bool,
+                 cached_tokens: int = 0, kv_events: bytes | None = None, /) -> None: ...

@@ -71,7 +71,9 @@ class EntryPoint:
                             max_sequences=config.max_sequences(),
                             pipeline_sequences=config.pipeline_sequences(),
                             timeout_s=FRONTEND_TIMEOUT_S * config.time_scale,
-                            stream_interval=config.stream_interval)
+                            stream_interval=config.stream_interval,
+                            router=config.router, kv_weight=config.kv_weight,
+                            kv_block=config.kv_block)
         return cls(frontend, RequestLimits.for_node(config, tokenizer), metrics,
                    config.concurrent_requests())
 

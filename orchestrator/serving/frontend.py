@@ -45,7 +45,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from orchestrator.control.auth import request_parameters
+from orchestrator.control.auth import Unauthenticated, request_parameters
 from orchestrator.control.client import (
     ClientPool,
     ControlClient,
@@ -58,6 +58,8 @@ from orchestrator.control.errors import ControlError, ErrorCode
 from orchestrator.engine.log_probs import TokenLogProb
 from orchestrator.engine.log_probs import decode as decode_log_probs
 from orchestrator.fault.rpc import Stub
+from orchestrator.kv.events import decode_events
+from orchestrator.kv.prefix_cache import block_hashes
 from orchestrator.serving.feed import FeedListener
 from orchestrator.serving.metrics import Metrics
 from orchestrator.serving.node_stream import (
@@ -70,6 +72,7 @@ from orchestrator.serving.node_stream import (
 from orchestrator.serving.params import GenerationParams
 from orchestrator.serving.router import NoNodeError, Router
 from orchestrator.serving.text import CONTEXT_TOKENS
+from orchestrator.serving.usage import RequestUsage
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +135,7 @@ class Frontend:
         watch_s: float = 0.1,
         rerun_wait_s: float = 1.0, metrics: Metrics | None = None, max_sequences: int = 0,
         pipeline_sequences: list[int] | None = None, stream_interval: int = 1,
+        router: str = "jsq", kv_weight: float = 1.0, kv_block: int = 32,
     ) -> None:
         """``decode_pipelines``: each token pipeline's stage urls, stage 0 (its head) first;
         ``secret``: the cluster's (every request to a node is signed with it);
@@ -140,11 +144,17 @@ class Frontend:
         rest wait their turn here instead of asking the T-nodes for a slot again and
         again; ``pipeline_sequences``: those each pipeline holds (the router passes
         over a full one); ``stream_interval``: tokens per streamed response after the
-        first (which goes at once), as vLLM's and TensorRT-LLM's."""
-        self.prefill = Router(prefill_urls) if prefill_urls else None
+        first (which goes at once), as vLLM's and TensorRT-LLM's; ``router``: jsq, kv
+        (the P-nodes by their cached prefixes) or round-robin, ``kv_weight`` and
+        ``kv_block`` its (:class:`Router`)."""
+        self.prefill = (Router(prefill_urls, policy=router, kv_weight=kv_weight,
+                               block_tokens=kv_block) if prefill_urls else None)
         heads = [stages[0] for stages in decode_pipelines]
+        # kv routes the nodes that prefill: the T-nodes only when colocated
         self.decode = Router(heads, slots=dict(zip(heads, pipeline_sequences or [],
-                                                   strict=False)))
+                                                   strict=False)),
+                             policy="jsq" if router == "kv" and prefill_urls else router,
+                             kv_weight=kv_weight, block_tokens=kv_block)
         self.later_stages = {stages[0]: stages[1:] for stages in decode_pipelines}
         # The controller's name of each token pipeline (the launcher's order) -> its head.
         self.heads = {f"decode{i}": stages[0] for i, stages in enumerate(decode_pipelines)}
@@ -268,8 +278,10 @@ class Frontend:
         params: GenerationParams,
         emit: Emit,
         is_cancelled: Callable[[], bool],
+        usage: RequestUsage | None = None,
     ) -> None:
         """Relay tokens through ``emit`` until the last; raises ServingError or Cancelled.
+        ``usage`` gets what the prompt cost (its cached tokens) before the first token.
 
         A request whose token pipeline failed it after admission (a lost stage with no
         replica to resume from, a lost head) runs again from its prompt, on a pipeline
@@ -309,7 +321,8 @@ class Frontend:
                 if is_cancelled():
                     raise Cancelled()
                 try:
-                    return self._generate_once(prompt_ids, params, relay, is_cancelled)
+                    return self._generate_once(prompt_ids, params, relay, is_cancelled,
+                                               usage or RequestUsage())
                 except NodeBusy:
                     if time.monotonic() + busy_wait > busy_until:
                         raise
@@ -380,6 +393,7 @@ class Frontend:
         params: GenerationParams,
         relay: Relay,
         is_cancelled: Callable[[], bool],
+        usage: RequestUsage,
     ) -> None:
         """One try: route, hand the prompt from P to T, relay tokens. Raises PipelineLost
         if the pipeline fails the request after admitting it."""
@@ -388,7 +402,9 @@ class Frontend:
         # colocated its prompt's until the first token (the prefill runs there: routing by
         # outputs alone piled 2,000-token prompts onto some nodes: 4% less served, simulated).
         left, prompt = params.max_tokens, len(prompt_ids) if self.colocated else 0
-        url = self.decode.pick(left + prompt)
+        url, charged = self.decode.route(left + prompt, self._hashes(self.decode, prompt_ids,
+                                                                     params))
+        prompt = charged - left  # kv: the prompt tokens it will compute there
 
         def counted(tokens: list[int], log_probs: list[TokenLogProb] | None,
                     final: bool) -> None:
@@ -420,13 +436,18 @@ class Frontend:
                     stream, tickets = admit(request_id)
                     admitted = True
                     first = self._prefill(request_id, prompt_ids, params, tickets, is_cancelled)
-                counted(*first, False)
+                tokens, log_probs, usage.cached_tokens = first
+                counted(tokens, log_probs, False)
             # Its tokens go out from the feed's thread as they come; this one waits for
             # the last ones (no thread woken per token).
             stream.forward(lambda tokens, log_probs: counted(tokens, log_probs, False))
             while not done:
                 tokens, log_probs, done = stream.tokens(is_cancelled)
+                if self.colocated:  # the node's last response says it
+                    usage.cached_tokens = stream.cached_tokens
                 counted(tokens, log_probs, done)
+            if stream.kv_events is not None:
+                self._index_kv_events(self.decode, url, stream.kv_events)
         except (InferenceServerException, ControlError) as exc:
             if is_unreachable(exc):
                 self.decode.mark_down(url)
@@ -465,7 +486,8 @@ class Frontend:
             reserved.append(stage_url)
         stream = self._node_stream(url).open(request_id, self.timeout_s)
         try:
-            stream.send(request_arrays(prompt_ids, params))
+            stream.send(request_arrays(prompt_ids, params)
+                        | (self._kv_since(self.decode, url) if self.colocated else {}))
             if self.colocated:
                 return stream, None
             ticket = stream.next(is_cancelled).as_numpy("kv_ticket")
@@ -489,14 +511,16 @@ class Frontend:
     def _prefill(
         self, request_id: str, prompt_ids: list[int], params: GenerationParams,
         tickets: np.ndarray, is_cancelled: Callable[[], bool],
-    ) -> tuple[list[int], list[TokenLogProb] | None]:
-        """The first token, and its log-prob if the request asked. A client that leaves
-        meanwhile ends the wait; the call is not cancelled (Triton 2.51 races a cancellation
-        against a response): the T-side ``end`` marks the request's KV slot ended, which the
-        P-node reads, and it stops after the layer in progress."""
+    ) -> tuple[list[int], list[TokenLogProb] | None, int]:
+        """The first token, its log-prob if the request asked, the prompt's cached tokens.
+        A client that leaves meanwhile ends the wait; the call is not cancelled (Triton 2.51
+        races a cancellation against a response): the T-side ``end`` marks the request's KV
+        slot ended, which the P-node reads, and it stops after the layer in progress."""
         assert self.prefill is not None
-        with self.prefill.assign(len(prompt_ids)) as url:
-            arrays = {**request_arrays(prompt_ids, params), "kv_ticket": tickets}
+        with self.prefill.assign(len(prompt_ids),
+                                 self._hashes(self.prefill, prompt_ids, params)) as url:
+            arrays = {**request_arrays(prompt_ids, params), "kv_ticket": tickets,
+                      **self._kv_since(self.prefill, url)}
             answers: queue.Queue = queue.Queue()
             try:
                 self.prefill_clients[url].async_infer(
@@ -530,7 +554,37 @@ class Frontend:
                     self.prefill.mark_down(url)
                     raise PrefillLost(str(exc)) from exc
                 raise Refused(str(exc)) from exc
-            return [int(result.as_numpy("output_ids")[0])], _log_probs(result)
+            events = result.as_numpy("kv_events")
+            if events is not None:
+                self._index_kv_events(self.prefill, url, events.reshape(-1)[0])
+            cached = result.as_numpy("cached_tokens")
+            return ([int(result.as_numpy("output_ids")[0])], _log_probs(result),
+                    0 if cached is None else int(cached[0]))
+
+
+    # -- KV-aware routing (the router of the nodes that prefill) -----------------------
+
+    @staticmethod
+    def _hashes(router: Router, prompt_ids: list[int], params: GenerationParams) -> list[int]:
+        """The prompt's prefix-cache block hashes, where ``router`` routes by them."""
+        if router.policy != "kv":
+            return []
+        return block_hashes(prompt_ids, router.block_tokens, params.cache_salt)
+
+    @staticmethod
+    def _kv_since(router: Router, url: str) -> dict[str, np.ndarray]:
+        """The request's ``kv_since`` input: the node answers with its KV events since."""
+        if router.policy != "kv":
+            return {}
+        return {"kv_since": np.array([router.kv_cursor(url).encode()], np.object_)}
+
+    def _index_kv_events(self, router: Router, url: str, blob: bytes) -> None:
+        """A node's KV events into ``router``'s index; events not signed with the cluster
+        secret are dropped (never the request)."""
+        try:
+            router.kv_events(url, decode_events(self.secret, blob))
+        except (Unauthenticated, ValueError, KeyError, TypeError) as exc:
+            log.warning("dropped the KV events of %s: %s", url, exc)
 
 
 def _log_probs(result: grpcclient.InferResult) -> list[TokenLogProb] | None:

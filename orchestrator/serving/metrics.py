@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from orchestrator.kv.prefix_cache import PrefixCache
 
 log = logging.getLogger("dejavu.metrics")
 
@@ -33,6 +37,9 @@ class Metrics:
     def rerun(self, what: str) -> None:
         """The frontend ran a ``prompt`` again on another P-node, or a whole ``request``
         again from its prompt (its pipeline lost it)."""
+
+    def prefix_cache(self, cache: PrefixCache) -> None:
+        """The node's prefix cache after a prefill: its counters since start, its bytes."""
 
 
 class PublishedMetrics(Metrics):
@@ -67,6 +74,15 @@ class PublishedMetrics(Metrics):
 
     def held(self, what: str, count: int) -> None:
         self._set(("held", what), count)
+
+    def prefix_cache(self, cache: PrefixCache) -> None:
+        stats = cache.stats
+        for what, value in (("lookup_tokens", stats.lookup_tokens),
+                            ("hit_tokens", stats.hit_tokens),
+                            ("evicted_blocks", stats.evicted_blocks),
+                            ("hit_rate", stats.hit_rate), ("bytes", cache.used_bytes),
+                            ("budget_bytes", cache.budget_bytes)):
+            self._set(("prefix_cache", what), value)
 
     def _add(self, amounts: dict[Series, float]) -> None:
         """Counter increments, published together."""

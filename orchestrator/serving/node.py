@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -18,7 +19,8 @@ from orchestrator.fault.stage_recovery import RecoveryOps
 from orchestrator.kv.transport.base import Transport
 from orchestrator.layout import StageSpec
 from orchestrator.pipeline.node import PipelineConfig, StageNode
-from orchestrator.serving.config import NodeConfig, Role
+from orchestrator.pipeline.prefix import PrefixReuse
+from orchestrator.serving.config import Mode, NodeConfig, Role
 from orchestrator.serving.metrics import Metrics
 from orchestrator.serving.prefill_worker import PrefillWorker
 from orchestrator.serving.token_service import TokenService
@@ -34,7 +36,21 @@ def load_prefill_worker(config: NodeConfig, metrics: Metrics | None = None) -> P
     transport = NixlTransport(name=config.name or None)
     secret = config.secret()
     senders = [KVSender(transport, e.kv_layout, secret, max_inflight=16) for e in engines]
-    return PrefillWorker(engines, senders, metrics=metrics)
+    return PrefillWorker(engines, senders, metrics=metrics, prefix=prefix_reuse(config, engines))
+
+
+def prefix_reuse(config: NodeConfig, engines: list[Engine]) -> PrefixReuse | None:
+    """The prefix cache of a node that prefills on ``engines`` (its stages, in order), within
+    its ``prefix_cache_mb``; None when that is 0."""
+    if not config.prefix_cache_mb:
+        return None
+    from orchestrator.kv.prefix_cache import PrefixCache
+
+    first, last = engines[0].kv_layout, engines[-1].kv_layout
+    layout = replace(first, num_layers=last.first_layer + last.num_layers - first.first_layer)
+    return PrefixReuse(PrefixCache.within(layout, config.kv_block,
+                                          int(config.prefix_cache_mb * 2**20),
+                                          device=engines[0].device), config.secret())
 
 
 def load_token_service(config: NodeConfig, metrics: Metrics | None = None,
@@ -97,6 +113,8 @@ def stage_service(config: NodeConfig, metrics: Metrics | None,
         node.on_unreachable = controller.suspect
         if node.receiver is not None:  # a lost P-node's slots are free once it is declared
             controller.on_ended = node.receiver.writers_ended
+    if config.mode is Mode.COLOCATED and config.depth == 1:  # it prefills: reuse prompt KV
+        node.worker.prefix = prefix_reuse(config, [node.engine])
     if config.depth == 1:  # nothing to connect: serve at once (also where no launcher bootstraps)
         node.start()
     recovery = None

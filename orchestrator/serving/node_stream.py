@@ -247,6 +247,8 @@ class RequestStream:
     _fed_done: bool = False  # the feed said its tokens are done
     _final: bool = False  # its own last response came
     _held: list = field(default_factory=list)  # taken from the queue, not yet handed out
+    cached_tokens: int = 0  # colocated: the prompt's tokens the node's prefix cache held
+    kv_events: bytes | None = None  # colocated: its cache's events for a KV-aware router
 
     def send(self, arrays: dict[str, np.ndarray]) -> None:
         self.node.send(self.request_id, "generate", {
@@ -344,4 +346,10 @@ class RequestStream:
     def _checked(self, result: grpcclient.InferResult) -> grpcclient.InferResult:
         raise_for_error(result, f"decode node {self.node.url}")
         self._final |= result.get_response().parameters["triton_final_response"].bool_param
+        cached = result.as_numpy("cached_tokens")  # its last response's, colocated
+        if cached is not None:
+            self.cached_tokens = int(cached.reshape(-1)[0])
+        events = result.as_numpy("kv_events")
+        if events is not None:
+            self.kv_events = events.reshape(-1)[0]
         return result

@@ -55,6 +55,7 @@ from orchestrator.engine.config import ModelConfig
 from orchestrator.engine.tokenizer import load_tokenizer
 from orchestrator.serving.limits import prompt_bytes_limit
 from orchestrator.serving.params import (
+    MAX_CACHE_SALT_BYTES,
     MAX_RETURN_SEQUENCES,
     MAX_TOP_LOG_PROBS,
     MAX_WORDS,
@@ -140,6 +141,7 @@ class _Sampling(BaseModel):
     top_logprobs: int | None = None
     user: str | None = None
     ignore_eos: bool = False  # vLLM's extension: run to max_tokens (what benchmarks ask)
+    cache_salt: str | None = None  # vLLM's: checked in bytes by OpenAIServer.call
 
 
 class CompletionRequest(_Sampling):
@@ -234,7 +236,9 @@ class Call:
     params: GenerationParams
     stops: list[str]
     prompt_tokens: int = 0  # counted by OpenAIServer.prepare, off the event loop
+    cache_salt: str = ""  # vLLM's field: cached prompt KV is shared only under one salt
     choices: dict[int, Choice] = field(default_factory=dict)
+    cached_tokens: dict[int, int] = field(default_factory=dict)  # per prompt (batch index)
 
     def choice(self, batch_index: int, sequence_index: int) -> tuple[int, Choice]:
         index = batch_index * self.params.num_return_sequences + sequence_index
@@ -243,7 +247,8 @@ class Call:
     def usage(self) -> dict:
         made = sum(c.tokens for c in self.choices.values())
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": made,
-                "total_tokens": self.prompt_tokens + made}
+                "total_tokens": self.prompt_tokens + made,
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())}}
 
 
 class OpenAIServer:
@@ -301,7 +306,11 @@ class OpenAIServer:
         if not isinstance(body, ChatRequest):  # a chat's messages: checked by chat_prompt
             for prompt in prompts:  # by size, before anything reads the text
                 self.check_prompt_bytes(_utf8_size(prompt, "prompt"), "prompt")
-        return Call(prompts, params, [s for s in stops if s])
+        salt = body.cache_salt or ""
+        if _utf8_size(salt, "cache_salt") > MAX_CACHE_SALT_BYTES:
+            raise ApiError(400, f"cache_salt over {MAX_CACHE_SALT_BYTES} bytes",
+                           param="cache_salt")
+        return Call(prompts, params, [s for s in stops if s], cache_salt=salt)
 
     async def prepare(self, body: _Sampling, prompts: list[str], max_tokens: int | None
                       ) -> Call:
@@ -379,6 +388,8 @@ class OpenAIServer:
         arrays["end_id"] = np.full((rows, 1), -1 if p.end_id is None else p.end_id, np.int32)
         if p.seed is not None:
             arrays["seed"] = np.full((rows, 1), p.seed, np.uint64)
+        if call.cache_salt:
+            arrays["cache_salt"] = np.array([[call.cache_salt.encode()]] * rows, np.object_)
         if p.return_log_probs:
             arrays["return_log_probs"] = np.full((rows, 1), True)
             arrays["top_log_probs"] = np.full((rows, 1), p.top_log_probs, np.int32)
@@ -415,9 +426,13 @@ class OpenAIServer:
                 final = response.parameters["triton_final_response"].bool_param
                 text = result.as_numpy("text_output")
                 if text is not None:
+                    row = int(result.as_numpy("batch_index").reshape(-1)[0])
                     index, choice = call.choice(
-                        int(result.as_numpy("batch_index").reshape(-1)[0]),
-                        int(result.as_numpy("sequence_index").reshape(-1)[0]))
+                        row, int(result.as_numpy("sequence_index").reshape(-1)[0]))
+                    cached = result.as_numpy("cached_tokens")
+                    if cached is not None:  # a prompt's, whichever of its sequences says it
+                        call.cached_tokens[row] = max(call.cached_tokens.get(row, 0),
+                                                      int(cached.reshape(-1)[0]))
                     if choice.finish_reason is None:
                         tokens = result.as_numpy("output_ids").reshape(-1).tolist()
                         infos = _token_infos(result, tokens)

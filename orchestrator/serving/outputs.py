@@ -39,10 +39,12 @@ def kv_cache_use(new_blocks: int, reused_blocks: int = 0) -> dict[str, int | flo
 
 
 def sequence_outputs(meta: Mapping) -> dict[str, np.ndarray]:
-    """``batch_index``, ``sequence_index``, the perf metrics and log-probs a response
-    carries; ``meta`` is :class:`~orchestrator.serving.batch.BatchReply`'s."""
+    """``batch_index``, ``sequence_index``, ``cached_tokens`` (the prompt's tokens a node's
+    prefix cache held), the perf metrics and log-probs a response carries; ``meta`` is
+    :class:`~orchestrator.serving.batch.BatchReply`'s."""
     outputs = {"batch_index": np.array([[meta["batch_index"]]], np.int32),
-               "sequence_index": np.array([[meta["sequence_index"]]], np.int32)}
+               "sequence_index": np.array([[meta["sequence_index"]]], np.int32),
+               "cached_tokens": np.array([[meta.get("cached_tokens", 0)]], np.int32)}
     if "perf" in meta:
         perf = meta["perf"] | NO_DRAFTS
         for name, dtype in PERF.items():

@@ -37,6 +37,7 @@ MAX_RETURN_SEQUENCES = 16
 MAX_TOP_LOG_PROBS = 5  # alternatives per token a request may ask for
 MAX_WORDS = 64  # stop or bad words per request
 MAX_WORDS_BYTES = 16_384  # their text, all together (checked before parsing)
+MAX_CACHE_SALT_BYTES = 256
 _U64 = 2**64
 
 # input -> kind of its one value: "int", "float" or "bool"
@@ -60,6 +61,7 @@ HONOURED: dict[str, str] = {
     "top_log_probs": "int",  # this project's own: alternatives per token, with their log-probs
     "return_perf_metrics": "bool",
     "stream": "bool",
+    "cache_salt": "str",  # vLLM's: prompts share cached KV only under the same salt
 }
 # Accepted only at the value that changes nothing here (no beam search, no logits out).
 NEUTRAL: dict[str, tuple[str, object]] = {
@@ -116,6 +118,7 @@ class GenerationParams:
     top_log_probs: int = 0
     return_perf_metrics: bool = False
     stream: bool = False
+    cache_salt: str = ""  # "" : no salt (the cache shared by every request without one)
 
     def __post_init__(self) -> None:
         for name in ("stop_words", "bad_words"):  # JSON gives lists back
@@ -228,6 +231,10 @@ class GenerationParams:
         if self.top_log_probs and not self.return_log_probs:
             raise RequestError(f"top_log_probs {self.top_log_probs} needs return_log_probs "
                                "true")
+        if not isinstance(self.cache_salt, str) or len(
+                self.cache_salt.encode("utf-8", "surrogatepass")) > MAX_CACHE_SALT_BYTES:
+            raise RequestError(f"cache_salt must be a string of at most {MAX_CACHE_SALT_BYTES} "
+                               "bytes")
         if not 1 <= self.num_return_sequences <= MAX_RETURN_SEQUENCES:
             raise RequestError(f"num_return_sequences must be in [1, {MAX_RETURN_SEQUENCES}], "
                                f"got {self.num_return_sequences}")
@@ -258,13 +265,18 @@ def _check_temperature(value: float) -> None:
         raise RequestError(f"temperature must be >= 0, got {value}")
 
 
-def _one(name: str, array: np.ndarray, kind: str) -> int | float | bool:
+def _one(name: str, array: np.ndarray, kind: str) -> int | float | bool | str:
     if array.size != 1:
         raise RequestError(f"{name} must hold one value per row, got shape {list(array.shape)}")
     value = array.reshape(-1)[0]
-    accepted = {"int": "iu", "float": "fiu", "bool": "b"}[kind]
-    if array.dtype.kind not in accepted:
+    accepted = {"int": "iu", "float": "fiu", "bool": "b", "str": "OSU"}[kind]
+    if array.dtype.kind not in accepted or kind == "str" and not isinstance(value, bytes | str):
         raise RequestError(f"{name} must be {kind}, got {array.dtype} value {value!r}")
+    if kind == "str":
+        try:
+            return value.decode() if isinstance(value, bytes) else str(value)
+        except UnicodeDecodeError:
+            raise RequestError(f"{name} is not UTF-8") from None
     return {"int": int, "float": float, "bool": bool}[kind](value)
 
 

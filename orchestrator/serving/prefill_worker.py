@@ -27,15 +27,23 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from orchestrator.engine.base import Engine
 from orchestrator.engine.log_probs import TokenLogProb
 from orchestrator.kv.errors import KVTransferError
 from orchestrator.pipeline.prefill import PrefillCancelled, stream_prefill
+from orchestrator.pipeline.prefix import PrefixReuse
 from orchestrator.serving.metrics import Metrics
 from orchestrator.serving.params import GenerationParams
 
-First = tuple[int, TokenLogProb | None]  # a first token, its log-prob if asked for
+
+class First(NamedTuple):
+    token: int
+    log_prob: TokenLogProb | None  # if the job asked for it
+    cached_tokens: int  # of its prompt, found in the prefix cache (not computed)
+
+
 CANCEL_POLL_S = 0.01  # how often a running prefill asks whether its clients left
 _DRAIN_S = 1.0  # longest wait, after a prefill stopped early, for its transfers in flight
 
@@ -62,8 +70,11 @@ class PrefillWorker:
         senders: Sequence,  # orchestrator.kv.connector.KVSender, one per engine
         save_timeout_s: float = 30.0,
         metrics: Metrics | None = None,
+        prefix: PrefixReuse | None = None,
     ) -> None:
+        """``prefix``: the node's prefix cache (None: every prompt runs whole)."""
         self.engines, self.senders = list(engines), list(senders)
+        self.prefix = prefix
         self.metrics = metrics or Metrics()
         self.save_timeout_s = save_timeout_s
         self.lock = threading.Lock()  # Triton may run execute() from several threads
@@ -87,6 +98,11 @@ class PrefillWorker:
                 "cancelled" if isinstance(result, PrefillCancelled)
                 else "failed" if isinstance(result, Exception) else "finished")
         return results
+
+    def kv_events(self, cursor: str) -> bytes | None:
+        """Its prefix cache's KV events after a router's ``cursor``, signed (None: no
+        cache)."""
+        return None if self.prefix is None else self.prefix.events.answer(cursor)
 
     def staging_in_flight(self) -> int:
         """Staging blocks still taken (0 between batches once their transfers drained)."""
@@ -121,6 +137,7 @@ class PrefillWorker:
             return results
         opened = time.perf_counter()
         log_probs: dict[str, TokenLogProb] = {}
+        cached: dict[str, int] = {}
         try:
             first = stream_prefill(
                 self.engines, self.senders,
@@ -130,6 +147,9 @@ class PrefillWorker:
                 self.save_timeout_s,
                 log_probs,
                 _every(CANCEL_POLL_S, lambda: all(self._left(job) for job in todo.values())),
+                self.prefix,
+                {rid: job.params.cache_salt for rid, job in todo.items()},
+                cached,
             )
         except Exception as exc:  # one transfer failed (stream_prefill cannot tell which),
             # or every job's client left
@@ -140,8 +160,11 @@ class PrefillWorker:
                               for e in self.engines)
         for i, job in enumerate(jobs):
             if job.request_id in todo:
-                results[i] = (first[job.request_id], log_probs.get(job.request_id))
+                results[i] = First(first[job.request_id], log_probs.get(job.request_id),
+                                   cached.get(job.request_id, 0))
                 self.metrics.kv_streamed(len(job.prompt_ids) * bytes_per_token, seconds)
+        if self.prefix is not None:
+            self.metrics.prefix_cache(self.prefix.cache)
         return results
 
 

@@ -1,4 +1,5 @@
-"""Join-the-shortest-queue routing by pending tokens (Splitwise §4.2).
+"""Routing to a pool of nodes: join-the-shortest-queue by pending tokens (Splitwise §4.2),
+KV-aware, or round-robin.
 
 A P-node's queue is the prompt tokens it still has to prefill; a T-node's is
 the tokens its admitted requests may still generate, and colocated the prompt
@@ -8,14 +9,21 @@ wait for a slot, holding its seat (on the code trace, 6 P-nodes on 2 T-nodes
 served 12% below the simulator while one T-node was full and the other half
 empty). A node that failed is left out for ``down_s`` seconds so a dead node
 with an empty queue does not attract every request.
+
+KV-aware (``policy="kv"``, as Dynamo's KV router): the router keeps a :class:`KVIndex` of
+which node's prefix cache holds which block, fed by the nodes' signed KV events
+(:mod:`orchestrator.kv.events`), and sends a prompt to the node with the lowest
+``kv_weight * (prompt tokens it would compute) + its pending tokens``; a node marked
+down leaves the index at once (its cache may be gone with it).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 # Leads the message of a request that failed because no node could serve it (every one of a
@@ -28,12 +36,58 @@ class NoNodeError(RuntimeError):
     """Every node of a pool is down."""
 
 
+POLICIES = ("jsq", "kv", "round-robin")
+
+
+class KVIndex:
+    """Which node holds which prefix-cache block, as the nodes' KV events say."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[str, set[int]] = {}
+        self.cursors: dict[str, str] = {}  # where each node's events were read up to
+
+    def apply(self, node: str, answer: dict) -> None:
+        """A node's answer to :meth:`~orchestrator.kv.events.KVEventLog.since`."""
+        held = self.blocks.setdefault(node, set())
+        if "reset" in answer:
+            held.clear()
+            held.update(answer["reset"])
+        for kind, hashes in answer.get("events", []):
+            (held.update if kind == "stored" else held.difference_update)(hashes)
+        self.cursors[node] = answer["cursor"]
+
+    def overlap(self, node: str, hashes: Sequence[int]) -> int:
+        """Leading blocks of ``hashes`` the node holds (a hit needs every one from the
+        first)."""
+        held = self.blocks.get(node, ())
+        count = 0
+        for h in hashes:
+            if h not in held:
+                break
+            count += 1
+        return count
+
+    def drop(self, node: str) -> None:
+        self.blocks.pop(node, None)
+        self.cursors.pop(node, None)
+
+
 class Router:
     def __init__(self, nodes: list[str], down_s: float = 5.0,
-                 slots: dict[str, int] | None = None) -> None:
-        """``slots``: the requests each node holds at once (none given: no bound)."""
+                 slots: dict[str, int] | None = None, policy: str = "jsq",
+                 kv_weight: float = 1.0, block_tokens: int = 32) -> None:
+        """``slots``: the requests each node holds at once (none given: no bound);
+        ``policy``: jsq, kv or round-robin; ``kv_weight``: the weight of a prompt's tokens
+        to compute against the node's pending tokens (kv); ``block_tokens``: the nodes'
+        prefix-cache block size (kv)."""
         if not nodes:
             raise ValueError("a router needs at least one node")
+        if policy not in POLICIES:
+            raise ValueError(f"router policy must be one of {', '.join(POLICIES)}, "
+                             f"got {policy!r}")
+        self.policy, self.kv_weight, self.block_tokens = policy, kv_weight, block_tokens
+        self.index = KVIndex()
+        self._turn = itertools.count()
         self.pending: dict[str, int] = dict.fromkeys(nodes, 0)
         self.held: dict[str, int] = dict.fromkeys(nodes, 0)  # requests routed, not yet left
         self.slots = slots or {}
@@ -42,19 +96,36 @@ class Router:
         self.revivals = 0  # nodes marked up while down: a request waiting to rerun goes now
         self.lock = threading.Lock()
 
-    def pick(self, tokens: int) -> str:
-        """The live node with the fewest pending tokens, among those with a free slot if
-        any; ``tokens`` join its queue and the request holds it until :meth:`leave`."""
+    def pick(self, tokens: int, hashes: Sequence[int] = ()) -> str:
+        """A live node, among those with a free slot if any, by the policy: the fewest
+        pending tokens (jsq), the lowest cost of ``hashes`` (the prompt's block hashes) to
+        compute there and its pending tokens (kv), or the next in turn; ``tokens`` join its
+        queue and the request holds it until :meth:`leave`."""
+        return self.route(tokens, hashes)[0]
+
+    def route(self, tokens: int, hashes: Sequence[int] = ()) -> tuple[str, int]:
+        """:meth:`pick`, and the tokens charged to the node's queue (kv: ``tokens`` less
+        those cached there); :meth:`done` gives them back."""
         now = time.monotonic()
         with self.lock:
             live = [n for n in self.pending if self.down_until[n] <= now]
             if not live:
                 raise NoNodeError(f"all nodes down: {', '.join(self.pending)}")
-            free = [n for n in live if self.held[n] < self.slots.get(n, math.inf)]
-            node = min(free or live, key=lambda n: self.pending[n])
-            self.pending[node] += tokens
+            free = [n for n in live if self.held[n] < self.slots.get(n, math.inf)] or live
+            work = dict.fromkeys(free, tokens)
+            if self.policy == "round-robin":
+                node = free[next(self._turn) % len(free)]
+            elif self.policy == "kv" and hashes:
+                # at least one token is computed, however much is cached
+                work = {n: max(1, tokens - self.index.overlap(n, hashes) * self.block_tokens)
+                        for n in free}
+                node = min(free, key=lambda n: (self.kv_weight * work[n] + self.pending[n],
+                                                self.pending[n]))
+            else:
+                node = min(free, key=lambda n: self.pending[n])
+            self.pending[node] += work[node]
             self.held[node] += 1
-            return node
+            return node, work[node]
 
     def done(self, node: str, tokens: int) -> None:
         with self.lock:
@@ -68,6 +139,17 @@ class Router:
     def mark_down(self, node: str) -> None:
         with self.lock:
             self.down_until[node] = time.monotonic() + self.down_s
+            self.index.drop(node)  # its cache may be lost with it: soft state
+
+    def kv_cursor(self, node: str) -> str:
+        with self.lock:
+            return self.index.cursors.get(node, "")
+
+    def kv_events(self, node: str, answer: dict) -> None:
+        """Index a node's KV events (verified: :func:`~orchestrator.kv.events.decode_events`)."""
+        with self.lock:
+            if self.down_until[node] <= time.monotonic():
+                self.index.apply(node, answer)
 
     def mark_up(self, node: str) -> None:
         with self.lock:
@@ -76,10 +158,10 @@ class Router:
             self.down_until[node] = 0.0
 
     @contextmanager
-    def assign(self, tokens: int) -> Iterator[str]:
-        node = self.pick(tokens)
+    def assign(self, tokens: int, hashes: Sequence[int] = ()) -> Iterator[str]:
+        node, charged = self.route(tokens, hashes)
         try:
             yield node
         finally:
-            self.done(node, tokens)
+            self.done(node, charged)
             self.leave(node)

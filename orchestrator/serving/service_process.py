@@ -137,9 +137,10 @@ class ServiceProcess:
 
     def admit(self, request_id: str, prompt_ids: list[int], params: GenerationParams,
               emit: Emit, fail: Callable[[str], None], is_cancelled: Callable[[], bool],
-              send_ticket: Callable[[bytes], None], feed: str | None = None) -> None:
+              send_ticket: Callable[[bytes], None], feed: str | None = None,
+              kv_since: str | None = None) -> None:
         self._open(request_id, {"emit": emit, "fail": fail, "ticket": send_ticket},
-                   is_cancelled, "admit", (request_id, prompt_ids, params, feed))
+                   is_cancelled, "admit", (request_id, prompt_ids, params, feed, kv_since))
 
     def open_feed(self, feed_id: str, listener: str, close_stream: Callable[[], None],
                   is_cancelled: Callable[[], bool]) -> None:
@@ -324,9 +325,9 @@ class _Service:
         return [answer(kind) for kind in kinds]
 
     def admit(self, request_id: str, prompt_ids: list[int], params: GenerationParams,
-              feed: str | None) -> None:
+              feed: str | None, kv_since: str | None = None) -> None:
         emit, fail, ticket = self._answers(request_id, ("emit", "fail", "ticket"))
-        self.service.admit(request_id, prompt_ids, params, emit, fail, ticket, feed)
+        self.service.admit(request_id, prompt_ids, params, emit, fail, ticket, feed, kv_since)
 
     def open_feed(self, feed_id: str, listener: str) -> None:
         from orchestrator.serving.feed import FeedSender

@@ -81,6 +81,9 @@ class _Client:
     ended: bool = False  # by an ``end`` op: its stream still wants a final response
     request_id: str = ""
     feed: str | None = None  # the token feed its tokens go to (None: its own stream)
+    cached_tokens: int = 0  # colocated: its prompt's tokens the prefix cache held
+    kv_since: str | None = None  # colocated, a KV-aware router's: its last response carries
+    # the prefix cache's events since this cursor
 
 
 class TokenService:
@@ -225,16 +228,18 @@ class TokenService:
         fail: Callable[[str], None],
         send_ticket: Callable[[bytes], None],
         feed: str | None = None,
+        kv_since: str | None = None,
     ) -> None:
         """Raises RequestError (nothing held) if the request cannot be served. ``feed``: the
-        token feed its tokens go to (None: ``emit`` them on its own stream)."""
+        token feed its tokens go to (None: ``emit`` them on its own stream); ``kv_since``:
+        a KV-aware router's cursor (:mod:`orchestrator.kv.events`)."""
         if self.head is None:
             raise RequestError(f"stage {self.node.index} of a token pipeline: generate "
                                "requests go to stage 0")
         check_prompt(prompt_ids, params, self.head.max_seq_len, self.engine.vocab_size)
         seq = Sequence(request_id, prompt_ids, params.max_tokens, params.end_id,
                        params.sampling(prompt_ids), self._on_token,
-                       stop_words=params.stop_words)
+                       stop_words=params.stop_words, cache_salt=params.cache_salt)
         with self.lock:
             if request_id in self.clients or request_id in self.feeds:
                 raise RequestError(f"request id {request_id!r} is already running here")
@@ -243,7 +248,7 @@ class TokenService:
             self.clients[request_id] = _Client(
                 emit, fail, 0 if self.colocated else 1, time.perf_counter(),
                 log_probs=[] if params.return_log_probs else None, request_id=request_id,
-                feed=feed)
+                feed=feed, kv_since=kv_since)
             self.metrics.queue_length(len(self.clients))
         try:
             if self.colocated:
@@ -276,6 +281,9 @@ class TokenService:
         try:
             if not self.colocated and len(seq.output_ids) == 1 and token is not None:
                 self._count_kv(seq, client)
+            if self.colocated and len(seq.output_ids) == 1 and self.node.worker.prefix:
+                client.cached_tokens = seq.cached_tokens
+                self.metrics.prefix_cache(self.node.worker.prefix.cache)
             if token is None:
                 if seq.finish_reason is not FinishReason.CANCELLED:
                     self._send(client, [], seq.error or
@@ -347,14 +355,27 @@ class TokenService:
                 ended, self._ended_feeds = self._ended_feeds, []
             self._flush_feeds()
             for client, tokens, log_probs, final, error in work:
+                # the last response says the prompt's cached tokens and the cache's events
+                # (colocated)
+                cached = self._prefix_outputs(client) if final else ()
                 if client.feed is None and (tokens or final):
-                    self._answer(client.emit, tokens, log_probs, final)
+                    self._answer(client.emit, tokens, log_probs, final, *cached)
                 elif final:  # its tokens went to the feed: the stream's own last response
-                    self._answer(client.emit, [], None, True)
+                    self._answer(client.emit, [], None, True, *cached)
                 if error is not None:
                     self._answer(client.fail, error)
             for feed in ended:
                 self._answer(feed.close)
+
+    def _prefix_outputs(self, client: _Client) -> tuple:
+        """A colocated request's last response's extra outputs: (cached tokens[, its
+        router's KV events, signed]), or none."""
+        prefix = self.node.worker.prefix if self.node.worker else None
+        if prefix is None:
+            return ()
+        if client.kv_since is None:
+            return (client.cached_tokens,) if client.cached_tokens else ()
+        return client.cached_tokens, prefix.events.answer(client.kv_since)
 
     @staticmethod
     def _answer(send: Callable[..., None] | None, *args: object) -> None:

@@ -72,6 +72,49 @@ def test_the_state_travels_with_the_kv(tiny_model):
     assert [int(first), int(second)] == emulated_reference([4, 8, 15], 2, a.vocab_size)
 
 
+def test_prefill_on_a_cached_prefix_carries_the_state_on(tiny_model):
+    """Prefix first, the rest on top, whole and in stages: the reference's tokens."""
+    model = tiny_model("llama")
+    cfg = ModelConfig.from_dir(model)
+    fast = profile(0.01, 0.01)
+    for engines in ([EmulatedEngine(cfg, StageSpec.whole(cfg.num_layers), fast, 64)],
+                    [EmulatedEngine(cfg, s, fast, 64) for s in StageSpec.split(cfg.num_layers, 2)]):
+        prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+        caches = [e.new_cache() for e in engines]
+        for part in (prompt[:5], prompt[5:]):
+            x = torch.tensor(part)
+            for e, c in zip(engines, caches, strict=True):
+                x = e.prefill([x], [c])[0]
+        tokens = [int(x.argmax())]
+        while len(tokens) < 6:
+            x = torch.tensor(tokens[-1:])
+            for e, c in zip(engines, caches, strict=True):
+                x = e.decode(x, [c])
+            tokens.append(int(x[0].argmax()))
+        assert tokens == emulated_reference(prompt, 6, cfg.vocab_size)
+        assert [c.length for c in caches] == [len(prompt) + 5] * len(engines)
+
+
+def test_prefill_on_a_cached_prefix_sleeps_the_new_tokens_at_that_context(tiny_model):
+    cfg = ModelConfig.from_dir(tiny_model("llama"))
+    p = load_profile("splitwise-llama2-70b-h100")
+    now = [0.0]
+
+    def sleep(s):
+        now[0] += s
+
+    engine = EmulatedEngine(cfg, StageSpec.whole(cfg.num_layers), p, 8192,
+                            sleep=sleep, clock=lambda: now[0])
+    cache = engine.new_cache()
+    engine.prefill([torch.ones(4000, dtype=torch.long)], [cache])
+    before = now[0]
+    engine.prefill([torch.ones(1000, dtype=torch.long)], [cache])
+    assert now[0] - before == pytest.approx(p.prefill_s(1000, cached=4000))
+    assert p.prefill_s(1000, cached=4000) == pytest.approx(p.prefill_s(5000) - p.prefill_s(4000))
+    assert p.prefill_s(1000, cached=4000) >= p.prefill_s(1000)
+    assert p.prefill_s(1, cached=4000) == p.prefill_s(1)  # never below a pass's fixed cost
+
+
 def test_sleeps_the_profile_for_the_actual_batch_and_stage_share(tiny_model):
     cfg = ModelConfig.from_dir(tiny_model("llama"))
     p = load_profile("splitwise-llama2-70b-h100")

@@ -157,3 +157,20 @@ def test_a_shared_host_slows_every_layout_to_the_cores_left_for_its_engines():
         shared_host_slowdown(1.0, 40, 0.01, 0)
     with pytest.raises(ValueError):
         cost.slowed(0.5)
+
+
+def test_a_prefix_hit_rate_shortens_the_prefill_in_the_model_and_the_simulator():
+    """The trace's (or a measured) hit rate: each prompt computes only its uncached rest,
+    on top of the cached part; both predictions gain on a prefill-bound layout."""
+    cost = load_profile("splitwise-llama2-70b-h100")
+    lengths = [(8000, 20)] * 50
+    cold, warm = (Capacity.of(lengths, cost, batch=16, hit_rate=h) for h in (0.0, 0.5))
+    assert warm.demand.prefill_s == pytest.approx(cost.prefill_s(4000, cached=4000))
+    assert warm.prompt_rps() > 1.5 * cold.prompt_rps()
+    assert cost.reused_prefill_s(100, 1.0) == cost.prefill_s(1, cached=99)
+    layout = Layout(replicas=6, prompt_depth=1, token_depth=1, token_pipelines=2)
+    requests = [wl.Request(i, i * 0.01, p, n) for i, (p, n) in enumerate(lengths)]
+    rps = [simulate_serving(cost, requests, layout, 16, hit_rate=h) for h in (0.0, 0.5)]
+    assert rps[1] > rps[0]
+    with pytest.raises(ValueError, match="hit rate"):
+        cost.reused_prefill_s(10, 1.5)

@@ -246,7 +246,7 @@ JSON = st.recursive(
     max_leaves=6)
 # Mostly the right type (so that requests get past Triton's own checks), any JSON sometimes.
 FIELD = {"int": st.integers(-2**31, 2**31 - 1), "float": st.floats(width=32),
-         "bool": st.booleans()}
+         "bool": st.booleans(), "str": st.text(max_size=300)}
 FIELDS = {**HONOURED, **{name: kind for name, (kind, _) in NEUTRAL.items()},
           "lora_task_id": "int"}
 BODIES = st.fixed_dictionaries(

@@ -131,11 +131,22 @@ def test_rows_are_read_apart_and_aliases_agree():
         ({"max_tokens": 4, "return_log_probs": True, "top_log_probs": 6},
          r"top_log_probs must be in \[0, 5\], got 6"),
         ({"max_tokens": 4, "top_log_probs": 2}, "top_log_probs 2 needs return_log_probs true"),
+        ({"max_tokens": 4, "cache_salt": np.array([[b"x" * 257]], object)},
+         "cache_salt must be a string of at most 256 bytes"),
+        ({"max_tokens": 4, "cache_salt": np.array([[b"\xff"]], object)}, "cache_salt is not UTF-8"),
+        ({"max_tokens": 4, "cache_salt": np.array([[3]], np.int32)}, "cache_salt must be str"),
     ],
 )
 def test_bad_parameters_are_named(values, message):
     with pytest.raises(RequestError, match=message):
         GenerationParams.from_tensors(batch(**values), row=0)
+
+
+def test_a_cache_salt_is_read_and_travels_in_json():
+    params = GenerationParams.from_tensors(
+        batch(max_tokens=4, cache_salt=np.array([[b"tenant-a"]], object)), row=0)
+    assert params.cache_salt == "tenant-a"
+    assert GenerationParams.from_json(params.to_json()).cache_salt == "tenant-a"
 
 
 def test_neutral_values_pass_silently():

@@ -61,3 +61,52 @@ def test_a_full_node_is_passed_over_while_another_has_room():
     with router.assign(5) as node:  # both full: fewest pending
         assert (node, router.held["b"]) == ("b", 4)
     assert router.held == {"a": 2, "b": 3} and router.pending["b"] == 3
+
+
+# -- KV-aware and round-robin ------------------------------------------------------------
+
+
+def kv_router(**kwargs) -> Router:
+    return Router(["a", "b"], policy="kv", block_tokens=4, **kwargs)
+
+
+def test_kv_routes_a_prompt_to_the_node_holding_its_prefix_unless_it_is_far_busier():
+    router = kv_router()
+    router.kv_events("b", {"cursor": "e:1", "events": [["stored", [1, 2, 3]]]})
+    assert router.kv_cursor("b") == "e:1"
+    with router.assign(16, [1, 2, 3, 4]) as node:  # b: 12 tokens cached, 4 to compute
+        assert node == "b" and router.pending["b"] == 4
+    assert router.pending == {"a": 0, "b": 0}
+    router.pending["b"] = 20  # b's queue outweighs the 12 tokens it would save
+    assert router.pick(16, [1, 2, 3, 4]) == "a"
+    router.pending = {"a": 0, "b": 0}
+    router.kv_weight = 0.0  # the queue alone
+    assert router.pick(16, [1, 2, 3, 4]) == "a"
+
+
+def test_kv_index_follows_removals_and_resets_and_needs_every_block_from_the_first():
+    router = kv_router()
+    router.kv_events("b", {"cursor": "e:1", "events": [["stored", [1, 2, 3]]]})
+    router.kv_events("b", {"cursor": "e:2", "events": [["removed", [1]]]})
+    assert router.index.overlap("b", [1, 2, 3]) == 0  # its first block is gone
+    router.kv_events("b", {"cursor": "f:7", "reset": [1, 2]})  # the node started again
+    assert router.index.overlap("b", [1, 2, 3]) == 2 and router.kv_cursor("b") == "f:7"
+
+
+def test_a_lost_node_leaves_the_kv_index_at_once():
+    router = kv_router()
+    router.kv_events("b", {"cursor": "e:1", "events": [["stored", [1, 2]]]})
+    router.mark_down("b")
+    assert router.index.overlap("b", [1, 2]) == 0 and router.kv_cursor("b") == ""
+    router.kv_events("b", {"cursor": "e:2", "events": [["stored", [1, 2]]]})  # late: dropped
+    assert router.index.overlap("b", [1, 2]) == 0
+
+
+def test_round_robin_takes_turns_over_the_live_nodes():
+    router = Router(["a", "b", "c"], policy="round-robin", down_s=60)
+    router.pending["a"] = 1000  # queues do not matter
+    assert [router.pick(1) for _ in range(4)] == ["a", "b", "c", "a"]
+    router.mark_down("b")
+    assert {router.pick(1) for _ in range(4)} == {"a", "c"}
+    with pytest.raises(ValueError, match="router policy must be one of"):
+        Router(["a"], policy="random")

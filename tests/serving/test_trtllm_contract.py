@@ -26,14 +26,16 @@ MADE_OPTIONAL = {"ensemble": {"max_tokens"}, "tensorrt_llm_bls": {"max_tokens"}}
 EXTRA_INPUTS = {
     "ensemble": {"min_length", "random_seed", "top_log_probs", "num_draft_tokens",
                  "use_draft_logits", "image_input", "image_bytes_input", "image_url_input",
-                 "video_bytes_input"},
-    "tensorrt_llm_bls": {"min_length", "random_seed", "top_log_probs"},
-    "tensorrt_llm": set(), "postprocessing": set(),
+                 "video_bytes_input", "cache_salt"},
+    "tensorrt_llm_bls": {"min_length", "random_seed", "top_log_probs", "cache_salt"},
+    "tensorrt_llm": {"cache_salt"}, "postprocessing": set(),
 }
 EXTRA_OUTPUTS = {
-    "ensemble": {"output_ids", "output_top_log_probs", "output_top_log_prob_ids"},
-    "tensorrt_llm_bls": {"output_ids", "output_top_log_probs", "output_top_log_prob_ids"},
-    "tensorrt_llm": set(), "postprocessing": set(),
+    "ensemble": {"output_ids", "output_top_log_probs", "output_top_log_prob_ids",
+                 "cached_tokens"},
+    "tensorrt_llm_bls": {"output_ids", "output_top_log_probs", "output_top_log_prob_ids",
+                         "cached_tokens"},
+    "tensorrt_llm": {"cached_tokens"}, "postprocessing": set(),
 }
 
 

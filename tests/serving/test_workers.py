@@ -145,7 +145,7 @@ def test_disaggregated_batch_matches_reference(model, engine):
             for i, (prompt, client, n) in enumerate(zip(PROMPTS, clients, limits, strict=True))
         ]
         firsts = prefill.run(jobs)
-        got = [[first, *c.wait().tokens] for (first, _), c in zip(firsts, clients, strict=True)]
+        got = [[first, *c.wait().tokens] for (first, *_), c in zip(firsts, clients, strict=True)]
         assert not service.clients  # every request forgotten
     finally:
         service.stop()
@@ -335,7 +335,7 @@ def test_a_failing_prefill_gives_its_staging_block_back(model, engine, monkeypat
             time.sleep(0.02)
         good = Client()
         admit(service, "good", PROMPTS[1], GenerationParams(max_tokens=3), good)
-        ((first, _),) = prefill.run([PrefillJob("good", PROMPTS[1],
+        ((first, *_),) = prefill.run([PrefillJob("good", PROMPTS[1],
                                                 GenerationParams(max_tokens=3), [good.ticket])])
         assert [first, *good.wait().tokens] == generate([engine], PROMPTS[1:2], 3)[0]
     finally:
@@ -383,7 +383,7 @@ def test_a_prefill_whose_client_left_stops_and_gives_everything_back(model, engi
             admit(service, f"good{i}", PROMPTS[1], GenerationParams(max_tokens=3), good)
         firsts = prefill.run([PrefillJob(f"good{i}", PROMPTS[1], GenerationParams(max_tokens=3),
                                          [good.ticket]) for i, good in enumerate(goods)])
-        for (first, _), good in zip(firsts, goods, strict=True):
+        for (first, *_), good in zip(firsts, goods, strict=True):
             assert [first, *good.wait().tokens] == generate([engine], PROMPTS[1:2], 3)[0]
         assert metrics.outcomes[-2:] == ["finished", "finished"]
     finally:

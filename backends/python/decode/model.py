@@ -24,7 +24,8 @@ class TritonPythonModel:
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
-            tensors = pb.inputs(request, ["op", "peers", "input_ids", "params", "feed"])
+            tensors = pb.inputs(request, ["op", "peers", "input_ids", "params", "feed",
+                                          "kv_since"])
             prompt = [] if tensors["input_ids"] is None else tensors["input_ids"].reshape(-1)
 
             def fail(message, code=ErrorCode.PIPELINE_LOST, sender=sender):
@@ -45,10 +46,15 @@ class TritonPythonModel:
                     pb.send(sender, pb.response(reply=pb.strings(reply)), final=True)
                     continue
 
-                def emit(tokens, log_probs, final, sender=sender):
+                def emit(tokens, log_probs, final, cached_tokens=0, kv_events=None,
+                         sender=sender):
                     outputs = {"output_ids": pb.ids(tokens)}
                     if log_probs is not None:
                         outputs["log_probs"] = pb.strings(encode_log_probs(log_probs))
+                    if cached_tokens:
+                        outputs["cached_tokens"] = pb.ids([cached_tokens])
+                    if kv_events is not None:
+                        outputs["kv_events"] = pb.strings(kv_events)
                     pb.send(sender, pb.response(**outputs), final)
 
                 def send_ticket(ticket, sender=sender):
@@ -63,6 +69,7 @@ class TritonPythonModel:
                     pb.cancelled(request),
                     send_ticket,
                     None if tensors["feed"] is None else pb.text(tensors["feed"]),
+                    None if tensors["kv_since"] is None else pb.text(tensors["kv_since"]),
                 )
             except Exception as exc:  # a refused request must not hurt the others
                 self.service.metrics.request_done("failed")

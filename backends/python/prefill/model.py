@@ -24,14 +24,16 @@ class TritonPythonModel:
         self.controller = connect_controller(config)
 
     def execute(self, requests):
-        jobs, responses = [], [None] * len(requests)
+        jobs, responses, cursors = [], [None] * len(requests), {}
         for i, request in enumerate(requests):
-            tensors = pb.inputs(request, ["input_ids", "kv_ticket", "params"])
+            tensors = pb.inputs(request, ["input_ids", "kv_ticket", "params", "kv_since"])
             try:
                 pb.check_signed(request, self.verifier, "prefill", "prefill")
                 params = GenerationParams.from_json(tensors["params"])
                 tickets = list(tensors["kv_ticket"].reshape(-1))
                 prompt = tensors["input_ids"].reshape(-1).tolist()
+                if tensors["kv_since"] is not None:
+                    cursors[i] = pb.text(tensors["kv_since"])
                 jobs.append((i, PrefillJob(request.request_id(), prompt, params, tickets,
                                            pb.cancelled(request))))
             except (ValueError, PermissionError) as exc:
@@ -41,10 +43,13 @@ class TritonPythonModel:
             if isinstance(result, Exception):
                 responses[i] = _failure(result)
             else:
-                token, log_prob = result
-                outputs = {"output_ids": pb.ids([token])}
-                if log_prob is not None:
-                    outputs["log_probs"] = pb.strings(encode_log_probs([log_prob]))
+                outputs = {"output_ids": pb.ids([result.token]),
+                           "cached_tokens": pb.ids([result.cached_tokens])}
+                if result.log_prob is not None:
+                    outputs["log_probs"] = pb.strings(encode_log_probs([result.log_prob]))
+                events = self.worker.kv_events(cursors[i]) if i in cursors else None
+                if events is not None:
+                    outputs["kv_events"] = pb.strings(events)
                 responses[i] = pb.response(**outputs)
         return responses
 

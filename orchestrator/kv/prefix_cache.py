@@ -1,0 +1,296 @@
+"""The prefix cache: prompt KV kept by block, found again by the blocks' chained hashes.
+
+A prompt is cut into blocks of ``block_tokens`` tokens (only whole blocks are
+kept). Block ``i``'s hash is a hash of block ``i - 1``'s hash and block ``i``'s
+tokens (as vLLM and Dynamo chain theirs), so one hash names a whole prefix and
+two prompts share block ``i`` only if they share every token up to its end.
+A per-request *salt* seeds the first block's parent: prompts under different
+salts never share a block (prefix caches leak prompts across tenants through
+timing otherwise; vLLM's ``cache_salt``).
+
+The cache holds at most ``capacity_blocks`` blocks in one pool allocated up
+front, so its memory is bounded by construction (the node's stated budget).
+A block in use (acquired by a request being prefilled) is never evicted; the
+others go least recently used first, and a prefix's last blocks before its
+first ones (a hit needs every block from the first, so a lone parent is worth
+more than a lone child). Stored and removed blocks are reported as
+:class:`KVEvent` to a listener (the frontend's KV-aware router indexes them).
+
+Soft state: a lost cache loses hits, never a request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from orchestrator.layout import KVCache, KVLayout
+
+if TYPE_CHECKING:
+    import torch
+
+DEFAULT_BLOCK_TOKENS = 32
+_HASH_BYTES = 8
+
+
+def _digest(*parts: bytes) -> int:
+    h = hashlib.blake2b(digest_size=_HASH_BYTES)
+    for part in parts:
+        h.update(part)
+    return int.from_bytes(h.digest(), "little")
+
+
+def salt_root(salt: str = "") -> int:
+    """The parent hash of a prompt's first block under ``salt`` ("" is no salt)."""
+    return _digest(b"dejavu-prefix-v1\0", salt.encode())
+
+
+def block_hashes(tokens: Sequence[int], block_tokens: int, salt: str = "") -> list[int]:
+    """The chained hash of each whole block of ``tokens`` (64-bit; tokens as u32 LE)."""
+    if block_tokens < 1:
+        raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
+    parent, hashes = salt_root(salt), []
+    for start in range(0, len(tokens) - block_tokens + 1, block_tokens):
+        block = struct.pack(f"<{block_tokens}I", *tokens[start : start + block_tokens])
+        parent = _digest(parent.to_bytes(_HASH_BYTES, "little"), block)
+        hashes.append(parent)
+    return hashes
+
+
+@dataclass(frozen=True)
+class KVEvent:
+    """Blocks a node's cache stored or removed (the router's index follows these)."""
+
+    kind: str  # "stored" | "removed"
+    hashes: tuple[int, ...]
+
+
+@dataclass
+class CacheStats:
+    """Counters since start: what ``/metrics`` reports."""
+
+    lookups: int = 0
+    lookup_tokens: int = 0  # prompt tokens looked up
+    hit_tokens: int = 0  # of them, found cached
+    stored_blocks: int = 0
+    evicted_blocks: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0
+
+
+@dataclass
+class _Block:
+    index: int  # in the pool
+    refs: int = 0
+
+
+@dataclass
+class PrefixHit:
+    """The leading blocks of one prompt found cached, held until :meth:`PrefixCache.release`."""
+
+    hashes: list[int]
+    indices: list[int]
+    block_tokens: int
+    released: bool = field(default=False, repr=False)
+
+    @property
+    def tokens(self) -> int:
+        return len(self.hashes) * self.block_tokens
+
+
+class PrefixCache:
+    """Block-granular prompt KV of the layers ``layout`` holds, within ``capacity_blocks``."""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        block_tokens: int,
+        capacity_blocks: int,
+        device: str | torch.device = "cpu",
+        on_event: Callable[[KVEvent], None] | None = None,
+    ) -> None:
+        import torch
+
+        if block_tokens < 1 or capacity_blocks < 1:
+            raise ValueError(f"need block_tokens >= 1 and capacity_blocks >= 1, got "
+                             f"{block_tokens} and {capacity_blocks}")
+        self.layout, self.block_tokens, self.capacity_blocks = layout, block_tokens, capacity_blocks
+        shape = (capacity_blocks, layout.num_layers, 2, layout.num_kv_heads, block_tokens,
+                 layout.head_dim)
+        # empty: on CPU its pages are taken only as blocks are written
+        self.pool = torch.empty(shape, dtype=layout.torch_dtype, device=device)
+        self.on_event = on_event
+        self.stats = CacheStats()
+        self._blocks: OrderedDict[int, _Block] = OrderedDict()  # oldest use first
+        self._free = list(range(capacity_blocks - 1, -1, -1))
+        self._lock = threading.Lock()
+
+    @classmethod
+    def within(cls, layout: KVLayout, block_tokens: int, budget_bytes: int,
+               device: str | torch.device = "cpu",
+               on_event: Callable[[KVEvent], None] | None = None) -> PrefixCache:
+        """As many blocks as ``budget_bytes`` holds (at least one)."""
+        block = block_tokens * layout.step_bytes()
+        if budget_bytes < block:
+            raise ValueError(f"a budget of {budget_bytes} bytes holds no block of "
+                             f"{block_tokens} tokens ({block} bytes)")
+        return cls(layout, block_tokens, budget_bytes // block, device, on_event)
+
+    # -- sizes ----------------------------------------------------------------
+
+    @property
+    def block_bytes(self) -> int:
+        return self.block_tokens * self.layout.step_bytes()
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.capacity_blocks * self.block_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return len(self._blocks) * self.block_bytes
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __contains__(self, block_hash: int) -> bool:
+        return block_hash in self._blocks
+
+    def held_hashes(self) -> list[int]:
+        with self._lock:
+            return list(self._blocks)
+
+    def in_use(self) -> dict[int, int]:
+        """Hash -> references, for every block a request holds."""
+        with self._lock:
+            return {h: b.refs for h, b in self._blocks.items() if b.refs}
+
+    # -- a request's prefix ---------------------------------------------------
+
+    def acquire(self, hashes: Sequence[int], max_tokens: int | None = None) -> PrefixHit:
+        """Hold the longest cached run of ``hashes`` from the first block (at most
+        ``max_tokens`` tokens: a prefill must compute one token at least)."""
+        limit = len(hashes) if max_tokens is None else min(len(hashes),
+                                                           max_tokens // self.block_tokens)
+        with self._lock:
+            found: list[int] = []
+            for h in hashes[:limit]:
+                if h not in self._blocks:
+                    break
+                found.append(h)
+            for h in found:
+                self._blocks[h].refs += 1
+            self._touch(found)
+            self.stats.lookups += 1
+            self.stats.lookup_tokens += len(hashes) * self.block_tokens
+            self.stats.hit_tokens += len(found) * self.block_tokens
+            return PrefixHit(found, [self._blocks[h].index for h in found], self.block_tokens)
+
+    def load(self, hit: PrefixHit, caches: Sequence[KVCache]) -> None:
+        """Copy the hit's KV into the (empty) slots ``caches``, each holding some of this
+        cache's layers; each slot's length becomes the hit's tokens."""
+        if hit.released:
+            raise ValueError("the hit was released")
+        for cache in caches:
+            if cache.length:
+                raise ValueError(f"a prefix loads into an empty slot; it holds {cache.length}")
+            rows = self._layer_rows(cache.layout)
+            for block, index in enumerate(hit.indices):
+                start = block * self.block_tokens
+                cache.data[:, :, :, start : start + self.block_tokens] = self.pool[index, rows]
+            cache.length = hit.tokens
+
+    def release(self, hit: PrefixHit) -> None:
+        with self._lock:
+            if hit.released:
+                return
+            hit.released = True
+            for h in hit.hashes:
+                self._blocks[h].refs -= 1
+
+    def store(self, hashes: Sequence[int], caches: Sequence[KVCache]) -> int:
+        """Keep every block of ``hashes`` the slots ``caches`` (together: all of this cache's
+        layers) hold in full and the cache lacks, evicting unused blocks as it must; stops
+        at the first block it has no room for. Returns the blocks newly stored."""
+        held = min((c.length for c in caches), default=0) // self.block_tokens
+        covered = sorted(layer for c in caches for layer in c.layout.layer_range)
+        if covered != list(self.layout.layer_range):
+            raise ValueError(f"slots hold layers {covered}, the cache "
+                             f"{list(self.layout.layer_range)}")
+        stored: list[int] = []
+        evicted: list[int] = []
+        with self._lock:
+            pinned: list[int] = []  # this prompt's blocks stay while its later ones go in
+            try:
+                for block, h in enumerate(hashes[:held]):
+                    if h not in self._blocks:
+                        index = self._take(evicted)
+                        if index is None:
+                            break
+                        self._write(index, block, caches)
+                        self._blocks[h] = _Block(index)
+                        stored.append(h)
+                    self._blocks[h].refs += 1
+                    pinned.append(h)
+            finally:
+                for h in pinned:
+                    self._blocks[h].refs -= 1
+                self._touch(pinned)
+            self.stats.stored_blocks += len(stored)
+        self._emit("removed", evicted)
+        self._emit("stored", stored)
+        return len(stored)
+
+    def clear(self) -> None:
+        """Drop every block no request holds."""
+        with self._lock:
+            gone = [h for h, b in self._blocks.items() if not b.refs]
+            for h in gone:
+                self._free.append(self._blocks.pop(h).index)
+        self._emit("removed", gone)
+
+    # -- inside ---------------------------------------------------------------
+
+    def _touch(self, hashes: list[int]) -> None:
+        """Most recently used: the last block first, so a prefix's tail is evicted first."""
+        for h in reversed(hashes):
+            self._blocks.move_to_end(h)
+
+    def _take(self, evicted: list[int]) -> int | None:
+        if self._free:
+            return self._free.pop()
+        for h, block in self._blocks.items():  # least recently used first
+            if not block.refs:
+                del self._blocks[h]
+                evicted.append(h)
+                self.stats.evicted_blocks += 1
+                return block.index
+        return None
+
+    def _write(self, index: int, block: int, caches: Sequence[KVCache]) -> None:
+        start = block * self.block_tokens
+        for cache in caches:
+            rows = self._layer_rows(cache.layout)
+            self.pool[index, rows] = cache.data[:, :, :, start : start + self.block_tokens]
+
+    def _layer_rows(self, layout: KVLayout) -> slice:
+        mine = self.layout
+        if (layout.num_kv_heads, layout.head_dim, layout.dtype) != (
+                mine.num_kv_heads, mine.head_dim, mine.dtype):
+            raise ValueError(f"slot layout {layout} does not match the cache's {mine}")
+        first = layout.first_layer - mine.first_layer
+        if first < 0 or first + layout.num_layers > mine.num_layers:
+            raise ValueError(f"slot layers {list(layout.layer_range)} outside the cache's "
+                             f"{list(mine.layer_range)}")
+        return slice(first, first + layout.num_layers)
+
+    def _emit(self, kind: str, hashes: list[int]) -> None:
+        if hashes and self.on_event is not None:
+            self.on_event(KVEvent(kind, tuple(hashes)))

@@ -1,0 +1,142 @@
+"""KV reuse on real tritonservers: the prefix cache of the node that prefills (a P-node of
+1P+1T, a colocated T-node) over a multi-turn conversation.
+
+Each turn's prompt is the last one, its answer and a new message: the node loads the
+cached blocks, prefills only the rest, and the greedy tokens are the single-process
+reference's (the cache off). ``cached_tokens`` says exactly the blocks reused; a request
+under another ``cache_salt`` never hits the blocks of the first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from cluster_helpers import MAX_SEQ_LEN, cluster_up, eventually, metric
+from test_trtllm_clients import stream
+
+from orchestrator.engine.reference import generate
+from orchestrator.engine.tokenizer import load_tokenizer
+from orchestrator.engine.torch_engine import load_engine
+
+pytestmark = pytest.mark.slow
+BLOCK = 16
+MAX_TOKENS = 6
+FIRST = [(7 * i + 3) % 500 + 1 for i in range(40)]
+MESSAGES = [[(11 * i + 5) % 500 + 1 for i in range(n)] for n in (21, 9, 30)]
+
+
+
+@pytest.fixture(scope="module", params=["disaggregated", "colocated"])
+def cluster(request, model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    with cluster_up(model, tmp_path_factory.mktemp(request.param),
+                    colocated=request.param == "colocated", prefix_cache_mb=4,
+                    kv_block=BLOCK) as up:
+        yield up
+
+
+def ask(url: str, prompt: list[int], salt: str = "") -> tuple[list[int], int]:
+    """Greedy ids and ``cached_tokens`` of one request to the token model."""
+    request = {"input_ids": np.array([prompt], np.int32),
+               "input_lengths": np.array([[len(prompt)]], np.int32),
+               "request_output_len": np.array([[MAX_TOKENS]], np.int32),
+               "end_id": np.array([[-1]], np.int32),
+               "streaming": np.array([[False]])}
+    if salt:
+        request["cache_salt"] = np.array([[salt.encode()]], np.object_)
+    ids, cached = [], set()
+    for result in stream(url, "tensorrt_llm", request):
+        ids += result.as_numpy("output_ids").reshape(-1).tolist()
+        cached.add(int(result.as_numpy("cached_tokens").reshape(-1)[0]))
+    assert len(cached) == 1, cached
+    return ids[len(prompt):], cached.pop()
+
+
+def conversation(engine) -> list[tuple[list[int], list[int]]]:
+    """(prompt, the reference's answer) per turn: each prompt extends the last turn's."""
+    turns, prompt = [], FIRST
+    for message in [*MESSAGES, None]:
+        answer = generate([engine], [prompt], MAX_TOKENS)[0]
+        turns.append((prompt, answer))
+        if message is not None:
+            prompt = prompt + answer + message
+    return turns
+
+
+def test_multi_turn_prompts_reuse_their_prefix_token_exact(cluster, model):
+    engine = load_engine(model, max_seq_len=MAX_SEQ_LEN)
+    url = cluster.frontend.grpc_url
+    previous: list[int] = []
+    for prompt, answer in conversation(engine):
+        got, cached = ask(url, prompt)
+        assert got == answer
+        # every whole block the last prompt stored, one token at least left to compute
+        assert cached == min(len(previous) // BLOCK, (len(prompt) - 1) // BLOCK) * BLOCK
+        previous = prompt
+    assert ask(url, previous) == (answer, (len(previous) - 1) // BLOCK * BLOCK)  # a repeat
+
+    node = (cluster.role("prefill") or cluster.role("decode"))[0].server  # the one prefilling
+    hit = eventually(lambda: metric(node, "dejavu_prefix_cache", what="hit_tokens"),
+                     lambda v: v > 0)
+    looked = metric(node, "dejavu_prefix_cache", what="lookup_tokens")
+    assert metric(node, "dejavu_prefix_cache", what="hit_rate") == pytest.approx(hit / looked)
+    assert 0 < metric(node, "dejavu_prefix_cache", what="bytes") <= metric(
+        node, "dejavu_prefix_cache", what="budget_bytes")
+
+
+def test_another_cache_salt_never_hits(cluster, model):
+    url = cluster.frontend.grpc_url
+    prompt = [(13 * i + 1) % 500 + 1 for i in range(50)]
+    want = generate([load_engine(model, max_seq_len=MAX_SEQ_LEN)], [prompt], MAX_TOKENS)[0]
+    assert ask(url, prompt, salt="tenant-a") == (want, 0)
+    assert ask(url, prompt, salt="tenant-b") == (want, 0)
+    assert ask(url, prompt) == (want, 0)  # no salt: the salted blocks are not its either
+    assert ask(url, prompt, salt="tenant-a") == (want, 48)
+
+
+def test_openai_reports_cached_tokens_and_takes_a_cache_salt(cluster, model):
+    import openai
+
+    client = openai.OpenAI(base_url=cluster.openai.url, api_key="unused", max_retries=0)
+    prompt = " ".join(f"word{i}" for i in range(30))  # a prompt only this test sends
+    n = len(load_tokenizer(model).encode(prompt).ids)
+    assert n > BLOCK
+
+    def cached(**extra) -> int:
+        done = client.completions.create(model=model.name, prompt=prompt, max_tokens=3,
+                                         temperature=0, extra_body=extra)
+        assert done.usage.prompt_tokens == n
+        return done.usage.prompt_tokens_details.cached_tokens
+
+    assert cached(cache_salt="openai-tenant") == 0
+    assert cached() == 0  # its blocks are the salt's
+    assert cached(cache_salt="openai-tenant") == (n - 1) // BLOCK * BLOCK
+
+
+@pytest.mark.parametrize("layout", [{"prefill": 2}, {"prefill": 0, "decode": 2,
+                                                    "colocated": True}],
+                         ids=["2P+1T", "2 colocated"])
+def test_the_kv_router_sends_each_next_turn_to_the_node_holding_its_prefix(model, tmp_path,
+                                                                         layout):
+    """2 prefilling nodes, KV-aware routing: four first turns at once (the router spreads
+    them by queue), then their second turns at once: each finds its whole prefix cached,
+    so the router indexed the nodes' signed KV events and sent each to the node holding
+    it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    engine = load_engine(model, max_seq_len=MAX_SEQ_LEN)
+    firsts = [[(17 * i + 31 * c) % 500 + 1 for i in range(40)] for c in range(4)]
+    answers = generate([engine], firsts, MAX_TOKENS)
+    seconds = [p + a + MESSAGES[0] for p, a in zip(firsts, answers, strict=True)]
+    want = generate([engine], seconds, MAX_TOKENS)
+    with cluster_up(model, tmp_path, prefix_cache_mb=4, kv_block=BLOCK, router="kv",
+                    kv_weight=10.0, **layout) as up, ThreadPoolExecutor(4) as pool:
+        url = up.frontend.grpc_url
+        assert list(pool.map(lambda p: ask(url, p), firsts)) == [(a, 0) for a in answers]
+        got = list(pool.map(lambda p: ask(url, p), seconds))
+        assert got == [(w, len(f) // BLOCK * BLOCK) for w, f in zip(want, firsts, strict=True)]
+        nodes = up.role("prefill") or up.role("decode")
+        eventually(lambda: sum(metric(n.server, "dejavu_prefix_cache", what="hit_tokens")
+                               for n in nodes), lambda hits: hits == 4 * 32)
