@@ -140,3 +140,22 @@ def test_the_kv_router_sends_each_next_turn_to_the_node_holding_its_prefix(model
         nodes = up.role("prefill") or up.role("decode")
         eventually(lambda: sum(metric(n.server, "dejavu_prefix_cache", what="hit_tokens")
                                for n in nodes), lambda hits: hits == 4 * 32)
+
+
+def test_a_replay_bigger_than_the_cache_stays_in_its_budget_and_keeps_serving(model, tmp_path):
+    """A cache of 4 blocks (the tiny Llama's KV: 1 KiB a token) under 6 prompts of 2 blocks
+    each: blocks are evicted, the cache never holds more than its budget, the tokens stay
+    the reference's, and the latest prompt still hits."""
+    engine = load_engine(model, max_seq_len=MAX_SEQ_LEN)
+    prompts = [[(19 * i + 7 * c) % 500 + 1 for i in range(40)] for c in range(6)]
+    want = generate([engine], prompts, MAX_TOKENS)
+    budget = 4 * BLOCK * 1024
+    with cluster_up(model, tmp_path, prefix_cache_mb=budget / 2**20, kv_block=BLOCK) as up:
+        url, node = up.frontend.grpc_url, up.role("prefill")[0].server
+        for prompt, answer in zip(prompts, want, strict=True):
+            assert ask(url, prompt) == (answer, 0)
+            assert metric(node, "dejavu_prefix_cache", what="bytes") <= budget
+        assert ask(url, prompts[-1]) == (want[-1], 32)
+        eventually(lambda: metric(node, "dejavu_prefix_cache", what="evicted_blocks"),
+                   lambda evicted: evicted >= 6 * 2 - 4)
+        assert metric(node, "dejavu_prefix_cache", what="budget_bytes") == budget
