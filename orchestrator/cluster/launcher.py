@@ -516,6 +516,10 @@ def topology_arguments(parser: argparse.ArgumentParser) -> None:
                         "a prefix (host memory on CPU, device memory on a GPU); 0: off")
     parser.add_argument("--kv-block", type=int, default=32, metavar="TOKENS",
                         help="tokens per prefix-cache block (a prompt reuses whole blocks)")
+    parser.add_argument("--prefill-chunk", type=int, default=0, metavar="TOKENS",
+                        help="--colocated: each step carries the running sequences' token "
+                        "steps plus prompt chunks up to this many tokens (chunked prefill, "
+                        "Sarathi-Serve's stall-free batching); 0: whole prompts (default)")
     parser.add_argument("--replicate", choices=list(ReplicateMode), default=ReplicateMode.ON,
                         help="T-stages stream KV replicas to the next stage (disk: to local "
                         "disk); a lost stage is started again and resumes from them "
@@ -534,7 +538,7 @@ def settings_from(args: argparse.Namespace) -> dict:
             "max_batch": args.max_batch, "profile": engine_profile(args.engine, args.profile),
             "trtllm_decoupled": args.trtllm_decoupled == "true",
             "time_scale": args.time_scale, "prefix_cache_mb": args.prefix_cache_mb,
-            "kv_block": args.kv_block}
+            "kv_block": args.kv_block, "prefill_chunk": args.prefill_chunk}
 
 
 def engine_profile(engine: str, profile: str) -> str:

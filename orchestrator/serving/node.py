@@ -77,7 +77,8 @@ def stage_service(config: NodeConfig, metrics: Metrics | None,
         dead_after_s=config.dead_after_s, reserve_ttl_s=config.reserve_ttl_s,
         # A K-times slower engine queues K times longer before its prompt KV lands.
         kv_timeout_s=PipelineConfig.kv_timeout_s * config.time_scale,
-        recover_timeout_s=config.recover_timeout_s if config.replicates else None, **slots,
+        recover_timeout_s=config.recover_timeout_s if config.replicates else None,
+        prefill_chunk=config.prefill_chunk, **slots,
     )
     secret = config.secret()
     if engine is None and config.profile:  # the emulated engine: StageNode loads only torch's
