@@ -27,7 +27,8 @@ the bare engine on one machine's cores), next to the requests/s the planner's ca
 model and the serving simulator predict at saturation for that layout, from one engine
 profile (the emulated engine's, or the torch engine measured on one machine over the
 workload's lengths and the cluster's batch). Output: ``disagg.csv``,
-``disagg.png``, a table.
+``disagg.png``, a table, and every request's times per mode and rate
+(``times-<mode>-<rate>.json``).
 
 Sustained throughput (:mod:`orchestrator.planner.throughput`, the one definition the
 serving simulator measures itself by too): the run's saturated middle, not its edges.
@@ -66,6 +67,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import os
 import random
@@ -275,6 +277,13 @@ def sustained(jobs: list[Job], times: list[list[float]], met: list[bool]
     good = sum(ok and a <= ts[-1] <= b for job, ts, ok in zip(jobs, times, met, strict=True)
                if len(ts) - 1 == job.max_tokens)
     return rate_between(tokens), completions, good / (b - a)
+
+
+def save_times(path: Path, layout: str, jobs: list[Job], times: list[list[float]]) -> None:
+    """Each request's (prompt tokens, tokens asked, [send, token, ...] in profile time): its
+    SLOs can be judged afterwards under any bounds (DistServe's, Splitwise's)."""
+    rows = [[len(j.prompt_ids), j.max_tokens, t] for j, t in zip(jobs, times, strict=True)]
+    path.write_text(json.dumps({"layout": layout, "requests": rows}) + "\n")
 
 
 def token_times(arrivals: list[tuple[float, int]]) -> list[float]:
@@ -803,6 +812,8 @@ def main(argv: list[str]) -> int:
                             mode, layout, rate, jobs, times, pred["prompt_s_per_token"],
                             pred["step_s"], args.ttft_slo, args.tbt_slo, planned, k)
                         point.simulated_rps = simulated
+                        save_times(args.out / f"times-{mode}-{rate:.4g}.json", layout, jobs,
+                                   times)
                         assert meter.use is not None
                         point = point.with_cpu(meter.use, sum(len(t) - 1 for t in times))
                         points.append(per_request(point, fleet(
