@@ -149,3 +149,14 @@ def test_tensorrt_llm_is_decoupled_unless_the_deployment_says_not(tmp_path):
     data = json.loads(cluster()["frontend"].to_json()) | {"trtllm_decoupled": "false"}
     with pytest.raises(ValueError, match="trtllm_decoupled must be true or false"):
         NodeConfig.from_json(json.dumps(data))
+
+
+def test_prefill_chunk_needs_colocation_and_room_for_the_token_steps():
+    colocated = dict(role=Role.DECODE, model_dir="m", mode=Mode.COLOCATED, max_batch=16)
+    assert NodeConfig(**colocated, prefill_chunk=512).prefill_chunk == 512
+    assert NodeConfig.from_json(NodeConfig(**colocated, prefill_chunk=64).to_json()
+                                ).prefill_chunk == 64
+    with pytest.raises(ValueError, match="P-nodes run whole prompts"):
+        NodeConfig(role=Role.DECODE, model_dir="m", prefill_chunk=512)
+    with pytest.raises(ValueError, match="at least the batch size 16"):
+        NodeConfig(**colocated, prefill_chunk=8)
