@@ -27,7 +27,8 @@ the bare engine on one machine's cores), next to the requests/s the planner's ca
 model and the serving simulator predict at saturation for that layout, from one engine
 profile (the emulated engine's, or the torch engine measured on one machine over the
 workload's lengths and the cluster's batch). Output: ``disagg.csv``,
-``disagg.png``, a table.
+``disagg.png``, a table, and every request's times per mode and rate
+(``times-<mode>-<rate>.json``).
 
 Sustained throughput (:mod:`orchestrator.planner.throughput`, the one definition the
 serving simulator measures itself by too): the run's saturated middle, not its edges.
@@ -66,6 +67,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import os
 import random
@@ -95,7 +97,21 @@ from orchestrator.planner.throughput import percentile, rate_between, sustained_
 if TYPE_CHECKING:
     from orchestrator.planner.planner import Layout
 
-MODES = ("colocated", "colocated-pipeline", "disaggregated")
+MODES = ("colocated", "colocated-chunked", "colocated-pipeline", "disaggregated")
+CHUNKED = "colocated-chunk"  # + the budget: one run mode per --prefill-chunks entry
+
+
+def run_modes(modes: list[str], chunks: list[int]) -> list[str]:
+    """``modes`` as the bench runs them: ``colocated-chunked`` once per step budget
+    (``colocated-chunk512``, ...)."""
+    return [m for mode in modes
+            for m in ([f"{CHUNKED}{n}" for n in chunks] if mode == "colocated-chunked"
+                      else [mode])]
+
+
+def prefill_chunk_of(mode: str) -> int:
+    """The step budget of a run mode (0: whole prompts)."""
+    return int(mode.removeprefix(CHUNKED)) if mode.startswith(CHUNKED) else 0
 
 
 @dataclass(frozen=True)
@@ -263,6 +279,13 @@ def sustained(jobs: list[Job], times: list[list[float]], met: list[bool]
     return rate_between(tokens), completions, good / (b - a)
 
 
+def save_times(path: Path, layout: str, jobs: list[Job], times: list[list[float]]) -> None:
+    """Each request's (prompt tokens, tokens asked, [send, token, ...] in profile time): its
+    SLOs can be judged afterwards under any bounds (DistServe's, Splitwise's)."""
+    rows = [[len(j.prompt_ids), j.max_tokens, t] for j, t in zip(jobs, times, strict=True)]
+    path.write_text(json.dumps({"layout": layout, "requests": rows}) + "\n")
+
+
 def token_times(arrivals: list[tuple[float, int]]) -> list[float]:
     """[send, token, token, ...]: a response of n tokens (a stream that fell behind) spreads
     its gap since the one before evenly over its tokens."""
@@ -321,7 +344,8 @@ class Pools:
 def cluster_for(mode: str, model_dir: Path, machines: list, run_dir: Path, batch: int,
                 max_seq_len: int, split, profile: str = "", time_scale: float = 1.0,
                 timeout_s: float = 180.0, prefill_profile: str = "", depth: int = 0):
-    """The cluster of ``mode`` on ``machines`` (core sets): colocated one T-node each, or
+    """The cluster of ``mode`` on ``machines`` (core sets): colocated one T-node each (a
+    ``colocated-chunkN`` mode: prompts in chunks, N tokens a step), or
     one stage each of pipelines ``depth`` deep (0: one pipeline over them all);
     disaggregated the planner's ``split`` (a
     :class:`~orchestrator.planner.planner.Layout`): its P-nodes, each on its D_p machines,
@@ -332,9 +356,10 @@ def cluster_for(mode: str, model_dir: Path, machines: list, run_dir: Path, batch
     from orchestrator.cluster.topology import decode_name
     from orchestrator.fault import ReplicateMode
 
-    if mode == "colocated":
+    if mode == "colocated" or mode.startswith(CHUNKED):
         devices = {f"decode{i}": m for i, m in enumerate(machines)}
-        kwargs = dict(prefill=0, decode=len(machines), colocated=True)
+        kwargs = dict(prefill=0, decode=len(machines), colocated=True,
+                      prefill_chunk=prefill_chunk_of(mode))
     elif mode == "colocated-pipeline":
         depth = depth or len(machines)
         devices = {decode_name(i // depth, i % depth, depth): m for i, m in enumerate(machines)}
@@ -429,12 +454,14 @@ def engine_profile_of(model_dir: Path, lengths: list[tuple[int, int]], batch: in
 
 def predictions(model_dir: Path, lengths: list[tuple[int, int]], batch: int,
                 machine: Devices, machines: int, engine_profile: str = "",
-                split: Layout | None = None, prefill_profile: str = "", depth: int = 0):
+                split: Layout | None = None, prefill_profile: str = "", depth: int = 0,
+                chunks: tuple[int, ...] = ()):
     """The planner on one engine profile (the emulated engine's, or the torch engine
     measured on one ``machine``; the P-nodes' own where ``prefill_profile`` names one) at
     the workload's lengths: its pick, the layout each mode runs (disaggregated: ``split``
     where given, Splitwise's pools or DejaVu's pipelines; the colocated pipelines ``depth``
-    deep, 0: one over every machine), the profiles (``cost``, ``prompt_cost``; ``costs``:
+    deep, 0: one over every machine; the colocated machines with each of ``chunks`` as their
+    step budget), the profiles (``cost``, ``prompt_cost``; ``costs``:
     each mode's, the same until :func:`on_shared_host`), each mode's predicted requests/s,
     and the unloaded prefill time per token and step."""
     from orchestrator.engine.config import ModelConfig
@@ -465,6 +492,7 @@ def predictions(model_dir: Path, lengths: list[tuple[int, int]], batch: int,
     split = Pools(chosen.replicas, chosen.token_count, mixed) if chosen.is_pools else chosen
     depth = depth or machines
     layouts = {"colocated": Layout(machines, 1),
+               **{f"{CHUNKED}{n}": Layout(machines, 1) for n in chunks},
                "colocated-pipeline": Layout(machines // depth, depth),
                "disaggregated": chosen}
     return {"pick": str(picked.layout), "split": split, "Y/t": picked.ratio,
@@ -516,13 +544,14 @@ def serving_cpu_s(model_dir: Path, cost, machines: list, run_dir: Path, batch: i
 
 
 def expected(cost, requests, layout, batch: int, drain_s: float = math.inf,
-             prompt_cost=None, m: float = 1.0) -> tuple[float, float]:
+             prompt_cost=None, m: float = 1.0, prefill_chunk: int = 0) -> tuple[float, float]:
     """What the planner and the simulator expect of ``requests`` on ``layout``: the capacity
     model's requests/s at their lengths, and the serving simulator's sustained rate
     replaying the same requests (arrivals, lengths, the drain's cut), measured as the run
     is. A short run at saturation sits below capacity while it fills; the simulator sees
     that, the planner does not. ``prompt_cost``: the P-nodes' own profile; ``m``: DejaVu's
-    streamed-prefill factor."""
+    streamed-prefill factor; ``prefill_chunk``: colocated, the step budget (the capacity
+    model has none: its rate is the whole prompts')."""
     from orchestrator.planner.capacity import Capacity
     from orchestrator.planner.planner import predict_rps
     from orchestrator.planner.search import simulate_serving
@@ -531,7 +560,7 @@ def expected(cost, requests, layout, batch: int, drain_s: float = math.inf,
     return (predict_rps(Capacity.of(lengths, cost, batch, m, prompt_cost=prompt_cost), layout),
             simulate_serving(cost, requests, layout, batch, m,
                              cut_at=max(r.arrival for r in requests) + drain_s,
-                             prompt_cost=prompt_cost))
+                             prompt_cost=prompt_cost, prefill_chunk=prefill_chunk))
 
 
 def given_split(pools: list[int] | None, split: list[int] | None, machines: int):
@@ -576,7 +605,7 @@ def plot(points: list[Point], path: Path) -> None:
               ("tbt_p99_ms", "TBT p99 (ms)"), ("tbt_p99_running_ms",
                                                 "TBT p99 from the 2nd token (ms)")]
     for ax, (key, label) in zip(axes.flat, panels, strict=True):
-        for mode in MODES:
+        for mode in dict.fromkeys(p.mode for p in points):
             mine = [p for p in points if p.mode == mode]
             if mine:
                 ax.plot([p.rate_rps for p in mine], [getattr(p, key) for p in mine], "o-",
@@ -639,7 +668,12 @@ def main(argv: list[str]) -> int:
                         "colocated throughput")
     parser.add_argument("--machines", nargs="+",
                         help="one core set per machine (default: each core of this host)")
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--modes", nargs="+", choices=MODES,
+                        default=[m for m in MODES if m != "colocated-chunked"])
+    parser.add_argument("--prefill-chunks", type=int, nargs="+", default=[512, 2048],
+                        metavar="TOKENS",
+                        help="colocated-chunked: one run per step budget (chunked prefill, "
+                        "dejavu up --prefill-chunk)")
     parser.add_argument("--batch", type=int, default=4, help="sequences per T-node microbatch")
     parser.add_argument("--prompt-scale", type=float, default=0.25,
                         help="trace prompt lengths times this")
@@ -713,8 +747,10 @@ def main(argv: list[str]) -> int:
         if args.serving_cpu_ms and (args.profile or machines[0].kind != "cpu"):
             raise ValueError("--serving-cpu-ms models the torch engine on CPU cores (no "
                              "--profile, cpu machines)")
+        modes = run_modes(args.modes, args.prefill_chunks)
         pred = predictions(model_dir, lengths, args.batch, machines[0], len(machines),
-                           args.profile, split, args.prefill_profile, depth)
+                           args.profile, split, args.prefill_profile, depth,
+                           tuple(args.prefill_chunks))
         max_seq_len = args.max_prompt + args.max_new
         if args.serving_cpu_ms:
             sigma_ms = args.serving_cpu_ms
@@ -745,14 +781,14 @@ def main(argv: list[str]) -> int:
                      ModelConfig.from_dir(model_dir).num_layers)
         points: list[Point] = []
         with Progress() as progress:
-            task = progress.add_task("requests", total=len(args.modes) * sum(counts.values()))
+            task = progress.add_task("requests", total=len(modes) * sum(counts.values()))
             lock = threading.Lock()
 
             def advance() -> None:
                 with lock:
                     progress.advance(task)
 
-            for mode in args.modes:
+            for mode in modes:
                 with cluster_for(mode, model_dir, machines, args.out / "cluster", args.batch,
                                  max_seq_len, pred["split"], args.profile, k,
                                  args.start_timeout, args.prefill_profile,
@@ -760,6 +796,8 @@ def main(argv: list[str]) -> int:
                     layout = {"colocated": f"{len(machines)}x colocated",
                               "colocated-pipeline": str(pred["layouts"][mode]),
                               }.get(mode, str(pred["split"]))
+                    if prefill_chunk_of(mode):
+                        layout = f"{len(machines)}x colocated, {prefill_chunk_of(mode)}-token steps"
                     url = cluster.frontend.grpc_url
                     secret = load_secret(cluster.secret_file)
                     # Every node's first request is slow; a few tokens each warm it (a
@@ -776,11 +814,13 @@ def main(argv: list[str]) -> int:
                         planned, simulated = expected(pred["costs"][mode], requests_of(jobs),
                                                       pred["layouts"][mode], args.batch,
                                                       args.drain, pred["prompt_cost"],
-                                                      pred["m"])
+                                                      pred["m"], prefill_chunk_of(mode))
                         point = summarize(
                             mode, layout, rate, jobs, times, pred["prompt_s_per_token"],
                             pred["step_s"], args.ttft_slo, args.tbt_slo, planned, k)
                         point.simulated_rps = simulated
+                        save_times(args.out / f"times-{mode}-{rate:.4g}.json", layout, jobs,
+                                   times)
                         assert meter.use is not None
                         point = point.with_cpu(meter.use, sum(len(t) - 1 for t in times))
                         points.append(per_request(point, fleet(

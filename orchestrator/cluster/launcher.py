@@ -541,6 +541,10 @@ def topology_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-weight", type=float, default=1.0,
                         help="--router kv: weight of a prompt's tokens to compute against a "
                         "node's pending tokens")
+    parser.add_argument("--prefill-chunk", type=int, default=0, metavar="TOKENS",
+                        help="--colocated: each step carries the running sequences' token "
+                        "steps plus prompt chunks up to this many tokens (chunked prefill, "
+                        "Sarathi-Serve's stall-free batching); 0: whole prompts (default)")
     parser.add_argument("--replicate", choices=list(ReplicateMode), default=ReplicateMode.ON,
                         help="T-stages stream KV replicas to the next stage (disk: to local "
                         "disk); a lost stage is started again and resumes from them "
@@ -563,7 +567,8 @@ def settings_from(args: argparse.Namespace) -> dict:
             "time_scale": args.time_scale, "frontend_instances": args.frontend_instances,
             "stream_interval": args.stream_interval,
             "prefix_cache_mb": args.prefix_cache_mb, "kv_block": args.kv_block,
-            "router": args.router, "kv_weight": args.kv_weight}
+            "router": args.router, "kv_weight": args.kv_weight,
+            "prefill_chunk": args.prefill_chunk}
 
 
 def engine_profile(engine: str, profile: str) -> str:

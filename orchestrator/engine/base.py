@@ -58,6 +58,18 @@ class Engine(Protocol):
         """
         ...
 
+    def step(
+        self,
+        prompts: Sequence[torch.Tensor],
+        prompt_caches: Sequence[KVCache],
+        inputs: torch.Tensor | None,
+        caches: Sequence[KVCache],
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """One colocated step: :meth:`prefill` of ``prompts`` (whole or chunks, on what
+        their slots hold) and :meth:`decode` of ``inputs`` (None: no token step), with
+        their outputs; either part may be empty. An engine may run them as one batch."""
+        ...
+
     def decode(self, inputs: torch.Tensor, caches: Sequence[KVCache]) -> torch.Tensor:
         """One token step. ``inputs`` is ``[B]`` ids or ``[B, hidden]``.
 

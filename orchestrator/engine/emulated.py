@@ -3,8 +3,9 @@
 Only the compute is replaced. Each prefill or decode sleeps what the profile
 (:class:`~orchestrator.profiles.profile.EngineProfile`) says for its actual
 batch, prompt tokens and context (a prompt's rest on a cached prefix: the new
-tokens at that context), times this stage's share of the layers, so a
-node costs little CPU and many fit on one machine; the rest of the serving path
+tokens at that context; a colocated step of prompt chunks and token steps:
+the profile's mixed model, Sarathi-Serve's), times this stage's share of the
+layers, so a node costs little CPU and many fit on one machine; the rest of the serving path
 (Triton, orchestrator, KV transports, replication, recovery) runs as it is.
 
 Tokens: a sequence's state is a rolling hash of its tokens so far, kept *in its
@@ -97,14 +98,44 @@ class EmulatedEngine:
         on_layer: LayerHook | None = None,
     ) -> list[torch.Tensor]:
         start = self._clock()
+        seconds = self.profile.prefill_s(*self._prefill_tokens(inputs, caches))
+        return self._prefill(inputs, caches, on_layer, start, seconds * self.share
+                             * self.time_scale)
+
+    def step(
+        self,
+        prompts: Sequence[torch.Tensor],
+        prompt_caches: Sequence[KVCache],
+        inputs: torch.Tensor | None,
+        caches: Sequence[KVCache],
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """Prompt chunks and token steps as one pass: the profile's
+        :meth:`~orchestrator.profiles.profile.EngineProfile.mixed_s`."""
+        if not prompts or inputs is None:
+            prompt_out = self.prefill(prompts, prompt_caches) if prompts else []
+            return prompt_out, None if inputs is None else self.decode(inputs, caches)
+        start = self._clock()
+        scale = self.share * self.time_scale
+        new, cached = self._prefill_tokens(prompts, prompt_caches)
+        chunk_s = self.profile.prefill_s(new, cached) * scale
+        prompt_out = self._prefill(prompts, prompt_caches, None, start, chunk_s)
+        batch, context = self._decode_shape(inputs, caches)
+        return prompt_out, self._decode(inputs, caches, start + chunk_s,
+                                        self.profile.decode_increment_s(batch, context) * scale)
+
+    def _prefill_tokens(self, inputs: Sequence[torch.Tensor], caches: Sequence[KVCache]
+                        ) -> tuple[int, int]:
+        """(new tokens, tokens the slots hold) of a checked prefill."""
         self._check(inputs, caches)
-        starts = [c.length for c in caches]
         limit = self.kv_layout.max_seq_len
-        if any(s + len(x) > limit for s, x in zip(starts, inputs, strict=True)):
+        if any(c.length + len(x) > limit for x, c in zip(inputs, caches, strict=True)):
             raise ValueError(f"a prompt on its cached prefix exceeds the slot ({limit} positions)")
-        seconds = self.profile.prefill_s(
-            sum(len(x) for x in inputs), cached=sum(starts)
-        ) * self.share * self.time_scale
+        return sum(len(x) for x in inputs), sum(c.length for c in caches)
+
+    def _prefill(self, inputs: Sequence[torch.Tensor], caches: Sequence[KVCache],
+                 on_layer: LayerHook | None, start: float, seconds: float) -> list[torch.Tensor]:
+        """Write the prompts' KV layer by layer, done ``seconds`` after ``start``."""
+        starts = [c.length for c in caches]
         pairs = [self._pairs(x, c, s) for x, c, s in zip(inputs, caches, starts, strict=True)]
         for cache, x in zip(caches, inputs, strict=True):
             cache.length += len(x)
@@ -120,14 +151,23 @@ class EmulatedEngine:
 
     def decode(self, inputs: torch.Tensor, caches: Sequence[KVCache]) -> torch.Tensor:
         start = self._clock()
+        seconds = self.profile.decode_s(*self._decode_shape(inputs, caches))
+        return self._decode(inputs, caches, start, seconds * self.share * self.time_scale)
+
+    def _decode_shape(self, inputs: torch.Tensor, caches: Sequence[KVCache]
+                      ) -> tuple[int, float]:
+        """(batch, mean context) of a checked token step."""
         if not len(inputs) or len(inputs) != len(caches):
             raise ValueError(f"{len(inputs)} inputs but {len(caches)} caches")
         self._check_layouts(caches)
         self._check_input(inputs)  # the whole batch at once: its CPU is the T-node's
         if any(c.length >= self.kv_layout.max_seq_len for c in caches):
             raise ValueError(f"a cache is full ({self.kv_layout.max_seq_len} positions)")
-        context = sum(c.length for c in caches) / len(caches) + 1
-        seconds = self.profile.decode_s(len(caches), context) * self.share * self.time_scale
+        return len(caches), sum(c.length for c in caches) / len(caches) + 1
+
+    def _decode(self, inputs: torch.Tensor, caches: Sequence[KVCache], start: float,
+                seconds: float) -> torch.Tensor:
+        """One position per sequence, done ``seconds`` after ``start``."""
         if self.stage.is_first:
             rows = []
             for token, cache in zip(inputs.tolist(), caches, strict=True):

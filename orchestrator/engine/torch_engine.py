@@ -93,6 +93,16 @@ class TorchEngine:
         last_rows = torch.tensor(lengths, device=self.device).cumsum(0) - 1
         return list(self._logits(x[last_rows]))
 
+    def step(
+        self,
+        prompts: Sequence[torch.Tensor],
+        prompt_caches: Sequence[KVCache],
+        inputs: torch.Tensor | None,
+        caches: Sequence[KVCache],
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        prompt_out = self.prefill(prompts, prompt_caches) if prompts else []
+        return prompt_out, None if inputs is None else self.decode(inputs, caches)
+
     @torch.no_grad()
     def decode(self, inputs: torch.Tensor, caches: Sequence[KVCache]) -> torch.Tensor:
         self._check_caches(caches, len(inputs))

@@ -124,7 +124,8 @@ class Replicator:
 
     The stage calls :meth:`step` after computing step t of microbatch j, and
     :meth:`remove` when a request ends. A request ``step`` has not seen yet is
-    replicated whole first (its prompt; after a recovery, everything so far).
+    replicated whole first (its prompt; after a recovery, everything so far), and so is
+    one whose step wrote more than one position (the next chunk of a chunked prompt).
     If the holder fails, replication stops (logged) until a recovery builds a
     new ``Replicator``: the controller learns of the failure from heartbeats.
     """
@@ -143,7 +144,7 @@ class Replicator:
         self.sender = KVSender(transport, layout, secret)
         self.streamer = DeltaStreamer(transport, layout, secret, max_batch, timeout_s=timeout_s)
         self.error: KVTransferError | None = None
-        self._attached: set[str] = set()
+        self._sent: dict[str, int] = {}  # request id -> KV positions replicated
         # Landed steps to ack, ended requests to free, flush markers, in submission order.
         self._steps: queue.Queue[tuple[int, int] | str | threading.Event | None] = queue.Queue()
         self._acker = threading.Thread(target=self._ack_landed, name=f"acks-{stage}", daemon=True)
@@ -155,14 +156,18 @@ class Replicator:
         if self.error is not None:
             return
         try:
+            # One new position: a token step's delta. More (a chunk of a prompt on top of its
+            # earlier chunks): the request is sent whole again, as a new one is.
             old = [(rid, c) for rid, c in zip(request_ids, caches, strict=True)
-                   if rid in self._attached]
-            self.seed([r for r in request_ids if r not in self._attached],
-                      [c for r, c in zip(request_ids, caches, strict=True)
-                       if r not in self._attached])
+                   if self._sent.get(rid) == c.length - 1]
+            whole = [(rid, c) for rid, c in zip(request_ids, caches, strict=True)
+                     if self._sent.get(rid) != c.length - 1]
+            if whole:
+                self.seed(*zip(*whole, strict=True))
             if old:
                 ids, held = zip(*old, strict=True)
                 self.streamer.submit(ids, held, [c.length - 1 for c in held])
+                self._sent.update({rid: c.length for rid, c in old})
         except KVTransferError as error:
             self._broken(error)
             return
@@ -174,12 +179,11 @@ class Replicator:
             ticket = self.holder.open(rid, cache.length)
             send_cache(self.sender, rid, cache, ticket, self.timeout_s)
             self.streamer.add_target(rid, ticket)
-            self._attached.add(rid)
+            self._sent[rid] = cache.length
 
     def remove(self, request_id: str) -> None:
         """The request ended: stop streaming it and free its replica, after its last delta."""
-        if request_id in self._attached:
-            self._attached.discard(request_id)
+        if self._sent.pop(request_id, None) is not None:
             self._steps.put(request_id)
 
     def _free(self, request_id: str) -> None:

@@ -85,16 +85,20 @@ class PipelineHead:
         poll_s: float = 0.005,
         health: Callable[[], str | None] | None = None,
         recover_timeout_s: float | None = None,
+        prefill_chunk: int = 0,
     ) -> None:
         """``health()``: None while every stage is alive, else what is wrong (checked each loop).
         ``kv_timeout_s``: how long a prefilled request may wait for its KV on every stage.
         ``recover_timeout_s``: a stage failure pauses the head (requests stay) for a repair
-        to ``resume`` it within this long, else it breaks; None: it breaks at once."""
+        to ``resume`` it within this long, else it breaks; None: it breaks at once.
+        ``prefill_chunk``: colocated, a step's token budget (chunked prefill); 0: whole
+        prompts."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.to_first, self.from_last, self.mode = to_first, from_last, mode
         self.num_microbatches, self.batch_size = num_microbatches, batch_size
-        self.scheduler = MicrobatchScheduler(num_microbatches, batch_size, mode == "colocated")
+        self.scheduler = MicrobatchScheduler(num_microbatches, batch_size, mode == "colocated",
+                                             prefill_chunk)
         self.max_seq_len = max_seq_len
         self.step_timeout_s, self.kv_timeout_s = step_timeout_s, kv_timeout_s
         self.probe_interval_s, self.poll_s = probe_interval_s, poll_s
@@ -560,17 +564,18 @@ class PipelineHead:
 def _to_message(batch: Batch) -> StepMessage:
     decode_ids = [s.seq_id for s in batch.decode]
     inputs = torch.tensor([s.last_token for s in batch.decode]) if batch.decode else None
+    sampled = [c.seq for c in batch.prefill if c.completes] + batch.admit
     return StepMessage(
         microbatch=batch.microbatch,
         step=batch.step,
         seq_ids=decode_ids,
         inputs=inputs,
-        prompt_seq_ids=[s.seq_id for s in batch.prefill],
-        prompts=[torch.tensor(s.prompt_ids) for s in batch.prefill],
-        salts=[s.cache_salt for s in batch.prefill],
+        prompt_seq_ids=[c.seq.seq_id for c in batch.prefill],
+        prompts=[torch.tensor(c.ids) for c in batch.prefill],
+        salts=[c.seq.cache_salt for c in batch.prefill],
+        partial=[c.seq.seq_id for c in batch.prefill if not c.completes],
         admit=[s.seq_id for s in batch.admit],
         release=batch.release,
         # The last stage's samplers go on after the tokens made (the P-node's first).
-        sampling={s.seq_id: s.sampling.resumed(s.output_ids)
-                  for s in batch.prefill + batch.admit},
+        sampling={s.seq_id: s.sampling.resumed(s.output_ids) for s in sampled},
     )

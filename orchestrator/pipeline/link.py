@@ -32,9 +32,12 @@ class StepMessage:
     inputs: torch.Tensor | None  # [B] token ids (first stage) or [B, hidden]
     prompt_seq_ids: list[int] = field(default_factory=list)  # colocated: prompts to run
     prompts: list[torch.Tensor] = field(default_factory=list)  # [T] ids or [T, hidden] each
+    # Colocated chunked prefill: prompt_seq_ids whose chunk is not their prompt's last (their
+    # KV grows, no token is sampled); the others' chunks end their prompts.
+    partial: list[int] = field(default_factory=list)
     admit: list[int] = field(default_factory=list)  # prompt KV waits in each stage's inbox
     release: list[int] = field(default_factory=list)  # free these sequences' KV first
-    sampling: dict[int, SamplingParams] = field(default_factory=dict)  # sequences new here
+    sampling: dict[int, SamplingParams] = field(default_factory=dict)  # sampling from here on
     error: str | None = None  # an earlier stage failed this step; pass it on
     salts: list[str] = field(default_factory=list)  # each prompt's cache salt (a pipeline's
     # only stage reuses cached prompt KV)

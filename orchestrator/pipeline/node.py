@@ -107,6 +107,7 @@ class PipelineConfig:
     dead_after_s: float = DEAD_AFTER_S
     recover_timeout_s: float | None = None  # a lost stage pauses the head this long for a
     # repair (the fault layer's ``recover_stage``); None: the pipeline breaks at once
+    prefill_chunk: int = 0  # colocated: a step's token budget (chunked prefill); 0: whole
 
     @property
     def microbatches(self) -> int:
@@ -223,7 +224,7 @@ class StageNode:
                 max_seq_len=engine.kv_layout.max_seq_len, mode=config.mode,
                 step_timeout_s=config.step_timeout_s,
                 kv_timeout_s=config.kv_timeout_s, health=self._health,
-                recover_timeout_s=config.recover_timeout_s,
+                recover_timeout_s=config.recover_timeout_s, prefill_chunk=config.prefill_chunk,
             )
         self.worker: StageWorker | None = None
         self._head_node: str | None = None  # the head's transport name (nodes 1..D-1)

@@ -10,6 +10,15 @@ others' token step (the bubbles disaggregation removes); disaggregated, the
 waiting queue holds only sequences whose prompt KV is already on the stages,
 and they join the token step at once.
 
+Chunked prefill (colocated, ``prefill_chunk`` > 0: Sarathi-Serve's stall-free
+batching, as vLLM's ``max_num_batched_tokens``): a step carries every running
+sequence's token step, then prompt chunks while the step's tokens stay within
+the budget: first the prompts this microbatch already started (in the order
+they joined), then new ones. Token steps are never held back: a step of more
+running sequences than the budget carries no chunk. A prompt's chunks run on
+top of the KV its earlier chunks left (``Engine.prefill`` on a filled slot); it
+samples its first token in the step of its last chunk.
+
 Steps are numbered per microbatch and never restart, refills included, so a
 (microbatch, step) pair names one step for good: fault tolerance acks
 replicas by it. Only :meth:`rewind` (recovery) goes back, to redo steps.
@@ -25,13 +34,31 @@ from orchestrator.pipeline.sequence import FinishReason, Sequence, Status
 
 
 @dataclass
+class Chunk:
+    """Prompt positions ``start:end`` of ``seq``, run in one step (colocated)."""
+
+    seq: Sequence
+    start: int
+    end: int
+
+    @property
+    def completes(self) -> bool:
+        """The prompt's last chunk: the step samples its first token."""
+        return self.end == self.seq.prompt_len
+
+    @property
+    def ids(self) -> list[int]:
+        return self.seq.prompt_ids[self.start:self.end]
+
+
+@dataclass
 class Batch:
     """One microbatch step as the head sends it down the pipeline."""
 
     microbatch: int
     step: int
     decode: list[Sequence] = field(default_factory=list)  # one token step, in this order
-    prefill: list[Sequence] = field(default_factory=list)  # colocated: prompts run this step
+    prefill: list[Chunk] = field(default_factory=list)  # colocated: prompt chunks run this step
     admit: list[Sequence] = field(default_factory=list)  # disaggregated: joining (also in decode)
     release: list[int] = field(default_factory=list)  # seq ids whose KV is freed first
 
@@ -41,18 +68,27 @@ class Batch:
 
 
 class MicrobatchScheduler:
-    def __init__(self, num_microbatches: int, batch_size: int, colocated: bool) -> None:
+    def __init__(self, num_microbatches: int, batch_size: int, colocated: bool,
+                 prefill_chunk: int = 0) -> None:
+        """``prefill_chunk``: the token budget of a colocated step (token steps plus prompt
+        chunks); 0: whole prompts."""
         if num_microbatches < 1:
             raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        check_prefill_chunk(prefill_chunk, batch_size)
+        if prefill_chunk and not colocated:
+            raise ValueError("prefill_chunk needs a colocated pipeline (its prompts run here)")
         self.batch_size = batch_size
         self.colocated = colocated
+        self.prefill_chunk = prefill_chunk
         self.waiting: deque[Sequence] = deque()
         self.running: list[list[Sequence]] = [[] for _ in range(num_microbatches)]
         self.to_release: list[list[int]] = [[] for _ in range(num_microbatches)]
         self.steps = [0] * num_microbatches
         self.joined: dict[int, int] = {}  # seq id -> step it joined its microbatch at
+        # Colocated: seq id -> (step, prompt tokens prefilled after it), one per chunk.
+        self.chunks: dict[int, list[tuple[int, int]]] = {}
 
     def add(self, seq: Sequence) -> None:
         """Queue a sequence: a prompt (colocated) or one whose prompt KV is in place."""
@@ -60,22 +96,61 @@ class MicrobatchScheduler:
 
     def schedule(self, microbatch: int) -> Batch:
         """The next step of ``microbatch``: its running sequences plus refills."""
+        if self.colocated:
+            return self._schedule_colocated(microbatch)
         running = self.running[microbatch]
+        new = self._refill(microbatch, len(running))
+        batch = Batch(microbatch, self.steps[microbatch], release=self.to_release[microbatch])
+        batch.decode, batch.admit = running + new, new
+        return self._issued(batch, running + new)
+
+    def _schedule_colocated(self, microbatch: int) -> Batch:
+        # A prompt cancelled before its last chunk takes no more steps: free it now.
+        self._retire(microbatch, [s for s in self.running[microbatch]
+                                  if s.is_finished and s.is_prefilling])
+        running = self.running[microbatch]
+        batch = Batch(microbatch, self.steps[microbatch], release=self.to_release[microbatch])
+        batch.decode = [s for s in running if not s.is_prefilling]
+        budget = self.prefill_chunk - len(batch.decode) if self.prefill_chunk else None
+        for seq in running:  # prompts started in earlier steps go on first
+            if seq.is_prefilling and (budget is None or budget > 0):
+                batch.prefill.append(self._chunk(seq, budget, batch.step))
+                budget = None if budget is None else budget - len(batch.prefill[-1].ids)
         new: list[Sequence] = []
-        while self.waiting and len(running) + len(new) < self.batch_size:
+        while budget is None or budget > 0:
+            joined = self._refill(microbatch, len(running) + len(new), limit=1)
+            if not joined:
+                break
+            new += joined
+            batch.prefill.append(self._chunk(joined[0], budget, batch.step))
+            budget = None if budget is None else budget - len(batch.prefill[-1].ids)
+        return self._issued(batch, running + new)
+
+    def _refill(self, microbatch: int, holding: int, limit: int | None = None
+                ) -> list[Sequence]:
+        """Waiting sequences that join ``microbatch`` (holding ``holding``) now."""
+        new: list[Sequence] = []
+        while (self.waiting and holding + len(new) < self.batch_size
+               and (limit is None or len(new) < limit)):
             seq = self.waiting.popleft()
             seq.status = Status.RUNNING
             new.append(seq)
             self.joined[seq.seq_id] = self.steps[microbatch]
-        batch = Batch(microbatch, self.steps[microbatch], release=self.to_release[microbatch])
-        if self.colocated:
-            batch.decode, batch.prefill = list(running), new
-        else:
-            batch.decode, batch.admit = running + new, new
-        self.running[microbatch] = running + new
-        self.to_release[microbatch] = []
+        return new
+
+    def _chunk(self, seq: Sequence, budget: int | None, step: int) -> Chunk:
+        """The next ``budget`` prompt tokens of ``seq`` (None: the rest), run at ``step``."""
+        left = seq.prompt_len - seq.prefilled
+        chunk = Chunk(seq, seq.prefilled, seq.prefilled + min(left, budget or left))
+        seq.prefilled = chunk.end
+        self.chunks.setdefault(seq.seq_id, []).append((step, chunk.end))
+        return chunk
+
+    def _issued(self, batch: Batch, running: list[Sequence]) -> Batch:
+        self.running[batch.microbatch] = running
+        self.to_release[batch.microbatch] = []
         if not batch.is_empty:
-            self.steps[microbatch] += 1
+            self.steps[batch.microbatch] += 1
         return batch
 
     def postprocess(self, microbatch: int, tokens: dict[int, int],
@@ -89,6 +164,8 @@ class MicrobatchScheduler:
         for seq in self.running[microbatch]:
             if seq.seq_id in cached:
                 seq.cached_tokens = cached[seq.seq_id]
+            if self.colocated and seq.is_prefilling and not seq.is_finished:
+                continue  # a prompt chunk that is not its last: no token yet
             if not seq.is_finished:  # cancelled while in flight: its token is dropped
                 seq.append(tokens[seq.seq_id], log_probs.get(seq.seq_id))
             if seq.is_finished:
@@ -113,26 +190,43 @@ class MicrobatchScheduler:
         lengths: dict[int, int] = {}
         restarted: list[Sequence] = []
         for seq in self.running[microbatch]:
-            done = step - self.joined[seq.seq_id]  # steps it took before ``step``
-            if done <= 0:
+            kept = self._kept(seq, step)
+            if kept is None:
                 restarted.append(seq)
                 continue
-            # Colocated, its first step was the prefill; disaggregated, the first token
-            # came with the prompt KV and every step here added one.
-            keep = done if self.colocated else done + 1
+            keep, lengths[seq.seq_id] = kept
             seq.truncate(keep)
-            lengths[seq.seq_id] = seq.prompt_len + keep - 1
         for seq in restarted:
             self.running[microbatch].remove(seq)
             del self.joined[seq.seq_id]
+            self.chunks.pop(seq.seq_id, None)
             seq.truncate(0)
+            seq.prefilled = 0
             seq.status = Status.WAITING
         self.steps[microbatch] = step
         return lengths, restarted
 
+    def _kept(self, seq: Sequence, step: int) -> tuple[int, int] | None:
+        """What ``seq`` keeps when its microbatch redoes from ``step``: (tokens, KV length
+        before ``step``); None when it had run no step before (it starts over)."""
+        if not self.colocated:
+            done = step - self.joined[seq.seq_id]  # the first token came with the prompt KV
+            return None if done <= 0 else (done + 1, seq.prompt_len + done)
+        chunks = self.chunks[seq.seq_id]
+        while chunks and chunks[-1][0] >= step:
+            chunks.pop()
+        if not chunks:
+            return None
+        seq.prefilled = chunks[-1][1]
+        if seq.is_prefilling:  # mid-prompt: its next chunk starts where the last one ended
+            return 0, seq.prefilled
+        keep = step - chunks[-1][0]  # the last chunk's step made the first token
+        return keep, seq.prompt_len + keep - 1
+
     def clear(self) -> None:
         """Forget every sequence (the pipeline is down or stopped; they were ended)."""
         self.joined.clear()
+        self.chunks.clear()
         self.waiting.clear()
         self.running = [[] for _ in self.running]
         self.to_release = [[] for _ in self.to_release]
@@ -155,5 +249,13 @@ class MicrobatchScheduler:
         gone = {id(s) for s in ended}
         for seq in ended:
             self.joined.pop(seq.seq_id, None)
+            self.chunks.pop(seq.seq_id, None)
         self.running[microbatch] = [s for s in self.running[microbatch] if id(s) not in gone]
         self.to_release[microbatch].extend(s.seq_id for s in ended)
+
+
+def check_prefill_chunk(prefill_chunk: int, batch_size: int) -> None:
+    """A budget below the batch size could leave a prompt no token in a full microbatch."""
+    if prefill_chunk < 0 or 0 < prefill_chunk < batch_size:
+        raise ValueError(f"prefill_chunk must be 0 (whole prompts) or at least the batch size "
+                         f"{batch_size} (a step's token steps fit in it), got {prefill_chunk}")

@@ -50,6 +50,9 @@ class Sequence:
     # e.g. the P-node's first token, whose log-prob the client got from the P-node).
     log_probs: list[TokenLogProb | None] = field(default_factory=list)
     status: Status = Status.WAITING
+    # Colocated: prompt tokens whose KV the stages hold or compute in the step in flight
+    # (a chunked prompt runs over several steps; it samples once this reaches prompt_len).
+    prefilled: int = 0
     finish_reason: FinishReason | None = None
     error: str | None = None
     # monotonic seconds, for latency
@@ -67,6 +70,11 @@ class Sequence:
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def is_prefilling(self) -> bool:
+        """Colocated: part of the prompt has not been scheduled yet."""
+        return self.prefilled < self.prompt_len
 
     @property
     def last_token(self) -> int:

@@ -243,7 +243,8 @@ class StageWorker:
                 raise RuntimeError("sequences admitted with prompt KV, but no prompt KV source")
             self.kv.add(seq_id, self.prompt_kv.take(seq_id, self.index))
         for seq_id in message.prompt_seq_ids:
-            self.kv.add(seq_id, None)
+            if seq_id not in self.kv:  # a prompt's first chunk (later ones extend its KV)
+                self.kv.add(seq_id, None)
         if self.is_last:
             self.samplers.update({s: Sampler(p) for s, p in message.sampling.items()})
 
@@ -270,7 +271,9 @@ class StageWorker:
         self.members[mb] = seq_ids
         if not self.is_last:
             return replace(message, inputs=step_out, prompts=prompt_out)
-        rows = list(zip(message.prompt_seq_ids, prompt_out, strict=True))
+        partial = set(message.partial)
+        rows = [(seq_id, logits) for seq_id, logits in
+                zip(message.prompt_seq_ids, prompt_out, strict=True) if seq_id not in partial]
         if step_out is not None:
             rows += zip(message.seq_ids, step_out, strict=True)
         answer = TokenMessage(mb, message.step, {},
@@ -305,8 +308,8 @@ class StageWorker:
         """Colocated prompts, then the token step; the busy interval goes on the timeline."""
         start = time.monotonic()
         n = len(message.prompts)
-        prompt_out = self.engine.prefill(message.prompts, caches[:n]) if n else []
-        step_out = self.engine.decode(message.inputs, caches[n:]) if message.seq_ids else None
+        inputs = message.inputs if message.seq_ids else None
+        prompt_out, step_out = self.engine.step(message.prompts, caches[:n], inputs, caches[n:])
         if self.engine.device.type == "cuda":
             torch.cuda.synchronize(self.engine.device)  # so the interval is the compute
         kind = "+".join(k for k, ran in (("prefill", n), ("decode", message.seq_ids)) if ran)

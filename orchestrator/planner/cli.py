@@ -60,12 +60,25 @@ def _plan_parser() -> argparse.ArgumentParser:
                     help="with --engine-profile: score every layout by the capacity model on "
                     "this Azure trace's lengths (requests/s at saturation, what `dejavu bench "
                     "disagg` measures) instead of DejaVu's formulas at --prompt-len/--new-tokens")
-    ap.add_argument("--requests", type=int, default=1000,
-                    help="--trace: requests sampled from it")
+    ap.add_argument("--requests", type=int,
+                    help="--trace: requests sampled from it (default 1000; with the SLOs 200, "
+                    "each replayed by the simulator at every rate tried)")
     ap.add_argument("--budget", type=float, metavar="B",
                     help="with --engine-profile and --trace: every layout whose machines cost "
                     "at most B per hour (the profiles' cost_per_hour unit), scored by the "
                     "capacity model, with its cost per request")
+    ap.add_argument("--slo-ttft", type=float, metavar="S",
+                    help="with --slo-tbt, --engine-profile and --trace: pick among colocated "
+                    "whole-prompt, colocated chunked, Splitwise's pools and DejaVu's split the "
+                    "layout of --machines with the most goodput (the highest rate at which "
+                    "--attainment of requests get their first token within S seconds and "
+                    "their tokens S' apart on average), replayed by the serving simulator")
+    ap.add_argument("--slo-tbt", type=float, metavar="S'",
+                    help="the TBT SLO: a request's mean time between tokens, seconds")
+    ap.add_argument("--attainment", type=float, default=0.9,
+                    help="--slo-*: the share of requests that must meet both (DistServe's 90%%)")
+    ap.add_argument("--prefill-chunks", type=int, nargs="+", default=[512, 2048],
+                    metavar="TOKENS", help="--slo-*: the chunked colocated step budgets compared")
     ap.add_argument("--prefill-profile", metavar="Q",
                     help="--budget: the P-nodes' machines run this engine profile "
                     "(Splitwise-HA's mixed pools: P-nodes on Q, the rest on --engine-profile)")
@@ -92,6 +105,10 @@ def plan_main(argv: list[str]) -> int:
         ap.error("what-if planning needs all of --Y, --t and --m")
     if args.trace and not args.engine_profile:
         ap.error("--trace scores layouts on an engine profile: give --engine-profile")
+    if args.slo_ttft is not None or args.slo_tbt is not None:
+        return _plan_slo(ap, args)
+    if args.requests is None:
+        args.requests = 1000
     if args.budget is not None:
         return _plan_budget(ap, args)
     if args.prefill_profile:
@@ -149,6 +166,39 @@ def _trace_lengths(args: argparse.Namespace) -> list[tuple[int, int]]:
     """The (prompt, output) lengths ``--trace`` scores layouts on: ``--requests`` sampled."""
     return [(r.prompt_len, r.output_len)
             for r in wl.sample(wl.load_trace(args.trace), args.requests, 0)]
+
+
+def _plan_slo(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``dejavu plan --slo-ttft S --slo-tbt S'``: the layout with the most goodput."""
+    from orchestrator.planner.slo import SLO, plan_for_slo
+
+    if args.slo_ttft is None or args.slo_tbt is None or not (args.engine_profile and args.trace):
+        ap.error("--slo-ttft and --slo-tbt go together, with --engine-profile and --trace")
+    if args.budget is not None or args.out or args.Y is not None or args.t is not None:
+        ap.error("--slo-* compares layouts of --machines: drop --budget, --out, --Y and --t")
+    try:
+        slo = SLO(args.slo_ttft, args.slo_tbt, args.attainment)
+        requests = wl.sample(wl.load_trace(args.trace), args.requests or 200, 0)
+        depth = ModelConfig.from_dir(args.model).num_layers if args.model else None
+        result = plan_for_slo(load_profile(args.engine_profile), requests,
+                              args.machines or 8, args.batch, slo, args.prefill_chunks, depth)
+    except (ValueError, FileNotFoundError) as e:
+        ap.exit(2, f"dejavu plan: error: {e}\n")
+    t = Table(title=f"{result.machines} machines on {args.trace}, {args.engine_profile}: goodput "
+              f"within TTFT <= {slo.ttft_s:g} s and mean TBT <= {slo.tbt_s:g} s for "
+              f"{slo.attainment:.0%} of requests")
+    for col in ("layout", "family", "goodput req/s", "limited by", "TTFT missed",
+                "TBT missed"):
+        t.add_column(col, justify="right" if "missed" in col or "req/s" in col else "left")
+    for s in result.scored:
+        t.add_row(str(s.candidate), s.candidate.family, f"{s.goodput_rps:.3g}", s.limit,
+                  f"{s.ttft_missed:.0%}", f"{s.tbt_missed:.0%}")
+    console = Console(width=120)
+    console.print(t)
+    console.print("missed: the share of requests past each SLO at the rate just above the "
+                  "goodput")
+    console.print(result.reason())
+    return 0
 
 
 def _plan_budget(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:

@@ -56,14 +56,17 @@ def saturating(lengths: Sequence[tuple[int, int]], count: int = 1200,
 
 def simulate_serving(cost: EngineProfile, requests: list[Request], layout: Layout, batch: int,
                      m: float = 1.0, cut_at: float = math.inf,
-                     prompt_cost: EngineProfile | None = None, hit_rate: float = 0.0) -> float:
+                     prompt_cost: EngineProfile | None = None, hit_rate: float = 0.0,
+                     prefill_chunk: int = 0) -> float:
     """Sustained requests/s of ``layout`` in the serving simulator (the event-driven twin of
     the capacity model), measured as the bench measures a run; tokens after ``cut_at``
     (a run's drain cut) do not count; ``prompt_cost``: the P-nodes' own profile;
-    ``hit_rate``: the prompt tokens the prefix caches hold."""
+    ``hit_rate``: the prompt tokens the prefix caches hold; ``prefill_chunk``: colocated,
+    the step budget (0: whole prompts)."""
     prompt_nodes = 0 if layout.colocated else layout.replicas
     depth = layout.prompt_depth if layout.colocated else layout.token_depth
     sim = ServingSimulator(cost, batch, prompt_nodes, layout.token_count, depth, m,
-                           prompt_cost=prompt_cost, hit_rate=hit_rate)
+                           prompt_cost=prompt_cost, hit_rate=hit_rate,
+                           prefill_chunk=prefill_chunk)
     times = [[t for t in r.stamps() if t <= cut_at] for r in sim.run(requests)]
     return sustained_rps(times, [r.output_len for r in requests])

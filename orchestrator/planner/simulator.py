@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from orchestrator.pipeline import prompt_slots
+from orchestrator.pipeline.scheduler import check_prefill_chunk
 from orchestrator.planner.perf_model import Profile
 from orchestrator.planner.workload import Request
 from orchestrator.profiles.profile import EngineProfile
@@ -327,6 +328,7 @@ class _Seq:
     request: Request
     pipe: _TokenPipe
     generated: int = 0  # tokens made so far, the first included
+    prefilled: int = 0  # colocated: prompt tokens scheduled so far (chunked prefill)
     first_token: float = math.nan
     tokens: list[float] = field(default_factory=list)  # times of the tokens after the first
 
@@ -339,8 +341,11 @@ class _Seq:
 class _TokenPipe:
     """A token pipeline as :class:`~orchestrator.pipeline.head.PipelineHead` runs it: ``depth``
     microbatches of up to ``slots`` sequences, refilled from one waiting queue at each
-    microbatch's step; colocated, joining prompts are prefilled in that step before the
-    others' token step; every stage serves steps FIFO at 1/depth of the whole-model time."""
+    microbatch's step; colocated, joining prompts are prefilled in that step with the
+    others' token step (with ``prefill_chunk``, as chunks within that step budget, started
+    prompts first: :class:`~orchestrator.pipeline.scheduler.MicrobatchScheduler`), timed
+    as one mixed step (the profile's ``mixed_s``); every stage serves steps FIFO at
+    1/depth of the whole-model time."""
 
     def __init__(self, sim: ServingSimulator, depth: int) -> None:
         self.sim, self.depth = sim, depth
@@ -357,24 +362,38 @@ class _TokenPipe:
 
     def _issue(self, mb: int) -> None:
         running, new = self.running[mb], []
-        while self.waiting and len(running) + len(new) < self.sim.slots:
-            new.append(self.waiting.popleft())
-        if self.sim.colocated:
-            prefill, decode = new, list(running)
+        if not self.sim.colocated:
+            while self.waiting and len(running) + len(new) < self.sim.slots:
+                new.append(self.waiting.popleft())
+            chunks, decode = [], running + new
         else:
-            prefill, decode = [], running + new
-        if not prefill and not decode:
+            decode = [s for s in running if s.prefilled == s.request.prompt_len]
+            budget = self.sim.prefill_chunk - len(decode) if self.sim.prefill_chunk else None
+            prefilling = [s for s in running if s.prefilled < s.request.prompt_len]
+            chunks = []
+            while budget is None or budget > 0:
+                if prefilling:
+                    seq = prefilling.pop(0)
+                elif self.waiting and len(running) + len(new) < self.sim.slots:
+                    seq = self.waiting.popleft()
+                    new.append(seq)
+                    seq.prefilled = self.sim.cached_tokens(seq.request.prompt_len)
+                else:
+                    break
+                n = seq.request.prompt_len - seq.prefilled
+                n = n if budget is None else min(n, budget)
+                chunks.append((seq, seq.prefilled, n))
+                seq.prefilled += n
+                budget = None if budget is None else budget - n
+        if not chunks and not decode:
             return
-        cost, seconds = self.sim.cost, 0.0
-        if prefill:
-            tokens = sum(s.request.prompt_len for s in prefill)
-            cached = sum(self.sim.cached_tokens(s.request.prompt_len) for s in prefill)
-            seconds += cost.prefill_s(tokens - cached, cached=cached)
-        if decode:
-            seconds += cost.decode_s(len(decode), statistics.fmean(s.context for s in decode))
+        context = statistics.fmean(s.context for s in decode) if decode else 0.0
+        seconds = self.sim.cost.mixed_s(sum(n for _, _, n in chunks),
+                                        sum(c for _, c, _ in chunks), len(decode), context)
         self.running[mb] = running + new
         self.in_flight[mb] = True
-        self.stages.submit(_Step(mb, prefill, decode), seconds)
+        prompts = [seq for seq, _, _ in chunks if seq.prefilled == seq.request.prompt_len]
+        self.stages.submit(_Step(mb, prompts, decode), seconds)
 
     def _returned(self, _pipe: Pipeline, step: _Step) -> None:
         now = self.sim.loop.now
@@ -445,19 +464,25 @@ class ServingSimulator:
     depth x batch sequences and ``slots`` waiting ones, by default as the cluster sizes
     them: :func:`~orchestrator.pipeline.prompt_slots`), P-nodes and token
     pipelines as above. ``colocated``: ``token_pipelines`` colocated pipelines, no
-    P-nodes. The same scheduling :mod:`~orchestrator.planner.capacity` models in closed
-    form."""
+    P-nodes; ``prefill_chunk``: their step budget (chunked prefill; 0: whole prompts).
+    The same scheduling :mod:`~orchestrator.planner.capacity` models in closed form."""
 
     def __init__(self, cost: EngineProfile, batch: int, prompt_nodes: int, token_pipelines: int,
                  token_depth: int, m: float = 1.0, slots: int | None = None,
-                 prompt_cost: EngineProfile | None = None, hit_rate: float = 0.0) -> None:
+                 prompt_cost: EngineProfile | None = None, hit_rate: float = 0.0,
+                 prefill_chunk: int = 0) -> None:
         """``hit_rate``: the prompt tokens the prefilling nodes' prefix caches hold (the
-        trace's, or measured): each prompt computes only the rest."""
+        trace's, or measured): each prompt computes only the rest; ``prefill_chunk``:
+        colocated, a step's token budget (0: whole prompts)."""
         if batch < 1 or token_pipelines < 1 or token_depth < 1 or prompt_nodes < 0 or m < 1:
             raise ValueError("need batch, token pipelines and depth >= 1, P-nodes >= 0, m >= 1")
         if not 0 <= hit_rate <= 1:
             raise ValueError(f"a hit rate is in [0, 1], got {hit_rate}")
+        if prefill_chunk and prompt_nodes:
+            raise ValueError("prefill_chunk chunks colocated prompts: no P-nodes")
+        check_prefill_chunk(prefill_chunk, batch)
         self.cost, self.slots, self.m, self.hit_rate = cost, batch, m, hit_rate
+        self.prefill_chunk = prefill_chunk
         self.prompt_cost = prompt_cost or cost  # P-nodes of another machine: their own
         self.colocated = prompt_nodes == 0
         self.loop = EventLoop()

@@ -141,6 +141,23 @@ class EngineProfile:
         by_batch = [interpolate(self.decode_context, row, context) for row in self.decode_ms]
         return interpolate(self.decode_batch, by_batch, batch) / 1e3
 
+    def decode_increment_s(self, batch: int, context: float) -> float:
+        """What ``batch`` token steps add to a step that runs a prompt chunk anyway: their
+        step beyond the smallest one measured (batch 1 at the first context), the fixed
+        cost of a pass that the chunk's pass already pays (Sarathi-Serve's piggybacking)."""
+        smallest = self.decode_s(1, self.decode_context[0])
+        return max(0.0, self.decode_s(batch, context) - smallest)
+
+    def mixed_s(self, chunk_tokens: int, cached: int, batch: int, context: float) -> float:
+        """One step of prompt chunks (``chunk_tokens`` new tokens on ``cached`` ones) and
+        ``batch`` token steps at ``context`` (Sarathi-Serve's model: the chunks' prefill
+        at their context plus the token steps' increment); either part may be empty."""
+        if batch == 0:
+            return self.prefill_s(chunk_tokens, cached)
+        if chunk_tokens == 0:
+            return self.decode_s(batch, context)
+        return self.prefill_s(chunk_tokens, cached) + self.decode_increment_s(batch, context)
+
     def slowed(self, factor: float) -> EngineProfile:
         """Every time ``factor`` x longer: the engine sharing its cores (Capacity's
         :func:`~orchestrator.planner.capacity.shared_host_slowdown`)."""

@@ -22,6 +22,7 @@ from enum import Enum, StrEnum
 from orchestrator.control.auth import load_secret
 from orchestrator.fault import ReplicateMode
 from orchestrator.pipeline import DEAD_AFTER_S, HEARTBEAT_S, PROMPT_SLOTS, SwapMode
+from orchestrator.pipeline.scheduler import check_prefill_chunk
 from orchestrator.serving.router import POLICIES
 
 
@@ -101,6 +102,9 @@ class NodeConfig:
     # round-robin)
     router: str = "jsq"
     kv_weight: float = 1.0
+    # Colocated token pipelines: a step's token budget, its token steps plus prompt chunks
+    # (chunked prefill, as Sarathi-Serve's and vLLM's); 0: whole prompts
+    prefill_chunk: int = 0
     prefill_urls: tuple[str, ...] = ()  # every P-node's gRPC url
     decode_urls: tuple[tuple[str, ...], ...] = ()  # each token pipeline's, stage 0 first
 
@@ -139,6 +143,13 @@ class NodeConfig:
                              f"{self.prefix_cache_mb}")
         if self.pipeline < 0:
             raise ValueError(f"node config: pipeline must be >= 0, got {self.pipeline}")
+        if self.prefill_chunk and self.mode is not Mode.COLOCATED:
+            raise ValueError("node config: prefill_chunk chunks the prompts of colocated "
+                             "token pipelines; P-nodes run whole prompts")
+        try:
+            check_prefill_chunk(self.prefill_chunk, self.max_batch)
+        except ValueError as exc:
+            raise ValueError(f"node config: {exc}") from None
         if self.dead_after_s <= self.heartbeat_s:
             raise ValueError(f"node config: dead_after_s ({self.dead_after_s}) must exceed "
                              f"heartbeat_s ({self.heartbeat_s})")

@@ -81,7 +81,8 @@ def stage_parts(config: NodeConfig, engine: Engine | None = None,
         dead_after_s=config.dead_after_s, reserve_ttl_s=config.reserve_ttl_s,
         # A K-times slower engine queues K times longer before its prompt KV lands.
         kv_timeout_s=PipelineConfig.kv_timeout_s * config.time_scale,
-        recover_timeout_s=config.recover_timeout_s if config.replicates else None, **slots,
+        recover_timeout_s=config.recover_timeout_s if config.replicates else None,
+        prefill_chunk=config.prefill_chunk, **slots,
     )
     secret = config.secret()
     if engine is None and config.profile:  # the emulated engine: StageNode loads only torch's
@@ -113,7 +114,8 @@ def stage_service(config: NodeConfig, metrics: Metrics | None,
         node.on_unreachable = controller.suspect
         if node.receiver is not None:  # a lost P-node's slots are free once it is declared
             controller.on_ended = node.receiver.writers_ended
-    if config.mode is Mode.COLOCATED and config.depth == 1:  # it prefills: reuse prompt KV
+    # It prefills: reuse prompt KV (whole prompts only: a chunk's blocks hash as a prefix)
+    if config.mode is Mode.COLOCATED and config.depth == 1 and not config.prefill_chunk:
         node.worker.prefix = prefix_reuse(config, [node.engine])
     if config.depth == 1:  # nothing to connect: serve at once (also where no launcher bootstraps)
         node.start()

@@ -142,6 +142,54 @@ def test_sleeps_the_profile_for_the_actual_batch_and_stage_share(tiny_model):
         cfg.num_layers * engine.kv_layout.token_bytes_per_layer() / p.kv_bytes_per_token)
 
 
+def test_a_mixed_step_sleeps_the_chunk_at_its_context_plus_the_token_steps_increment(
+        tiny_model):
+    """Sarathi's model: a chunk of 512 on 1,024 cached tokens with 8 token steps at context
+    600 costs the chunk's prefill plus what the 8 token steps add to a pass; the tokens
+    are the same as prefill and decode run apart."""
+    cfg = ModelConfig.from_dir(tiny_model("llama"))
+    p = load_profile("splitwise-llama2-70b-h100")
+    now = [0.0]
+
+    def sleep(s):
+        now[0] += s
+
+    engine = EmulatedEngine(cfg, StageSpec.whole(cfg.num_layers), p, 2048,
+                            sleep=sleep, clock=lambda: now[0])
+    apart = EmulatedEngine(cfg, StageSpec.whole(cfg.num_layers), p, 2048,
+                           sleep=lambda s: None)
+    outputs = []
+    for e in (engine, apart):
+        prompt, running = e.new_cache(), [e.new_cache() for _ in range(8)]
+        e.prefill([torch.arange(1024) % 50], [prompt])
+        e.prefill([torch.full((599,), i) for i in range(8)], running)
+        before = now[0]
+        if e is engine:
+            outputs.append(e.step([torch.arange(512) % 7], [prompt], torch.arange(8), running))
+            assert now[0] - before == pytest.approx(p.mixed_s(512, 1024, 8, 600))
+        else:
+            outputs.append(([e.prefill([torch.arange(512) % 7], [prompt])[0]],
+                            e.decode(torch.arange(8), running)))
+    (chunk, tokens), (chunk_apart, tokens_apart) = outputs
+    assert torch.equal(chunk[0], chunk_apart[0]) and torch.equal(tokens, tokens_apart)
+    increment = p.decode_s(8, 600) - p.decode_s(1, p.decode_context[0])
+    assert p.mixed_s(512, 1024, 8, 600) == pytest.approx(p.prefill_s(512, 1024) + increment)
+    # the token steps ride on the chunk's pass: cheaper than a prefill and a step apart
+    assert p.mixed_s(512, 1024, 8, 600) < p.prefill_s(512, 1024) + p.decode_s(8, 600)
+    assert p.mixed_s(512, 0, 0, 0) == p.prefill_s(512)
+    assert p.mixed_s(0, 0, 8, 600) == p.decode_s(8, 600)
+
+
+def test_the_increment_matches_distserves_fit_without_its_fixed_cost():
+    """DistServe's step fit is a + b*batch*context + c*batch: the increment over the
+    smallest step is that fit less a, at the grid's first context, within 0.1 ms."""
+    p = load_profile("distserve-opt-13b-a100")
+    _, b, c = p.extra["decode_coefficients_small_batch"]
+    for batch, context in [(8, 512), (32, 1024), (64, 2048)]:
+        fit = b * batch * context + c * batch - (b * p.decode_context[0] + c)
+        assert p.decode_increment_s(batch, context) * 1e3 == pytest.approx(fit, abs=0.1)
+
+
 def wall_times(engine) -> tuple[list[float], list[float]]:
     """Three 3-token prefills, each followed by three decode steps: their wall times."""
     prefills, steps = [], []

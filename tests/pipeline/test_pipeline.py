@@ -76,6 +76,16 @@ def test_token_exact_with_early_stops(model, prompts, reference, eos_id, depth, 
     assert all(arena.used_bytes == 0 for arena in pipeline.arenas)
 
 
+@pytest.mark.parametrize("swap", ["off", "on"])
+@pytest.mark.parametrize("depth", [1, 2])
+def test_chunked_prefill_is_token_exact(model, prompts, reference, depth, swap):
+    """Prompts of 2-23 tokens in chunks of a 3-token step budget (with token steps in it):
+    most run over several steps, on top of the KV their earlier chunks left."""
+    with make_pipeline(model, depth, "colocated", swap, prefill_chunk=3) as pipeline:
+        assert pipeline.generate(prompts, LIMITS, timeout_s=60) == reference
+    assert pipeline.kv_held() == 0
+
+
 def test_swapping_holds_two_microbatches_on_the_device(model, prompts, reference):
     """Three microbatches through two stages; each stage's arena holds 2 x batch slots and
     prefetches the next microbatch while the current one computes."""
@@ -177,7 +187,7 @@ def test_cancel_frees_kv(model, mode):
 
 
 class FailingEngine:
-    """A real stage whose third decode call raises or stalls (isolates the error paths)."""
+    """A real stage whose third token step raises or stalls (isolates the error paths)."""
 
     def __init__(self, engine, stall_s: float = 0.0) -> None:
         self._engine, self._calls, self._stall_s = engine, 0, stall_s
@@ -185,13 +195,13 @@ class FailingEngine:
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def decode(self, inputs, caches):
-        self._calls += 1
-        if self._calls == 3:
+    def step(self, prompts, prompt_caches, inputs, caches):
+        self._calls += inputs is not None
+        if self._calls == 3 and inputs is not None:
             if not self._stall_s:
                 raise RuntimeError("injected decode failure")
             time.sleep(self._stall_s)
-        return self._engine.decode(inputs, caches)
+        return self._engine.step(prompts, prompt_caches, inputs, caches)
 
 
 def test_a_failing_stage_ends_requests_with_its_error_and_frees_kv(model, prompts):

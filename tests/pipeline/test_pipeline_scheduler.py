@@ -1,15 +1,29 @@
-"""The microbatch scheduler alone: slots, early-stop refill, release, cancel."""
+"""The microbatch scheduler alone: slots, early-stop refill, release, cancel, chunked prefill."""
 
 from __future__ import annotations
 
 import pytest
 
-from orchestrator.pipeline.scheduler import MicrobatchScheduler
+from orchestrator.pipeline.scheduler import Batch, MicrobatchScheduler
 from orchestrator.pipeline.sequence import FinishReason, Sequence, Status
 
 
-def make_seq(name: str, max_tokens: int, eos_id: int | None = None) -> Sequence:
-    return Sequence(name, [1, 2, 3], max_tokens, eos_id)
+def make_seq(name: str, max_tokens: int, eos_id: int | None = None,
+             prompt_len: int = 3) -> Sequence:
+    return Sequence(name, list(range(1, prompt_len + 1)), max_tokens, eos_id)
+
+
+def prompts(batch: Batch) -> list[Sequence]:
+    return [c.seq for c in batch.prefill]
+
+
+def run_step(sched: MicrobatchScheduler, mb: int = 0, token: int = 5) -> Batch:
+    """Schedule one step and answer it as the last stage would: a token for every token
+    step and every chunk that ends its prompt."""
+    batch = sched.schedule(mb)
+    sampled = batch.decode + [c.seq for c in batch.prefill if c.completes]
+    sched.postprocess(mb, {s.seq_id: token for s in sampled})
+    return batch
 
 
 def test_fills_microbatches_up_to_batch_size():
@@ -18,8 +32,8 @@ def test_fills_microbatches_up_to_batch_size():
     for s in seqs:
         sched.add(s)
     first, second = sched.schedule(0), sched.schedule(1)
-    assert first.prefill == seqs[:2] and first.decode == []
-    assert second.prefill == seqs[2:4]
+    assert prompts(first) == seqs[:2] and first.decode == []
+    assert prompts(second) == seqs[2:4]
     assert list(sched.waiting) == [seqs[4]]
     assert all(s.status is Status.RUNNING for s in seqs[:4])
 
@@ -34,7 +48,7 @@ def test_early_stop_refills_the_slot_and_releases_kv_at_the_next_step():
     assert ended == [short] and short.finish_reason is FinishReason.LENGTH
     batch = sched.schedule(0)
     assert batch.release == [short.seq_id]
-    assert batch.decode == [long] and batch.prefill == [queued]
+    assert batch.decode == [long] and prompts(batch) == [queued]
 
 
 def test_eos_ends_a_sequence_early():
@@ -95,7 +109,7 @@ def test_microbatch_steps_are_never_reused_across_refills():
             if batch.is_empty:
                 continue
             seen.append((mb, batch.step))
-            sched.postprocess(mb, {s.seq_id: 5 for s in batch.decode + batch.prefill})
+            sched.postprocess(mb, {s.seq_id: 5 for s in batch.decode + prompts(batch)})
     assert not sched.waiting and not any(sched.running)  # every sequence finished
     assert len(seen) == len(set(seen)) and len(seen) > 7
 
@@ -113,7 +127,7 @@ def test_rewind_cuts_tokens_and_restarts_later_joiners(colocated):
                 new.append(0)
             sched.add(new)
         batch = sched.schedule(0)
-        sched.postprocess(0, {s.seq_id: 10 + step for s in batch.decode + batch.prefill})
+        sched.postprocess(0, {s.seq_id: 10 + step for s in batch.decode + prompts(batch)})
     lengths, restarted = sched.rewind(0, 2)  # redo from step 2: "new" joined there
     # "old" took steps 0 and 1: colocated a prefill (3 positions, 1 token) and a decode.
     first = [] if colocated else [0]
@@ -121,3 +135,88 @@ def test_rewind_cuts_tokens_and_restarts_later_joiners(colocated):
     assert lengths == {old.seq_id: 3 + len(old.output_ids) - 1}
     assert restarted == [new] and new.output_ids == [] and new.status is Status.WAITING
     assert sched.running[0] == [old] and sched.steps[0] == 2
+
+
+def test_chunked_steps_stay_within_the_budget_and_never_hold_back_a_token_step():
+    """Sarathi's stall-free batching: token steps first, then prompt chunks up to the
+    budget; a started prompt goes on before a new one joins."""
+    sched = MicrobatchScheduler(num_microbatches=1, batch_size=4, colocated=True,
+                                prefill_chunk=8)
+    long, short, late = (make_seq("long", 20, prompt_len=19), make_seq("short", 20, prompt_len=3),
+                         make_seq("late", 20, prompt_len=6))
+    sched.add(long)
+    sched.add(short)
+    steps = []
+    for step in range(8):
+        if step == 1:
+            sched.add(late)
+        ready = [s for s in sched.running[0] if not s.is_prefilling]
+        batch = run_step(sched)
+        assert len(batch.decode) + sum(len(c.ids) for c in batch.prefill) <= 8
+        assert batch.decode == ready  # every prompt done takes its token step, every step
+        steps.append([(c.seq.request_id, c.start, c.end) for c in batch.prefill])
+    # short waits for a slot's worth of budget; late joins with what is left of step 2
+    assert steps[:4] == [[("long", 0, 8)], [("long", 8, 16)],
+                         [("long", 16, 19), ("short", 0, 3), ("late", 0, 2)], [("late", 2, 6)]]
+    # tokens: long and short sampled at step 2, late at step 3; one per step after
+    assert len(long.output_ids) == len(short.output_ids) == 6 and len(late.output_ids) == 5
+
+
+def test_decode_is_never_starved_when_token_steps_fill_the_budget():
+    sched = MicrobatchScheduler(num_microbatches=1, batch_size=4, colocated=True,
+                                prefill_chunk=4)
+    running = [make_seq(f"r{i}", 9, prompt_len=1) for i in range(3)]
+    for s in running:
+        sched.add(s)
+    run_step(sched)  # three one-token prompts in one step
+    sched.add(make_seq("waits", 5, prompt_len=10))
+    batch = run_step(sched)
+    assert batch.decode == running and [(c.start, c.end) for c in batch.prefill] == [(0, 1)]
+    assert all(len(s.output_ids) == 2 for s in running)
+
+
+def test_whole_prompts_without_a_budget():
+    sched = MicrobatchScheduler(num_microbatches=1, batch_size=2, colocated=True)
+    seq = make_seq("r", 4, prompt_len=50)
+    sched.add(seq)
+    batch = run_step(sched)
+    assert [(c.start, c.end, c.completes) for c in batch.prefill] == [(0, 50, True)]
+    assert seq.output_ids == [5]
+
+
+def test_a_budget_below_the_batch_or_without_colocation_is_refused():
+    with pytest.raises(ValueError, match="at least the batch size 4"):
+        MicrobatchScheduler(1, 4, colocated=True, prefill_chunk=3)
+    with pytest.raises(ValueError, match="colocated"):
+        MicrobatchScheduler(1, 4, colocated=False, prefill_chunk=64)
+
+
+def test_rewind_mid_prompt_resumes_after_its_last_chunk_kept():
+    sched = MicrobatchScheduler(num_microbatches=1, batch_size=2, colocated=True,
+                                prefill_chunk=4)
+    done, mid = make_seq("done", 10, prompt_len=2), make_seq("mid", 10, prompt_len=11)
+    sched.add(done)
+    sched.add(mid)
+    for _ in range(3):  # step 0: done 0:2 + mid 0:2; step 1: mid 2:5; step 2: mid 5:8
+        run_step(sched)
+    assert mid.prefilled == 8 and len(done.output_ids) == 3
+    lengths, restarted = sched.rewind(0, 2)  # step 2 is redone
+    assert restarted == [] and mid.prefilled == 5 and mid.output_ids == []
+    assert lengths == {done.seq_id: 2 + 2 - 1, mid.seq_id: 5}
+    assert len(done.output_ids) == 2
+    batch = run_step(sched)
+    assert [(c.seq, c.start, c.end) for c in batch.prefill] == [(mid, 5, 8)]
+    # a redo from the step of the first chunk starts the prompt over
+    lengths, restarted = sched.rewind(0, 0)
+    assert restarted == [done, mid] and mid.prefilled == 0 and lengths == {}
+
+
+def test_a_prompt_cancelled_between_chunks_is_freed_at_its_next_step():
+    sched = MicrobatchScheduler(num_microbatches=1, batch_size=2, colocated=True,
+                                prefill_chunk=4)
+    seq = make_seq("r", 5, prompt_len=10)
+    sched.add(seq)
+    run_step(sched)
+    assert sched.cancel("r") is seq
+    batch = sched.schedule(0)
+    assert batch.release == [seq.seq_id] and not batch.prefill and not sched.running[0]

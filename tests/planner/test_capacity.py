@@ -60,10 +60,13 @@ def test_a_linear_step_leaves_no_batching_gain():
 
 def test_colocated_steps_pay_for_the_prompts_that_join():
     """Colocated depth 1: each step decodes the batch less the joiners and prefills the
-    B/n prompts that join (Y + N t would leave the decode of a full batch alone)."""
+    B/n prompts that join (Y + N t would leave the decode of a full batch alone), as one
+    mixed step where a prompt joins."""
     cost, lengths = linear_profile(), [(200, 10)] * 10
     capacity = Capacity.of(lengths, cost, 4)
-    step = 0.4 * 0.2 + 3.6 * 0.05  # 0.4 prompts of 200 ms, 3.6 sequences of 50 ms
+    # 0.4 prompts of 200 ms, 3.6 sequences of 50 ms; a step with a prompt is one mixed step:
+    # its token steps ride on the prompt's pass, one step's fixed 50 ms less
+    step = 0.4 * 0.2 + 3.6 * 0.05 - 0.4 * 0.05
     assert capacity.colocated_step_s(1) == pytest.approx(step)
     assert capacity.colocated_rps(1) == pytest.approx(4 / (10 * step))
 

@@ -9,7 +9,11 @@ from orchestrator.planner import formulas as F
 from orchestrator.planner.perf_model import Profile, Workload
 from orchestrator.planner.planner import Layout, plan
 from orchestrator.planner.search import exhaustive, simulate_layout
-from orchestrator.planner.simulator import simulate_colocated, simulate_disaggregated
+from orchestrator.planner.simulator import (
+    ServingSimulator,
+    simulate_colocated,
+    simulate_disaggregated,
+)
 from orchestrator.planner.workload import Request, load_trace, poisson, sample, synthetic
 from orchestrator.profiles.profile import load_profile
 
@@ -144,3 +148,27 @@ def test_engine_profile_times_every_pass_by_its_live_batch_and_context():
     dis = simulate_disaggregated(p, reqs, 1, 1, cost=cost)
     assert dis.makespan == pytest.approx(colo.makespan)  # m = 1, nothing else in the way
     assert simulate_colocated(p, reqs, depth=1).makespan != pytest.approx(colo.makespan)
+
+
+def test_chunked_prefill_keeps_token_steps_short_while_a_long_prompt_runs():
+    """Sarathi's trade, as the serving simulator replays it: a 8,000-token prompt joining
+    8 running requests stalls their token steps for its whole prefill; in 512-token steps
+    each of their gaps is one mixed step, and the long prompt's first token comes later."""
+    cost = load_profile("splitwise-llama2-70b-h100")
+    reqs = [Request(i, 0.0, 100, 200) for i in range(8)] + [Request(8, 1.0, 8000, 10)]
+
+    def run(chunk: int) -> tuple[float, float, int]:
+        times = ServingSimulator(cost, 16, 0, 1, 1, prefill_chunk=chunk).run(reqs)
+        worst = max(max(t.tbts()) for t in times[:8])
+        return worst, times[8].first_token - 1.0, sum(1 + len(t.tokens) for t in times)
+
+    whole_gap, whole_ttft, whole_tokens = run(0)
+    chunk_gap, chunk_ttft, chunk_tokens = run(512)
+    assert whole_gap >= cost.prefill_s(8000)
+    longest_chunk = max(cost.prefill_s(512, cached=c) for c in range(0, 8000, 8))
+    increment = max(cost.decode_increment_s(8, c) for c in range(100, 301))
+    assert chunk_gap <= longest_chunk + increment + 1e-9
+    assert chunk_gap < whole_gap / 4 and chunk_ttft > whole_ttft
+    assert chunk_tokens == whole_tokens == 8 * 200 + 10
+    with pytest.raises(ValueError, match="no P-nodes"):
+        ServingSimulator(cost, 16, 1, 1, 1, prefill_chunk=512)

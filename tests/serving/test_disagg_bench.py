@@ -21,7 +21,9 @@ from clients.disagg import (
     main,
     make_jobs,
     per_request,
+    prefill_chunk_of,
     rate_between,
+    run_modes,
     scaled_requests,
     summarize,
     sustained,
@@ -107,6 +109,12 @@ def test_layouts_asked_for_must_cover_the_machines():
         given_split([6, 3], None, 8)
     with pytest.raises(ValueError, match=r"R x \(DP \+ DT\) = 8 machines.*got 6"):
         given_split(None, [2, 1, 2], 8)
+
+
+def test_chunked_colocated_runs_once_per_budget():
+    modes = run_modes(["colocated", "colocated-chunked", "disaggregated"], [512, 2048])
+    assert modes == ["colocated", "colocated-chunk512", "colocated-chunk2048", "disaggregated"]
+    assert [prefill_chunk_of(m) for m in modes] == [0, 512, 2048, 0]
 
 
 def test_mixed_pools_are_labelled_with_their_machines():

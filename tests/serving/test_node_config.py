@@ -168,3 +168,14 @@ def test_trtllm_api_picks_the_model_served_as_tensorrt_llm(tmp_path, api, decoup
     data = json.loads(config.to_json()) | {"trtllm_api": "v2"}
     with pytest.raises(ValueError, match="trtllm_api must be one of legacy, llmapi"):
         NodeConfig.from_json(json.dumps(data))
+
+
+def test_prefill_chunk_needs_colocation_and_room_for_the_token_steps():
+    colocated = dict(role=Role.DECODE, model_dir="m", mode=Mode.COLOCATED, max_batch=16)
+    assert NodeConfig(**colocated, prefill_chunk=512).prefill_chunk == 512
+    assert NodeConfig.from_json(NodeConfig(**colocated, prefill_chunk=64).to_json()
+                                ).prefill_chunk == 64
+    with pytest.raises(ValueError, match="P-nodes run whole prompts"):
+        NodeConfig(role=Role.DECODE, model_dir="m", prefill_chunk=512)
+    with pytest.raises(ValueError, match="at least the batch size 16"):
+        NodeConfig(**colocated, prefill_chunk=8)

@@ -1,0 +1,198 @@
+"""Picking the layout from the SLOs: the most goodput under a TTFT and a TBT bound.
+
+The candidates on ``machines`` of one engine profile, as ``dejavu bench disagg`` runs them:
+
+- colocated, whole prompts: one pipeline of depth 1 a machine, a prompt run whole in
+  the step it joins (the former baseline);
+- colocated, chunked: the same machines with a step budget of ``chunk`` tokens (token
+  steps plus prompt chunks: Sarathi-Serve's, vLLM's default);
+- Splitwise's pools: P P-nodes and T T-nodes, P + T = ``machines``;
+- DejaVu's split: R x (a P-node of depth DP feeding a token pipeline of depth DT).
+
+Each is replayed by the serving simulator
+(:class:`~orchestrator.planner.simulator.ServingSimulator`, the profile's mixed-step model
+for colocated steps) on the same requests at Poisson arrivals. A request meets the SLOs
+when its TTFT is at most ``ttft_s`` and its mean time between tokens (TPOT) at most
+``tbt_s``, DistServe's per-request attainment. A layout's **goodput** is the highest
+arrival rate at which at least ``attainment`` (90%) of the requests meet both (DistServe's
+definition), found by bisection; the pick is the layout with the most, and its reason
+names the runner-up and what each one's SLO misses at the rate just above its goodput.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from orchestrator.pipeline.scheduler import check_prefill_chunk
+from orchestrator.planner.planner import Layout
+from orchestrator.planner.simulator import RequestTimes, ServingSimulator
+from orchestrator.planner.workload import Request, poisson
+from orchestrator.profiles.profile import EngineProfile
+
+ATTAINMENT = 0.9  # DistServe's: 90% of the requests within both SLOs
+CHUNKS = (512, 2048)  # the step budgets compared by default (vLLM's and Splitwise's 2,048)
+
+
+@dataclass(frozen=True)
+class SLO:
+    ttft_s: float
+    tbt_s: float  # a request's mean time between tokens (TPOT)
+    attainment: float = ATTAINMENT
+
+    def __post_init__(self) -> None:
+        if self.ttft_s <= 0 or self.tbt_s <= 0:
+            raise ValueError(f"SLOs must be positive, got TTFT {self.ttft_s} s, "
+                             f"TBT {self.tbt_s} s")
+        if not 0 < self.attainment <= 1:
+            raise ValueError(f"attainment must be in (0, 1], got {self.attainment}")
+
+    def misses(self, times: RequestTimes) -> tuple[bool, bool]:
+        """(TTFT missed, TBT missed) of one request."""
+        ttft = times.first_token - times.request.arrival
+        tbts = times.tbts()
+        return ttft > self.ttft_s, bool(tbts) and statistics.fmean(tbts) > self.tbt_s
+
+
+@dataclass(frozen=True)
+class Candidate:
+    layout: Layout
+    prefill_chunk: int = 0  # colocated: the step budget; 0: whole prompts
+
+    def __str__(self) -> str:
+        if self.layout.colocated and self.layout.prompt_depth == 1:
+            steps = (f"{self.prefill_chunk}-token steps" if self.prefill_chunk
+                     else "whole prompts")
+            return f"{self.layout.replicas}x colocated, {steps}"
+        return str(self.layout)
+
+    @property
+    def family(self) -> str:
+        if self.layout.colocated:
+            return "colocated chunked" if self.prefill_chunk else "colocated whole-prompt"
+        return "Splitwise pools" if self.layout.is_pools else "DejaVu split"
+
+
+@dataclass(frozen=True)
+class Scored:
+    candidate: Candidate
+    goodput_rps: float  # the highest rate with ``attainment`` of requests within the SLOs
+    ttft_missed: float  # at the rate just above it: fraction missing the TTFT SLO
+    tbt_missed: float  # ... and the TBT SLO
+
+    @property
+    def limit(self) -> str:
+        """Which SLO stops it from serving more."""
+        if self.ttft_missed == self.tbt_missed == 0:
+            return "neither (the search's highest rate)"
+        return "TTFT" if self.ttft_missed >= self.tbt_missed else "TBT"
+
+
+@dataclass(frozen=True)
+class SloPlan:
+    slo: SLO
+    machines: int
+    scored: list[Scored]  # most goodput first
+
+    @property
+    def best(self) -> Scored:
+        return self.scored[0]
+
+    def best_of(self, family: str) -> Scored | None:
+        return next((s for s in self.scored if s.candidate.family == family), None)
+
+    def reason(self) -> str:
+        best = self.best
+        lines = [f"{best.candidate} ({best.candidate.family}) serves the most within TTFT <= "
+                 f"{self.slo.ttft_s:g} s and TBT <= {self.slo.tbt_s:g} s for "
+                 f"{self.slo.attainment:.0%} of requests: {best.goodput_rps:.3g} req/s, "
+                 f"then limited by its {best.limit} SLO."]
+        for family in ("colocated chunked", "colocated whole-prompt", "Splitwise pools",
+                       "DejaVu split"):
+            other = self.best_of(family)
+            if other is None or other is best:
+                continue
+            ratio = (f"{best.goodput_rps / other.goodput_rps:.2f}x its"
+                     if other.goodput_rps > 0 else "where it has none")
+            lines.append(f"against the best {family}, {other.candidate}: {ratio} "
+                         f"{other.goodput_rps:.3g} req/s (limited by {other.limit})")
+        return "\n".join(lines)
+
+
+def candidates(machines: int, chunks: Sequence[int] = CHUNKS, batch: int = 16,
+               max_depth: int | None = None) -> list[Candidate]:
+    """Every layout of ``machines`` that the bench runs (pipelines no deeper than
+    ``max_depth``, the model's layers)."""
+    if machines < 2:
+        raise ValueError("comparing layouts needs at least 2 machines")
+    for chunk in chunks:
+        check_prefill_chunk(chunk, batch)
+    cap = max_depth or machines
+    found = [Candidate(Layout(machines, 1))]
+    found += [Candidate(Layout(machines, 1), chunk) for chunk in chunks]
+    found += [Candidate(Layout.pools(p, machines - p)) for p in range(1, machines)]
+    for unit in range(2, machines + 1):
+        if machines % unit:
+            continue
+        found += [Candidate(Layout(machines // unit, dp, unit - dp))
+                  for dp in range(1, unit) if dp <= cap and unit - dp <= cap]
+    return found
+
+
+def simulate(cost: EngineProfile, requests: list[Request], candidate: Candidate, batch: int
+             ) -> list[RequestTimes]:
+    lay = candidate.layout
+    sim = ServingSimulator(cost, batch, 0 if lay.colocated else lay.replicas, lay.token_count,
+                           lay.prompt_depth if lay.colocated else lay.token_depth,
+                           prefill_chunk=candidate.prefill_chunk)
+    return sim.run(requests)
+
+
+def missed(cost: EngineProfile, requests: list[Request], candidate: Candidate, batch: int,
+           slo: SLO, rate: float, seed: int = 0) -> tuple[float, float, float]:
+    """At ``rate``: the fractions of requests missing (either, TTFT, TBT)."""
+    times = simulate(cost, poisson(requests, rate, seed), candidate, batch)
+    flags = [slo.misses(t) for t in times]
+    n = len(flags)
+    return (sum(a or b for a, b in flags) / n, sum(a for a, _ in flags) / n,
+            sum(b for _, b in flags) / n)
+
+
+def goodput(cost: EngineProfile, requests: list[Request], candidate: Candidate, batch: int,
+            slo: SLO, high: float, steps: int = 10) -> Scored:
+    """Bisect the arrival rate in (0, ``high``] for the highest at which ``attainment`` of
+    ``requests`` meet ``slo``."""
+    lo, hi = 0.0, high
+    first = missed(cost, requests, candidate, batch, slo, hi)
+    if first[0] <= 1 - slo.attainment:
+        return Scored(candidate, hi, *first[1:])
+    above = first
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        result = missed(cost, requests, candidate, batch, slo, mid)
+        if result[0] <= 1 - slo.attainment:
+            lo = mid
+        else:
+            hi, above = mid, result
+    return Scored(candidate, lo, *above[1:])
+
+
+def plan_for_slo(cost: EngineProfile, requests: list[Request], machines: int, batch: int,
+                 slo: SLO, chunks: Sequence[int] = CHUNKS, max_depth: int | None = None,
+                 high: float | None = None) -> SloPlan:
+    """Every candidate's goodput on ``requests`` (their lengths; arrivals are drawn), most
+    first. ``high``: the highest rate tried (default: 10x what the machines serve if every
+    one ran its prompts and tokens alone, a bound no layout reaches)."""
+    if high is None:
+        mean_prompt = statistics.fmean(r.prompt_len for r in requests)
+        mean_output = statistics.fmean(r.output_len for r in requests)
+        alone = cost.prefill_s(round(mean_prompt)) + mean_output * cost.decode_s(
+            batch, mean_prompt + mean_output / 2) / batch
+        high = 10 * machines / alone
+    scored = [goodput(cost, requests, c, batch, slo, high)
+              for c in candidates(machines, chunks, batch, max_depth)]
+    # Ties: the simpler layout (colocated first, as listed).
+    order = {id(s): i for i, s in enumerate(scored)}
+    scored.sort(key=lambda s: (-s.goodput_rps, order[id(s)]))
+    return SloPlan(slo, machines, scored)
