@@ -25,3 +25,10 @@ def prompt_slots(prefill_nodes: int, token_pipelines: int) -> int:
     queues: 6 P-nodes on 2 T-nodes of 16 slots each served 12% below either pool's rate
     (simulated, Azure code trace; 3% with 48), the pools waiting on each other."""
     return PROMPT_SLOTS * max(1, math.ceil(prefill_nodes / token_pipelines))
+
+
+def check_prefill_chunk(prefill_chunk: int, batch_size: int) -> None:
+    """A budget below the batch size could leave a prompt no token in a full microbatch."""
+    if prefill_chunk < 0 or 0 < prefill_chunk < batch_size:
+        raise ValueError(f"prefill_chunk must be 0 (whole prompts) or at least the batch size "
+                         f"{batch_size} (a step's token steps fit in it), got {prefill_chunk}")

@@ -30,6 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from orchestrator.engine.log_probs import TokenLogProb
+from orchestrator.pipeline import check_prefill_chunk
 from orchestrator.pipeline.sequence import FinishReason, Sequence, Status
 
 
@@ -252,10 +253,3 @@ class MicrobatchScheduler:
             self.chunks.pop(seq.seq_id, None)
         self.running[microbatch] = [s for s in self.running[microbatch] if id(s) not in gone]
         self.to_release[microbatch].extend(s.seq_id for s in ended)
-
-
-def check_prefill_chunk(prefill_chunk: int, batch_size: int) -> None:
-    """A budget below the batch size could leave a prompt no token in a full microbatch."""
-    if prefill_chunk < 0 or 0 < prefill_chunk < batch_size:
-        raise ValueError(f"prefill_chunk must be 0 (whole prompts) or at least the batch size "
-                         f"{batch_size} (a step's token steps fit in it), got {prefill_chunk}")

@@ -40,8 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from orchestrator.pipeline import prompt_slots
-from orchestrator.pipeline.scheduler import check_prefill_chunk
+from orchestrator.pipeline import check_prefill_chunk, prompt_slots
 from orchestrator.planner.perf_model import Profile
 from orchestrator.planner.workload import Request
 from orchestrator.profiles.profile import EngineProfile

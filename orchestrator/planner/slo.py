@@ -25,7 +25,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from orchestrator.pipeline.scheduler import check_prefill_chunk
+from orchestrator.pipeline import check_prefill_chunk
 from orchestrator.planner.planner import Layout
 from orchestrator.planner.simulator import RequestTimes, ServingSimulator
 from orchestrator.planner.workload import Request, poisson

@@ -21,8 +21,13 @@ from enum import Enum, StrEnum
 
 from orchestrator.control.auth import load_secret
 from orchestrator.fault import ReplicateMode
-from orchestrator.pipeline import DEAD_AFTER_S, HEARTBEAT_S, PROMPT_SLOTS, SwapMode
-from orchestrator.pipeline.scheduler import check_prefill_chunk
+from orchestrator.pipeline import (
+    DEAD_AFTER_S,
+    HEARTBEAT_S,
+    PROMPT_SLOTS,
+    SwapMode,
+    check_prefill_chunk,
+)
 from orchestrator.serving.router import POLICIES
 
 
