@@ -42,10 +42,6 @@ class SequenceJob:
     params: GenerationParams
 
 
-# KV slots a sequence found filled (a prefix cache's hits): none until KV reuse serves them;
-# then the sequence's own count goes to kv_cache_use in BatchReply._serve instead.
-REUSED_BLOCKS = 0
-
 # (prompt ids, the row's input_auth or None, its parameters): raises if it is refused
 CheckRow = Callable[[np.ndarray, str | None, GenerationParams], None]
 
@@ -98,13 +94,13 @@ class BatchReply:
     still running so exactly one response carries the final flag."""
 
     def __init__(self, jobs: list[SequenceJob], send: Send, send_error: SendError,
-                 close: Callable[[], None], kv_slots: int = 1,
+                 close: Callable[[], None], kv_block: int = 32,
                  arrival_ns: int | None = None) -> None:
         """``close``: the final flag alone, for a request whose last sequence was cancelled;
-        ``kv_slots``: prompt-KV slots a sequence holds (one per token stage), for the perf
-        metrics' KV fields."""
+        ``kv_block``: tokens per prefix-cache block, the unit of the perf metrics' KV
+        fields."""
         self.jobs, self.send, self.send_error, self.close = jobs, send, send_error, close
-        self.kv_slots = kv_slots
+        self.kv_block = kv_block
         self.arrival_ns = arrival_ns or time.time_ns()
         self.running = len(jobs)
         self.cancelled = False
@@ -145,7 +141,8 @@ class BatchReply:
                     "full_text": final and full_text, "cached_tokens": usage.cached_tokens}
             if params.return_perf_metrics:
                 meta["perf"] = {"arrival_time_ns": self.arrival_ns, **times,
-                                **kv_cache_use(self.kv_slots, REUSED_BLOCKS)}
+                                **kv_cache_use(len(job.prompt_ids), usage.cached_tokens,
+                                              self.kv_block)}
             if log_probs is not None:
                 cum_log_prob += sum(p.log_prob for p in log_probs)
                 meta["log_probs"] = {"tokens": [p.to_list() for p in log_probs],

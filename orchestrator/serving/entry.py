@@ -90,7 +90,7 @@ class EntryPoint:
         try:
             # Everything a client can get wrong is refused here, before any node works.
             reply = BatchReply(jobs(), replies.send, replies.error, replies.close,
-                               self.frontend.depth, arrival_ns)
+                               self.frontend.kv_block, arrival_ns)
             reply.run(self.frontend.generate, is_cancelled)
             outcome = "finished"
         except Cancelled:  # the client left; the final flag went out (BatchReply)

@@ -149,6 +149,7 @@ class Frontend:
         ``kv_block`` its (:class:`Router`)."""
         self.prefill = (Router(prefill_urls, policy=router, kv_weight=kv_weight,
                                block_tokens=kv_block) if prefill_urls else None)
+        self.kv_block = kv_block  # the unit of a request's kv_cache_* counts
         heads = [stages[0] for stages in decode_pipelines]
         # kv routes the nodes that prefill: the T-nodes only when colocated
         self.decode = Router(heads, slots=dict(zip(heads, pipeline_sequences or [],
@@ -266,11 +267,6 @@ class Frontend:
     @property
     def colocated(self) -> bool:
         return self.prefill is None
-
-    @property
-    def depth(self) -> int:
-        """Token stages of the deepest pipeline: the prompt-KV slots a request holds."""
-        return 1 + max((len(later) for later in self.later_stages.values()), default=0)
 
     def generate(
         self,

@@ -26,16 +26,18 @@ PERF = {"arrival_time_ns": np.int64, "first_scheduled_time_ns": np.int64,
 NO_DRAFTS = {"acceptance_rate": 0.0, "total_accepted_draft_tokens": 0, "total_draft_tokens": 0}
 
 
-def kv_cache_use(new_blocks: int, reused_blocks: int = 0) -> dict[str, int | float]:
-    """One sequence's KV-cache counts, the one place both contracts' ``kv_cache_*``
-    outputs come from (:class:`~orchestrator.serving.batch.BatchReply` calls it). A
-    "block" here is a prompt-KV slot (one per token stage) the sequence was given anew
-    (``new_blocks``: each a miss) or found already filled (``reused_blocks``: a prefix
-    cache's hits; none yet)."""
-    total = new_blocks + reused_blocks
-    return {"kv_cache_alloc_new_blocks": new_blocks, "kv_cache_reused_blocks": reused_blocks,
-            "kv_cache_missed_blocks": new_blocks, "kv_cache_alloc_total_blocks": total,
-            "kv_cache_hit_rate": reused_blocks / total if total else 0.0}
+def kv_cache_use(prompt_tokens: int, cached_tokens: int, block_tokens: int
+                 ) -> dict[str, int | float]:
+    """One sequence's KV-cache counts in blocks of ``block_tokens`` (the prefix cache's,
+    ``--kv-block``), the one place both contracts' ``kv_cache_*`` outputs come from
+    (:class:`~orchestrator.serving.batch.BatchReply` calls it): the prompt's blocks, those
+    a node's prefix cache held (``cached_tokens``: reused, each a hit) and the rest (new,
+    each a miss)."""
+    total = max(1, -(-prompt_tokens // block_tokens))
+    reused = min(total, cached_tokens // block_tokens)
+    return {"kv_cache_alloc_new_blocks": total - reused, "kv_cache_reused_blocks": reused,
+            "kv_cache_missed_blocks": total - reused, "kv_cache_alloc_total_blocks": total,
+            "kv_cache_hit_rate": reused / total}
 
 
 def sequence_outputs(meta: Mapping) -> dict[str, np.ndarray]:

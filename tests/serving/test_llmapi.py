@@ -114,7 +114,8 @@ def tokenizer(tiny_model):
 def perf_meta(full_text: bool) -> dict:
     return {"full_text": full_text, "log_probs": {"cum": -1.5},
             "perf": {"arrival_time_ns": 1, "first_scheduled_time_ns": 2,
-                     "first_token_time_ns": 3, "last_token_time_ns": 4, **kv_cache_use(1)}}
+                     "first_token_time_ns": 3, "last_token_time_ns": 4,
+                     **kv_cache_use(5, 0, 32)}}
 
 
 def test_a_streamed_reply_carries_the_text_so_far_and_ends_with_its_reasons(tokenizer):
@@ -153,8 +154,14 @@ def test_a_unary_reply_holds_the_prompt_and_cuts_a_stop_string(tokenizer):
     assert "kv_cache_hit_rate" not in out and "cumulative_logprob" not in out
 
 
-def test_kv_cache_use_counts_reused_blocks_as_hits():
-    assert kv_cache_use(1) == {"kv_cache_alloc_new_blocks": 1, "kv_cache_reused_blocks": 0,
-                               "kv_cache_missed_blocks": 1, "kv_cache_alloc_total_blocks": 1,
-                               "kv_cache_hit_rate": 0.0}
-    assert kv_cache_use(1, reused_blocks=3)["kv_cache_hit_rate"] == 0.75
+def test_kv_cache_use_counts_a_prompts_blocks_and_its_cached_ones_as_hits():
+    """Blocks of the prefix cache's size: a partial last block is one; the cached tokens'
+    whole blocks are the hits."""
+    assert kv_cache_use(5, 0, 32) == {"kv_cache_alloc_new_blocks": 1,
+                                      "kv_cache_reused_blocks": 0,
+                                      "kv_cache_missed_blocks": 1,
+                                      "kv_cache_alloc_total_blocks": 1,
+                                      "kv_cache_hit_rate": 0.0}
+    used = kv_cache_use(130, 96, 32)  # 5 blocks, the first 3 cached
+    assert (used["kv_cache_reused_blocks"], used["kv_cache_alloc_new_blocks"],
+            used["kv_cache_alloc_total_blocks"], used["kv_cache_hit_rate"]) == (3, 2, 5, 0.6)

@@ -37,7 +37,10 @@ from orchestrator.serving.llmapi import DEFAULT_MAX_TOKENS
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 12
 
-cluster = module_cluster("llmapi", prefill=1, decode=1, trtllm_api="llmapi")
+KV_BLOCK = 4  # small blocks: the tests' short prompts span several
+# The P-node's prefix cache on, as `dejavu up` has it: every call below runs through it.
+cluster = module_cluster("llmapi", prefill=1, decode=1, trtllm_api="llmapi",
+                         prefix_cache_mb=4, kv_block=KV_BLOCK)
 
 
 @pytest.fixture(scope="module")
@@ -219,23 +222,38 @@ def test_a_stop_string_ends_the_text_before_it(cluster, model, tokenizer):
             .decode()) == ("None", "length" if len(ids) == MAX_TOKENS else "stop")
 
 
-def test_perf_metrics_and_kv_cache_counts(cluster):
+def test_perf_metrics_and_kv_cache_counts(cluster, tokenizer):
     """``sampling_param_return_perf_metrics``: the timestamps in order and the kv_cache_*
-    counts of :func:`orchestrator.serving.outputs.kv_cache_use` (one prompt-KV slot, new;
-    nothing reused before KV reuse serves it); not asked for, none of them."""
+    counts (:func:`orchestrator.serving.outputs.kv_cache_use`) in the prefix cache's blocks:
+    a new prompt's all missed; the same prompt again finds every block but its last token's
+    in the P-node's cache (reused, a hit rate), as TensorRT-LLM's KV reuse reports it; not
+    asked for, none of them."""
     url = cluster.frontend.grpc_url
-    got = unary(url, request_inputs(PROMPTS[0], MAX_TOKENS,
-                                    sampling_param_return_perf_metrics=np.array([True])))
-    out = {name: got.as_numpy(name)[0].item() for name in (
-        "arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns",
-        "last_token_time_ns", "kv_cache_reused_block", "kv_cache_missed_block",
-        "kv_cache_alloc_new_blocks", "kv_cache_alloc_total_blocks", "kv_cache_hit_rate",
-        "total_draft_tokens")}
-    assert (out["arrival_time_ns"] <= out["first_scheduled_time_ns"]
-            <= out["first_token_time_ns"] <= out["last_token_time_ns"])
-    assert (out["kv_cache_reused_block"], out["kv_cache_missed_block"],
-            out["kv_cache_alloc_new_blocks"], out["kv_cache_alloc_total_blocks"],
-            out["kv_cache_hit_rate"], out["total_draft_tokens"]) == (0, 1, 1, 1, 0.0, 0)
+    prompt = f"Asked twice for its KV-cache counts: {PROMPTS[0]}"  # no other test sends it
+    tokens = len(tokenizer.encode(prompt).ids)
+    blocks = -(-tokens // KV_BLOCK)
+
+    def counts() -> dict:
+        got = unary(url, request_inputs(prompt, MAX_TOKENS,
+                                        sampling_param_return_perf_metrics=np.array([True])))
+        return {name: got.as_numpy(name)[0].item() for name in (
+            "arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns",
+            "last_token_time_ns", "kv_cache_reused_block", "kv_cache_missed_block",
+            "kv_cache_alloc_new_blocks", "kv_cache_alloc_total_blocks", "kv_cache_hit_rate",
+            "total_draft_tokens")}
+
+    first, again = counts(), counts()
+    assert (first["arrival_time_ns"] <= first["first_scheduled_time_ns"]
+            <= first["first_token_time_ns"] <= first["last_token_time_ns"])
+    assert (first["kv_cache_reused_block"], first["kv_cache_missed_block"],
+            first["kv_cache_alloc_new_blocks"], first["kv_cache_alloc_total_blocks"],
+            first["kv_cache_hit_rate"], first["total_draft_tokens"]) == (
+                0, blocks, blocks, blocks, 0.0, 0)
+    reused = (tokens - 1) // KV_BLOCK  # one token at least is computed: its logits
+    assert reused >= 2
+    assert (again["kv_cache_reused_block"], again["kv_cache_missed_block"],
+            again["kv_cache_alloc_total_blocks"]) == (reused, blocks - reused, blocks)
+    assert again["kv_cache_hit_rate"] == pytest.approx(reused / blocks)
     plain = unary(url, request_inputs(PROMPTS[0], MAX_TOKENS))
     assert plain.as_numpy("arrival_time_ns") is None and plain.as_numpy("finish_reason") is None
 
