@@ -50,7 +50,7 @@ CANCEL_POLL_S = 0.05  # how often a waiting request asks Triton whether its clie
 # ... and one waiting for its tokens: each question is an IPC round trip to tritonserver that
 # holds the stub's GIL, and asked every 50 ms by 64 streams it cost as much as their tokens'
 # responses (py-spy); a client that left is noticed within this, its slot freed then.
-TOKEN_CANCEL_POLL_S = 0.5
+TOKEN_CANCEL_POLL_S = 0.25
 
 
 class Cancelled(Exception):

@@ -43,7 +43,7 @@ def send_final(sender) -> None:
 # A frontend request asks Triton whether its client left at most this often: each question
 # is an IPC round trip holding the stub's GIL, and its waits (a seat, a free slot, the
 # P-node, its tokens) asked every 50 ms: with 64 streams as many round trips as responses.
-FRONTEND_CANCEL_CHECK_S = 0.25
+FRONTEND_CANCEL_CHECK_S = 0.1
 
 
 def cancelled(request, at_most_every_s: float = 0.0) -> Callable[[], bool]:
