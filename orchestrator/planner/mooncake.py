@@ -19,7 +19,7 @@ import heapq
 import json
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,12 +113,7 @@ def ideal_hit_rate(prompts: Sequence[Sequence[int]], lengths: Sequence[int],
     farthest: list[tuple[float, int, int]] = []
     hit = 0
     for i, (hashes, length) in enumerate(zip(refs, lengths, strict=True)):
-        found = 0
-        for h in hashes[: (length - 1) // block_tokens]:
-            if h not in cached:
-                break
-            found += 1
-        hit += found * block_tokens
+        hit += _cached_prefix(hashes, length, block_tokens, cached) * block_tokens
         for j, (h, nxt) in enumerate(zip(hashes, next_use[i], strict=True)):
             if h not in cached:
                 if math.isinf(nxt):
@@ -151,15 +146,22 @@ def lru_hit_rate(prompts: Sequence[Sequence[int]], lengths: Sequence[int],
     cached: OrderedDict[int, None] = OrderedDict()
     hit = 0
     for hashes, length in zip(_refs(prompts), lengths, strict=True):
-        found = 0
-        for h in hashes[: (length - 1) // block_tokens]:
-            if h not in cached:
-                break
-            found += 1
-        hit += found * block_tokens
+        hit += _cached_prefix(hashes, length, block_tokens, cached) * block_tokens
         for h in reversed(hashes):  # the prefix's first blocks most recent, as the cache
             cached[h] = None
             cached.move_to_end(h)
         while len(cached) > capacity_blocks:
             cached.popitem(last=False)
     return hit / sum(lengths)
+
+
+def _cached_prefix(hashes: list[int], length: int, block_tokens: int,
+                   cached: Container[int]) -> int:
+    """The leading blocks of a ``length``-token prompt that ``cached`` holds (its last token
+    is always computed: its logits give the first token)."""
+    found = 0
+    for h in hashes[: (length - 1) // block_tokens]:
+        if h not in cached:
+            break
+        found += 1
+    return found
