@@ -736,11 +736,15 @@ def test_openai_clients_that_leave_free_the_t_node(cluster, model, openai_client
     control = ControlClient(load_secret(cluster.secret_file), 30.0)
 
     def start_impatient() -> concurrent.futures.Future:
-        # In a thread: the round must see the T-node generating before the client gives
-        # up, not after (by then the cancellation may have freed it already).
+        # In a thread, so the round can see the T-node generating before the client gives
+        # up. On a loaded host the client may give up first (its prompt still queued): that
+        # round has nothing on the T-node to cancel, and cancel_rounds leaves it out.
         future = pool.submit(impatient.completions.create, model=model.name,
                              prompt=PROMPTS[0], max_tokens=LONG, temperature=0)
-        eventually(lambda: t_nodes_held(cluster, control)["clients"], lambda n: n == 1)
+        deadline = time.monotonic() + 30.0
+        while not future.done() and t_nodes_held(cluster, control)["clients"] != 1:
+            assert time.monotonic() < deadline, "the request reached no T-node"
+            time.sleep(0.02)
         return future
 
     def give_up(future: concurrent.futures.Future) -> None:
