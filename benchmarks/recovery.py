@@ -18,7 +18,12 @@ cluster whole again before the next case:
   starts its tritonserver again, then the four recovery steps) and the head,
   ``stage0`` (the pipeline starts afresh, its requests run again);
 - ``restart`` (``--replicate off``): a T-stage (``t-stage-no-replicas``): the
-  requests run again from their prompts once the pipeline was started afresh.
+  requests run again from their prompts once the pipeline was started afresh;
+- ``frontends`` (two frontends, ``--frontends 2``): the second one,
+  ``frontend-of-two``: the batch streams through it, a second batch of new requests is
+  sent to the first at the kill (their time to first token against the undisturbed
+  batch's), and the cut requests are sent again to the first, as a client that keeps
+  both addresses does.
 
 ``client_pause_s`` is the longest a client waited between two chunks, against
 ``normal_pause_s`` undisturbed; ``ratio`` the failed batch's latency over the
@@ -50,10 +55,13 @@ CLUSTERS = {
               ["controller", "frontend", "p-node", "t-stage+spare"]),
     "replicas": ({"replicate": "on", "spares": 0}, ["t-stage", "stage0"]),
     "restart": ({"replicate": "off", "spares": 0}, ["t-stage-no-replicas"]),
+    "frontends": ({"replicate": "on", "spares": 0, "frontends": 2}, ["frontend-of-two"]),
 }
 VICTIMS = {"controller": "controller", "frontend": "frontend", "p-node": "prefill0",
            "t-stage+spare": "decode0s{stage}", "t-stage": "decode0s{stage}",
-           "stage0": "decode0s0", "t-stage-no-replicas": "decode0s{stage}"}
+           "stage0": "decode0s0", "t-stage-no-replicas": "decode0s{stage}",
+           "frontend-of-two": "frontend1"}
+RESENT = ("frontend", "frontend-of-two")  # cases whose cut streams are sent again
 CASES = [case for _, cases in CLUSTERS.values() for case in cases]
 PAPER = {"t-stage+spare": 1.24, "t-stage": 1.24, "t-stage-no-replicas": 1.91}  # OPT-66B
 
@@ -61,14 +69,14 @@ PAPER = {"t-stage+spare": 1.24, "t-stage": 1.24, "t-stage-no-replicas": 1.91}  #
 class Stream(threading.Thread):
     """One request streamed through the ensemble: its tokens and when each chunk came.
     ``retry``: a stream cut (its frontend was killed) is sent again from its prompt, as any
-    client of a restarted server must, until ``retry_s`` after the cut; the tokens are the
-    last try's."""
+    client of a restarted server must, until ``retry_s`` after the cut (to ``resend_url``
+    if given: another frontend); the tokens are the last try's."""
 
     def __init__(self, url: str, prompt: str, max_tokens: int, retry: bool = False,
-                 retry_s: float = 120.0) -> None:
+                 retry_s: float = 120.0, resend_url: str | None = None) -> None:
         super().__init__(daemon=True)
         self.url, self.prompt, self.max_tokens = url, prompt, max_tokens
-        self.retry, self.retry_s = retry, retry_s
+        self.retry, self.retry_s, self.resend_url = retry, retry_s, resend_url
         self.ids: list[int] = []
         self.times: list[float] = []
         self.started = self.ended = 0.0
@@ -96,6 +104,7 @@ class Stream(threading.Thread):
                 if not self.retry or time.monotonic() - cut_at > self.retry_s:
                     break
                 self.ids = []  # the next try streams from the first token
+                self.url = self.resend_url or self.url
                 time.sleep(0.05)
         self.ended = time.monotonic()
 
@@ -115,10 +124,11 @@ class Batch:
 
 def run_batch(url: str, prompts: list[str], max_tokens: int,
               when_halfway: tuple[int, Callable[[], None]] | None = None,
-              timeout_s: float = 300.0, retry: bool = False) -> Batch:
+              timeout_s: float = 300.0, retry: bool = False, resend_url: str | None = None
+              ) -> Batch:
     """Stream every prompt at once; ``when_halfway``: (tokens, action) runs the action once
-    every request has streamed that many tokens."""
-    streams = [Stream(url, p, max_tokens, retry) for p in prompts]
+    every request has streamed that many tokens; ``retry``, ``resend_url``: :class:`Stream`'s."""
+    streams = [Stream(url, p, max_tokens, retry, resend_url=resend_url) for p in prompts]
     for s in streams:
         s.start()
     if when_halfway is not None:
@@ -215,17 +225,20 @@ def bench_case(args, case: str, url: str, free: Batch, expected: list[list[int]]
     if node:  # a node the controller watches
         watcher.start()
     killed_at = 0.0
-    during: list[Batch] = []  # p-node: new requests sent at the kill
+    during: list[Batch] = []  # p-node, frontend-of-two: new requests sent at the kill
+    # frontend-of-two: the batch streams through the victim, new requests go to the other
+    survivor, url = (url, state["frontends"][1]["grpc"]) if case == "frontend-of-two" else (
+        url, url)
 
     def kill_victim() -> None:
         nonlocal killed_at
         killed_at = time.monotonic()
         kill(victim, signal.SIGKILL)
-        if case == "p-node":
-            during.append(run_batch(url, prompts, args.tokens))
+        if case in ("p-node", "frontend-of-two"):
+            during.append(run_batch(survivor, prompts, args.tokens))
 
     failed = run_batch(url, prompts, args.tokens, (args.kill_at, kill_victim),
-                       retry=case == "frontend")
+                       retry=case in RESENT, resend_url=survivor)
     if node:
         watcher.join(args.timeout_s + 300)
     watch.stop.set()
@@ -244,7 +257,8 @@ def bench_case(args, case: str, url: str, free: Batch, expected: list[list[int]]
         "ttft_normal_s": round(free.ttft_s, 3),
         "ttft_new_requests_s": round(during[0].ttft_s, 3) if during else None,
         "token_exact": all(o == expected for o in outputs),
-        "errors": len(errors) if case != "frontend" else len(free.errors),
+        "errors": len(errors) if case not in RESENT else len(free.errors) + sum(
+            len(b.errors) for b in during),
         "paper": PAPER.get(case),
     }
     print(f"{case}: {row}", flush=True)
@@ -287,8 +301,9 @@ def print_table(rows: list[dict], args) -> None:
     print(f"failed batch = {args.batch} requests x {args.tokens} tokens, the victim "
           f"(t-stage: stage {args.kill_stage} of {args.depth}) killed after {args.kill_at} "
           f"tokens; heartbeat timeout {args.timeout_s} s (detect_s: kill -> declared dead; "
-          f"client_pause_s: the longest wait between two chunks; p-node: ttft of new "
-          f"requests sent at the kill); paper (OPT-66B): {PAPER['t-stage']}x with replicas, "
+          f"client_pause_s: the longest wait between two chunks; p-node, frontend-of-two: "
+          f"ttft of new requests sent at the kill, to the other frontend for the latter); "
+          f"paper (OPT-66B): {PAPER['t-stage']}x with replicas, "
           f"{PAPER['t-stage-no-replicas']}x restart")
 
 
