@@ -139,7 +139,7 @@ class Cluster:
         stage (pipelines deeper than 1, replicate on); ``frontends``: frontend nodes, each
         serving the whole contract and routing to the shared pools itself (a T-node refuses
         a slot it does not have, so they never book one twice); ``openai``: also start the
-        OpenAI-compatible API (loopback, in front of the first frontend); ``prefill_profile``:
+        OpenAI-compatible API (loopback, in front of every frontend); ``prefill_profile``:
         the P-nodes' own engine profile (mixed machines, :func:`node_configs`)."""
         topology = Topology(prefill, decode, prefill_depth, decode_depth, colocated, spares,
                             frontends)
@@ -189,7 +189,8 @@ class Cluster:
             write_node_repo(server.repo, config)
             self.nodes.append(Node(config, server))
         self.openai = (OpenAIApi(self.run_dir / "logs" / "openai.log", port=free_port(),
-                                 grpc_url=self.frontend.grpc_url, model_dir=self.model_dir)
+                                 grpc_url=",".join(s.grpc_url for s in self.frontends),
+                                 model_dir=self.model_dir)
                        if openai else None)
 
     @classmethod
@@ -402,7 +403,7 @@ class OpenAIApi(HelperProcess):
     """The OpenAI-compatible API's process (``python -m orchestrator.serving.openai_server``)."""
 
     port: int = 0
-    grpc_url: str = ""  # the frontend's
+    grpc_url: str = ""  # the frontends', comma-separated
     model_dir: Path | None = None  # its tokenizer
 
     @classmethod
@@ -410,7 +411,8 @@ class OpenAIApi(HelperProcess):
         """The OpenAI API a cluster's state file describes (to start it again)."""
         api = state["openai"]
         return cls(Path(api["log"]), port=int(api["url"].split(":")[2].split("/")[0]),
-                   grpc_url=state["frontend"]["grpc"], model_dir=Path(state["model_dir"]))
+                   grpc_url=",".join(f["grpc"] for f in state["frontends"]),
+                   model_dir=Path(state["model_dir"]))
 
     @property
     def url(self) -> str:

@@ -3,8 +3,8 @@ and T pools, token-exact, and more streams than the T-nodes hold at once through
 finish (a T-node refuses a slot it does not have; the frontend goes to another pipeline).
 One frontend killed with kill -9: a new request to the other is served at once, a stream
 on the killed one ends with an error after tokens that are each the reference's, the
-T-nodes free what the killed one held, and the supervisor starts it again. Real
-tritonservers."""
+T-nodes free what the killed one held, the OpenAI API (in front of both) hands a request
+for the killed one to the other, and the supervisor starts it again. Real tritonservers."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from cluster_helpers import (
     PROMPTS,
     Streaming,
     assert_all_freed,
+    complete,
     ids_of,
     module_cluster,
     module_reference,
@@ -35,7 +36,7 @@ MAX_TOKENS = 8
 BATCH, SLOTS = 2, 2
 
 cluster = module_cluster("frontends", prefill=1, decode=2, frontends=2, max_batch=BATCH,
-                         num_slots=SLOTS, openai=False)
+                         num_slots=SLOTS)
 expected = module_reference(PROMPTS * 2, MAX_TOKENS)
 long_expected = module_reference(PROMPTS[:1], FAULT_TOKENS, to_end=False)
 
@@ -58,6 +59,8 @@ def test_both_frontends_serve_more_streams_than_the_slots_token_exact(cluster, e
 def test_one_frontend_killed_the_other_serves_a_new_request_at_once(cluster, expected,
                                                                    long_expected):
     survivor, victim = cluster.frontends
+    texts = [complete(cluster, p, MAX_TOKENS, timeout_s=60)  # one on each frontend
+             for p in PROMPTS[:2]]
     ongoing = Streaming(victim.grpc_url, PROMPTS[0], max_tokens=FAULT_TOKENS, **FIXED)
     ongoing.start()
     deadline = time.monotonic() + 60
@@ -83,6 +86,11 @@ def test_one_frontend_killed_the_other_serves_a_new_request_at_once(cluster, exp
     # token it had was the reference's.
     assert ongoing.error is not None and seen == long_expected[0][:len(seen)]
     assert_all_freed(cluster)  # the T-nodes dropped the killed frontend's request
+    # Four in turn: those that meet the killed frontend go to the other, no client error.
+    victim_down = not is_ready(victim.http_url)
+    assert [complete(cluster, p, MAX_TOKENS, timeout_s=60) for p in PROMPTS[:2] * 2] == texts * 2
+    print(f"the OpenAI API's 4 completions in turn: served, the killed frontend "
+          f"{'still down' if victim_down else 'back already'}")
     deadline = time.monotonic() + 120
 
     def restarted() -> bool:
