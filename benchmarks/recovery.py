@@ -22,8 +22,8 @@ cluster whole again before the next case:
 - ``frontends`` (two frontends, ``--frontends 2``): the second one,
   ``frontend-of-two``: the batch streams through it, a second batch of new requests is
   sent to the first at the kill (their time to first token against the undisturbed
-  batch's), and the cut requests are sent again to the first, as a client that keeps
-  both addresses does.
+  batch's); the cut streams end with an error (tritonclient does not resend) and are not
+  sent again, so the new requests meet only the loss, not twice the load.
 
 ``client_pause_s`` is the longest a client waited between two chunks, against
 ``normal_pause_s`` undisturbed; ``ratio`` the failed batch's latency over the
@@ -61,7 +61,8 @@ VICTIMS = {"controller": "controller", "frontend": "frontend", "p-node": "prefil
            "t-stage+spare": "decode0s{stage}", "t-stage": "decode0s{stage}",
            "stage0": "decode0s0", "t-stage-no-replicas": "decode0s{stage}",
            "frontend-of-two": "frontend1"}
-RESENT = ("frontend", "frontend-of-two")  # cases whose cut streams are sent again
+RESENT = ("frontend",)  # its cut streams are sent again (from their prompts)
+CUT = ("frontend-of-two",)  # its cut streams end with an error, the tokens before it exact
 CASES = [case for _, cases in CLUSTERS.values() for case in cases]
 PAPER = {"t-stage+spare": 1.24, "t-stage": 1.24, "t-stage-no-replicas": 1.91}  # OPT-66B
 
@@ -69,14 +70,14 @@ PAPER = {"t-stage+spare": 1.24, "t-stage": 1.24, "t-stage-no-replicas": 1.91}  #
 class Stream(threading.Thread):
     """One request streamed through the ensemble: its tokens and when each chunk came.
     ``retry``: a stream cut (its frontend was killed) is sent again from its prompt, as any
-    client of a restarted server must, until ``retry_s`` after the cut (to ``resend_url``
-    if given: another frontend); the tokens are the last try's."""
+    client of a restarted server must, until ``retry_s`` after the cut; the tokens are the
+    last try's."""
 
     def __init__(self, url: str, prompt: str, max_tokens: int, retry: bool = False,
-                 retry_s: float = 120.0, resend_url: str | None = None) -> None:
+                 retry_s: float = 120.0) -> None:
         super().__init__(daemon=True)
         self.url, self.prompt, self.max_tokens = url, prompt, max_tokens
-        self.retry, self.retry_s, self.resend_url = retry, retry_s, resend_url
+        self.retry, self.retry_s = retry, retry_s
         self.ids: list[int] = []
         self.times: list[float] = []
         self.started = self.ended = 0.0
@@ -104,7 +105,6 @@ class Stream(threading.Thread):
                 if not self.retry or time.monotonic() - cut_at > self.retry_s:
                     break
                 self.ids = []  # the next try streams from the first token
-                self.url = self.resend_url or self.url
                 time.sleep(0.05)
         self.ended = time.monotonic()
 
@@ -124,11 +124,10 @@ class Batch:
 
 def run_batch(url: str, prompts: list[str], max_tokens: int,
               when_halfway: tuple[int, Callable[[], None]] | None = None,
-              timeout_s: float = 300.0, retry: bool = False, resend_url: str | None = None
-              ) -> Batch:
+              timeout_s: float = 300.0, retry: bool = False) -> Batch:
     """Stream every prompt at once; ``when_halfway``: (tokens, action) runs the action once
-    every request has streamed that many tokens; ``retry``, ``resend_url``: :class:`Stream`'s."""
-    streams = [Stream(url, p, max_tokens, retry, resend_url=resend_url) for p in prompts]
+    every request has streamed that many tokens."""
+    streams = [Stream(url, p, max_tokens, retry) for p in prompts]
     for s in streams:
         s.start()
     if when_halfway is not None:
@@ -238,12 +237,16 @@ def bench_case(args, case: str, url: str, free: Batch, expected: list[list[int]]
             during.append(run_batch(survivor, prompts, args.tokens))
 
     failed = run_batch(url, prompts, args.tokens, (args.kill_at, kill_victim),
-                       retry=case in RESENT, resend_url=survivor)
+                       retry=case in RESENT)
     if node:
         watcher.join(args.timeout_s + 300)
     watch.stop.set()
-    outputs = [free.outputs, failed.outputs, *(b.outputs for b in during)]
-    errors = free.errors + failed.errors + [e for b in during for e in b.errors]
+    outputs = [free.outputs, *(b.outputs for b in during)]
+    cut_exact = all(o == e[:len(o)] for o, e in zip(failed.outputs, expected, strict=True))
+    if case not in CUT:
+        outputs.append(failed.outputs)
+    errors = (free.errors + (failed.errors if case not in CUT else [])
+              + [e for b in during for e in b.errors])
     row = {
         "case": case,
         "killed": victim["name"],
@@ -256,7 +259,7 @@ def bench_case(args, case: str, url: str, free: Batch, expected: list[list[int]]
         "normal_pause_s": round(free.pause_s, 3),
         "ttft_normal_s": round(free.ttft_s, 3),
         "ttft_new_requests_s": round(during[0].ttft_s, 3) if during else None,
-        "token_exact": all(o == expected for o in outputs),
+        "token_exact": all(o == expected for o in outputs) and cut_exact,
         "errors": len(errors) if case not in RESENT else len(free.errors) + sum(
             len(b.errors) for b in during),
         "paper": PAPER.get(case),
