@@ -8,6 +8,7 @@ for the killed one to the other, and the supervisor starts it again. Real triton
 
 from __future__ import annotations
 
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -26,7 +27,7 @@ from cluster_helpers import (
 
 from clients.generate import stream_grpc
 from orchestrator.cluster import chaos
-from orchestrator.cluster.launcher import read_state
+from orchestrator.cluster.launcher import read_state, status_main
 from orchestrator.cluster.tritonserver import alive, is_ready
 
 pytestmark = pytest.mark.slow
@@ -45,6 +46,13 @@ def ids_on(url: str, prompts: list[str]) -> list[list[int]]:
     with ThreadPoolExecutor(len(prompts)) as pool:
         return list(pool.map(
             lambda p: ids_of(list(stream_grpc(url, p, max_tokens=MAX_TOKENS))), prompts))
+
+
+def test_status_lists_both_frontends_ready(cluster, capsys):
+    assert status_main(["--json", "--dir", str(cluster.run_dir)]) == 0
+    nodes = json.loads(capsys.readouterr().out)["nodes"]
+    assert {n["name"]: n["ready"] for n in nodes if n["role"] == "frontend"} == {
+        "frontend": True, "frontend1": True}
 
 
 def test_both_frontends_serve_more_streams_than_the_slots_token_exact(cluster, expected):
