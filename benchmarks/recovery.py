@@ -18,7 +18,12 @@ cluster whole again before the next case:
   starts its tritonserver again, then the four recovery steps) and the head,
   ``stage0`` (the pipeline starts afresh, its requests run again);
 - ``restart`` (``--replicate off``): a T-stage (``t-stage-no-replicas``): the
-  requests run again from their prompts once the pipeline was started afresh.
+  requests run again from their prompts once the pipeline was started afresh;
+- ``frontends`` (two frontends, ``--frontends 2``): the second one,
+  ``frontend-of-two``: the batch streams through it, a second batch of new requests is
+  sent to the first at the kill (their time to first token against the undisturbed
+  batch's); the cut streams end with an error (tritonclient does not resend) and are not
+  sent again, so the new requests meet only the loss, not twice the load.
 
 ``client_pause_s`` is the longest a client waited between two chunks, against
 ``normal_pause_s`` undisturbed; ``ratio`` the failed batch's latency over the
@@ -50,10 +55,14 @@ CLUSTERS = {
               ["controller", "frontend", "p-node", "t-stage+spare"]),
     "replicas": ({"replicate": "on", "spares": 0}, ["t-stage", "stage0"]),
     "restart": ({"replicate": "off", "spares": 0}, ["t-stage-no-replicas"]),
+    "frontends": ({"replicate": "on", "spares": 0, "frontends": 2}, ["frontend-of-two"]),
 }
 VICTIMS = {"controller": "controller", "frontend": "frontend", "p-node": "prefill0",
            "t-stage+spare": "decode0s{stage}", "t-stage": "decode0s{stage}",
-           "stage0": "decode0s0", "t-stage-no-replicas": "decode0s{stage}"}
+           "stage0": "decode0s0", "t-stage-no-replicas": "decode0s{stage}",
+           "frontend-of-two": "frontend1"}
+RESENT = ("frontend",)  # its cut streams are sent again (from their prompts)
+CUT = ("frontend-of-two",)  # its cut streams end with an error, the tokens before it exact
 CASES = [case for _, cases in CLUSTERS.values() for case in cases]
 PAPER = {"t-stage+spare": 1.24, "t-stage": 1.24, "t-stage-no-replicas": 1.91}  # OPT-66B
 
@@ -215,36 +224,45 @@ def bench_case(args, case: str, url: str, free: Batch, expected: list[list[int]]
     if node:  # a node the controller watches
         watcher.start()
     killed_at = 0.0
-    during: list[Batch] = []  # p-node: new requests sent at the kill
+    during: list[Batch] = []  # p-node, frontend-of-two: new requests sent at the kill
+    # frontend-of-two: the batch streams through the victim, new requests go to the other
+    survivor, url = (url, state["frontends"][1]["grpc"]) if case == "frontend-of-two" else (
+        url, url)
 
     def kill_victim() -> None:
         nonlocal killed_at
         killed_at = time.monotonic()
         kill(victim, signal.SIGKILL)
-        if case == "p-node":
-            during.append(run_batch(url, prompts, args.tokens))
+        if case in ("p-node", "frontend-of-two"):
+            during.append(run_batch(survivor, prompts, args.tokens))
 
     failed = run_batch(url, prompts, args.tokens, (args.kill_at, kill_victim),
-                       retry=case == "frontend")
+                       retry=case in RESENT)
     if node:
         watcher.join(args.timeout_s + 300)
     watch.stop.set()
-    outputs = [free.outputs, failed.outputs, *(b.outputs for b in during)]
-    errors = free.errors + failed.errors + [e for b in during for e in b.errors]
+    outputs = [free.outputs, *(b.outputs for b in during)]
+    cut_exact = all(o == e[:len(o)] for o, e in zip(failed.outputs, expected, strict=True))
+    if case not in CUT:
+        outputs.append(failed.outputs)
+    errors = (free.errors + (failed.errors if case not in CUT else [])
+              + [e for b in during for e in b.errors])
     row = {
         "case": case,
         "killed": victim["name"],
         "undisturbed_s": round(free.latency_s, 3),
         "failed_s": round(failed.latency_s, 3),
-        "ratio": round(failed.latency_s / free.latency_s, 3),
+        # frontend-of-two: the cut streams end at the kill; no batch to compare
+        "ratio": round(failed.latency_s / free.latency_s, 3) if case not in CUT else None,
         "detect_s": _since(killed_at, watch.dead_at),
         "repair_s": _since(watch.dead_at, watch.serving_at),
         "client_pause_s": round(failed.pause_s, 3),
         "normal_pause_s": round(free.pause_s, 3),
         "ttft_normal_s": round(free.ttft_s, 3),
         "ttft_new_requests_s": round(during[0].ttft_s, 3) if during else None,
-        "token_exact": all(o == expected for o in outputs),
-        "errors": len(errors) if case != "frontend" else len(free.errors),
+        "token_exact": all(o == expected for o in outputs) and cut_exact,
+        "errors": len(errors) if case not in RESENT else len(free.errors) + sum(
+            len(b.errors) for b in during),
         "paper": PAPER.get(case),
     }
     print(f"{case}: {row}", flush=True)
@@ -287,8 +305,9 @@ def print_table(rows: list[dict], args) -> None:
     print(f"failed batch = {args.batch} requests x {args.tokens} tokens, the victim "
           f"(t-stage: stage {args.kill_stage} of {args.depth}) killed after {args.kill_at} "
           f"tokens; heartbeat timeout {args.timeout_s} s (detect_s: kill -> declared dead; "
-          f"client_pause_s: the longest wait between two chunks; p-node: ttft of new "
-          f"requests sent at the kill); paper (OPT-66B): {PAPER['t-stage']}x with replicas, "
+          f"client_pause_s: the longest wait between two chunks; p-node, frontend-of-two: "
+          f"ttft of new requests sent at the kill, to the other frontend for the latter); "
+          f"paper (OPT-66B): {PAPER['t-stage']}x with replicas, "
           f"{PAPER['t-stage-no-replicas']}x restart")
 
 

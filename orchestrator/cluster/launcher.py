@@ -123,6 +123,7 @@ class Cluster:
         controller_timeout_s: float = DEAD_AFTER_S,
         devices: dict[str, Devices] | None = None,
         spares: int = 0,
+        frontends: int = 1,
         openai: bool = True,
         prefill_profile: str = "",
         **settings,
@@ -135,10 +136,13 @@ class Cluster:
         lost stage is recovered from them; off: none, a lost stage costs its pipeline's
         requests a rerun); ``devices``: {node name: its cores or GPUs} (nodes not named run
         anywhere, as by default); ``spares``: warm spare T-nodes that take over a lost
-        stage (pipelines deeper than 1, replicate on); ``openai``: also start the
-        OpenAI-compatible API (loopback, in front of the ensemble); ``prefill_profile``:
+        stage (pipelines deeper than 1, replicate on); ``frontends``: frontend nodes, each
+        serving the whole contract and routing to the shared pools itself (a T-node refuses
+        a slot it does not have, so they never book one twice); ``openai``: also start the
+        OpenAI-compatible API (loopback, in front of every frontend); ``prefill_profile``:
         the P-nodes' own engine profile (mixed machines, :func:`node_configs`)."""
-        topology = Topology(prefill, decode, prefill_depth, decode_depth, colocated, spares)
+        topology = Topology(prefill, decode, prefill_depth, decode_depth, colocated, spares,
+                            frontends)
         self.model_dir = Path(model_dir).resolve()
         if not (self.model_dir / "config.json").is_file():
             raise ValueError(f"{self.model_dir} is not a model folder (no config.json)")
@@ -185,7 +189,8 @@ class Cluster:
             write_node_repo(server.repo, config)
             self.nodes.append(Node(config, server))
         self.openai = (OpenAIApi(self.run_dir / "logs" / "openai.log", port=free_port(),
-                                 grpc_url=self.frontend.grpc_url, model_dir=self.model_dir)
+                                 grpc_url=",".join(s.grpc_url for s in self.frontends),
+                                 model_dir=self.model_dir)
                        if openai else None)
 
     @classmethod
@@ -212,7 +217,12 @@ class Cluster:
 
     @property
     def frontend(self) -> TritonServer:
-        return self.role("frontend")[0].server
+        return self.frontends[0]
+
+    @property
+    def frontends(self) -> list[TritonServer]:
+        """Every frontend's server, ``frontend`` first."""
+        return [node.server for node in self.role(Role.FRONTEND)]
 
     def start(self, timeout_s: float = 180.0) -> None:
         try:
@@ -271,6 +281,8 @@ class Cluster:
             "model_dir": str(self.model_dir),
             "secret_file": str(self.secret_file),
             "frontend": {"http": self.frontend.http_url, "grpc": self.frontend.grpc_url},
+            "frontends": [{"name": s.name, "http": s.http_url, "grpc": s.grpc_url}
+                          for s in self.frontends],
             "controller": self.controller.describe(),
             "openai": self.openai.describe() if self.openai else None,
             "supervisor": {"log": str(self.run_dir / "logs" / "supervisor.log")},
@@ -391,7 +403,7 @@ class OpenAIApi(HelperProcess):
     """The OpenAI-compatible API's process (``python -m orchestrator.serving.openai_server``)."""
 
     port: int = 0
-    grpc_url: str = ""  # the frontend's
+    grpc_url: str = ""  # the frontends', comma-separated
     model_dir: Path | None = None  # its tokenizer
 
     @classmethod
@@ -399,7 +411,8 @@ class OpenAIApi(HelperProcess):
         """The OpenAI API a cluster's state file describes (to start it again)."""
         api = state["openai"]
         return cls(Path(api["log"]), port=int(api["url"].split(":")[2].split("/")[0]),
-                   grpc_url=state["frontend"]["grpc"], model_dir=Path(state["model_dir"]))
+                   grpc_url=",".join(f["grpc"] for f in state["frontends"]),
+                   model_dir=Path(state["model_dir"]))
 
     @property
     def url(self) -> str:
@@ -516,10 +529,15 @@ def topology_arguments(parser: argparse.ArgumentParser) -> None:
                         "backend's decoupled_mode (default: legacy true, llmapi false, as "
                         "its model.yaml): true streams; false serves a unary ModelInfer "
                         "(one response), refusing streaming (and batches) as they do")
+    parser.add_argument("--frontends", type=int, default=1, metavar="N",
+                        help="frontend nodes: N tritonservers clients reach, each serving every "
+                        "model and routing to the shared P and T pools (frontend, frontend1, "
+                        "...); one lost, the others serve on (docs/fault-tolerance.md)")
     parser.add_argument("--frontend-instances", type=int, default=1, metavar="N",
-                        help="processes of the frontend's orchestrator model (the ensemble's "
-                        "token path), requests spread across them: one carries ~3,000 "
-                        "tokens/s (docs/bench-serving.md)")
+                        help="processes of the orchestrator model inside each frontend's "
+                        "tritonserver (the ensemble's token path), requests spread across "
+                        "them: one carries ~3,000 tokens/s (docs/bench-serving.md); they share "
+                        "its ports and fall with it, unlike --frontends")
     parser.add_argument("--stream-interval", type=int, default=1, metavar="N",
                         help="tokens per streamed response after the first (the ensemble's "
                         "stream, OpenAI streams): fewer responses, less CPU per token")
@@ -554,7 +572,7 @@ def topology_arguments(parser: argparse.ArgumentParser) -> None:
 def topology_from(args: argparse.Namespace) -> Topology:
     """The cluster :func:`topology_arguments` parsed."""
     return Topology(args.prefill, args.decode, args.prefill_depth, args.decode_depth,
-                    args.colocated)
+                    args.colocated, frontends=args.frontends)
 
 
 def settings_from(args: argparse.Namespace) -> dict:
@@ -609,7 +627,7 @@ def up_main(argv: list[str]) -> int:
     try:
         common = dict(run_dir=args.dir, controller_timeout_s=args.controller_timeout,
                       devices=parse_assignments(args.devices), spares=args.spares,
-                      **settings_from(args))
+                      frontends=args.frontends, **settings_from(args))
         if args.spec is not None:
             del common["max_batch"]  # the spec's
             cluster = Cluster.from_spec(json.loads(args.spec.read_text()), **common)
@@ -635,7 +653,8 @@ def up_main(argv: list[str]) -> int:
     if cluster.openai is not None:
         print(f"{'openai':<10} {'api':<9} {'':<14} {'':<10} {cluster.openai.url}  "
               f"log {cluster.openai.log_path}")
-    print(f"ready: ensemble at http://{cluster.frontend.http_url} (state in {args.dir})")
+    print(f"ready: ensemble at {', '.join(f'http://{s.http_url}' for s in cluster.frontends)} "
+          f"(state in {args.dir})")
     if args.time_scale != 1.0:
         print(f"time scale K = {args.time_scale:g}: every engine step sleeps its profile time "
               f"x {args.time_scale:g}; divide measured times by K, multiply rates by K")

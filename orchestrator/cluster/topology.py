@@ -31,7 +31,8 @@ ROLE_MODELS = {
 class Topology:
     """``prefill``/``decode``: how many P- and T-pipelines, of depths ``prefill_depth``
     (prompt stages in one P-node) and ``decode_depth`` (T-nodes, one stage each);
-    ``spares``: warm spare T-nodes that take over a lost stage."""
+    ``spares``: warm spare T-nodes that take over a lost stage; ``frontends``: frontend
+    nodes (tritonservers clients reach), each routing to every pool on its own."""
 
     prefill: int = 1
     decode: int = 1
@@ -39,8 +40,11 @@ class Topology:
     decode_depth: int = 1
     colocated: bool = False
     spares: int = 0
+    frontends: int = 1
 
     def __post_init__(self) -> None:
+        if self.frontends < 1:
+            raise ValueError(f"a cluster needs at least one frontend, got {self.frontends}")
         if self.spares < 0 or self.spares and self.decode_depth < 2:
             raise ValueError(f"spares take over stages of pipelines deeper than 1; got "
                              f"{self.spares} spares at depth {self.decode_depth}")
@@ -75,10 +79,18 @@ class Topology:
     def prefill_names(self) -> list[str]:
         return [] if self.colocated else [f"prefill{p}" for p in range(self.prefill)]
 
+    def frontend_names(self) -> list[str]:
+        """``frontend``, then ``frontend1``, ``frontend2``...: the first keeps its name."""
+        return [frontend_name(i) for i in range(self.frontends)]
+
     def decode_names(self) -> list[list[str]]:
         """Each token pipeline's node names, stage 0 first."""
         return [[decode_name(p, i, self.decode_depth) for i in range(self.decode_depth)]
                 for p in range(self.decode)]
+
+
+def frontend_name(index: int) -> str:
+    return f"frontend{index}" if index else "frontend"
 
 
 def decode_name(pipeline: int, stage: int, depth: int) -> str:
@@ -88,7 +100,8 @@ def decode_name(pipeline: int, stage: int, depth: int) -> str:
 def node_configs(topology: Topology, address: Callable[[str], str],
                  replica_dir: Callable[[str], str] = lambda name: "",
                  prefill_profile: str = "", **settings) -> dict[str, NodeConfig]:
-    """Every node's configuration, by name, frontend last. ``address``: a node's gRPC url
+    """Every node's configuration, by name, the frontends last (the same but for the name:
+    none of them is addressed by another node). ``address``: a node's gRPC url
     from its name; ``replica_dir``: where it keeps replicas on disk; ``prefill_profile``:
     the P-nodes' emulated engine profile where they are other machines than the rest
     (Splitwise's mixed pools, e.g. H100 prompt machines and A100 token machines);
@@ -117,7 +130,8 @@ def node_configs(topology: Topology, address: Callable[[str], str],
             configs[name] = config(name, Role.DECODE, pipeline=p, stage=i, depth=len(stages))
     for i in range(topology.spares):
         configs[f"spare{i}"] = config(f"spare{i}", Role.SPARE, depth=topology.decode_depth)
-    configs["frontend"] = config("frontend", Role.FRONTEND)
+    for name in topology.frontend_names():
+        configs[name] = config(name, Role.FRONTEND)
     return configs
 
 

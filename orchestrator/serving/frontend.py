@@ -322,6 +322,8 @@ class Frontend:
                 except NodeBusy:
                     if time.monotonic() + busy_wait > busy_until:
                         raise
+                    if self.decode.has_room():  # another pipeline has a slot: go there now
+                        continue
                     # Admitted requests give their slots back within a step; a failed one's
                     # slot waits out a late writer: back off.
                     self._wait(busy_wait, is_cancelled)
@@ -447,8 +449,14 @@ class Frontend:
         except (InferenceServerException, ControlError) as exc:
             if is_unreachable(exc):
                 self.decode.mark_down(url)
-            raise _decode_error(exc, f"decode node {url}", admitted) from exc
-        except (PipelineLost, NodeBusy, Refused, Cancelled):
+            error = _decode_error(exc, f"decode node {url}", admitted)
+            if isinstance(error, NodeBusy):
+                self.decode.mark_full(url, _MAX_BUSY_WAIT_S)
+            raise error from exc
+        except NodeBusy:  # a later stage refused its slot
+            self.decode.mark_full(url, _MAX_BUSY_WAIT_S)
+            raise
+        except (PipelineLost, Refused, Cancelled):
             raise
         except (ServingError, StreamTimeout, ConnectionError) as exc:
             if admitted:  # e.g. the P-node failed, or stage 0 went silent

@@ -24,6 +24,11 @@ limit) before it is tokenized, and tokenizing runs on a worker thread with the G
 released (``encode_batch``), never on the event loop. Integers are range-checked before
 any cast; text that is not valid Unicode (a lone surrogate) is a 400.
 
+With several frontends (``--grpc-url A,B``: ``dejavu up --frontends N``) each request
+goes to the next in turn, and a request whose frontend is unreachable before it answered
+(killed, not started yet) goes to the next one: a client sees no error for it. A stream
+that had answered ends with an error when its frontend is lost (its tokens are out).
+
     python -m orchestrator.serving.openai_server --grpc-url 127.0.0.1:8001 --model-dir M
 """
 
@@ -32,7 +37,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
+import logging
 import os
 import time
 import uuid
@@ -66,6 +73,7 @@ from orchestrator.serving.params import (
 from orchestrator.serving.router import UNAVAILABLE
 from orchestrator.serving.text import CONTEXT_TOKENS, new_text
 
+log = logging.getLogger("dejavu.openai")
 TIMEOUT_S = 120.0
 DISCONNECT_POLL_S = 0.05  # how often a waiting call asks whether its client left
 MAX_BODY_BYTES = 2 * 2**20  # a request body above this is refused before it is parsed
@@ -255,10 +263,13 @@ class OpenAIServer:
     def __init__(self, grpc_url: str, model_dir: Path, model_name: str = "",
                  triton_model: str = "tensorrt_llm_bls", max_prompt_bytes: int | None = None
                  ) -> None:
-        """``max_prompt_bytes``: the longest prompt text (UTF-8 bytes); None: the frontend's
+        """``grpc_url``: the frontend's Triton gRPC address, or several, comma-separated
+        (each request to the next in turn; to another if one is unreachable);
+        ``max_prompt_bytes``: the longest prompt text (UTF-8 bytes); None: the frontend's
         default limit for the model's context (:func:`prompt_bytes_limit`; without a
         config.json: ``MAX_BODY_BYTES``)."""
-        self.grpc_url, self.triton_model = grpc_url, triton_model
+        self.grpc_urls, self.triton_model = grpc_url.split(","), triton_model
+        self._turn = itertools.count()
         self.model_name = model_name or Path(model_dir).name
         self.tokenizer = load_tokenizer(model_dir)
         model = (ModelConfig.from_dir(model_dir) if (Path(model_dir) / "config.json").exists()
@@ -406,10 +417,29 @@ class OpenAIServer:
     async def run(self, call: Call) -> AsyncIterator[tuple[int, str]]:
         """(choice index, new text) as the ensemble makes it (the choice keeps the tokens'
         log-probs, if asked for); ends when every choice has ended, cancelling the request
-        early if all choices met a stop string."""
+        early if all choices met a stop string. A frontend unreachable before it answered
+        hands the request to the next one."""
+        first = next(self._turn)
+        urls = [self.grpc_urls[(first + i) % len(self.grpc_urls)]
+                for i in range(len(self.grpc_urls))]
+        for url in urls:
+            answered = False
+            try:
+                async for item in self._run_on(url, call):
+                    answered = True
+                    yield item
+                return
+            except _FrontendLost as lost:
+                if answered or url == urls[-1]:
+                    raise lost.error from None
+                log.warning("frontend %s unreachable (%s); the request goes to the next",
+                            url, lost.error)
+
+    async def _run_on(self, url: str, call: Call) -> AsyncIterator[tuple[int, str]]:
+        """:meth:`run` on the frontend at ``url``; _FrontendLost if it is unreachable."""
         import tritonclient.grpc.aio as grpcclient
 
-        client = grpcclient.InferenceServerClient(self.grpc_url)
+        client = grpcclient.InferenceServerClient(url)
         done = asyncio.Event()
 
         async def requests():
@@ -421,7 +451,7 @@ class OpenAIServer:
         try:
             async for result, error in stream:
                 if error is not None:
-                    raise _api_error(error)
+                    raise _lost_or_api_error(error)
                 response = result.get_response()
                 final = response.parameters["triton_final_response"].bool_param
                 text = result.as_numpy("text_output")
@@ -445,7 +475,7 @@ class OpenAIServer:
                 if final or len(stopped) == expected:
                     break
         except (InferenceServerException, grpc.RpcError) as exc:
-            raise _api_error(exc) from None
+            raise _lost_or_api_error(exc) from None
         finally:
             done.set()
             stream.cancel()  # a client gone, or every choice stopped: Triton cancels it
@@ -474,6 +504,25 @@ def _token_infos(result, tokens: list[int]) -> list[TokenInfo]:
         for i, p in zip(top_ids.reshape(-1, k), top.reshape(-1, k), strict=True)])
     return [TokenInfo(t, p, a, 0) for t, p, a in
             zip(tokens, log_probs.reshape(-1).tolist(), alternatives, strict=True)]
+
+
+class _FrontendLost(Exception):
+    """The frontend could not be reached (or went away); ``error``: what a client sees if no
+    other frontend takes the request."""
+
+    def __init__(self, error: ApiError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _lost_or_api_error(error: InferenceServerException | grpc.RpcError
+                       ) -> _FrontendLost | ApiError:
+    """:func:`_api_error`, as :class:`_FrontendLost` where the frontend itself is gone (not
+    its word that no node can serve: another frontend shares its nodes)."""
+    api = _api_error(error)
+    status = str(error.status() or "") if isinstance(error, InferenceServerException) else str(
+        error.code())
+    return _FrontendLost(api) if "UNAVAILABLE" in status and UNAVAILABLE not in str(api) else api
 
 
 def _api_error(error: InferenceServerException | grpc.RpcError) -> ApiError:
@@ -658,7 +707,10 @@ async def _chain(first: list, rest: AsyncIterator) -> AsyncIterator:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--grpc-url", required=True, help="the frontend's Triton gRPC address")
+    parser.add_argument("--grpc-url", required=True,
+                        help="the frontend's Triton gRPC address, or several, comma-separated "
+                        "(dejavu up --frontends N): requests in turn, and to the next if one "
+                        "is unreachable")
     parser.add_argument("--model-dir", required=True, type=Path, help="tokenizer, config")
     parser.add_argument("--model-name", default="", help="the id clients use (default: dir name)")
     parser.add_argument("--triton-model", default="tensorrt_llm_bls",

@@ -10,6 +10,11 @@ served 12% below the simulator while one T-node was full and the other half
 empty). A node that failed is left out for ``down_s`` seconds so a dead node
 with an empty queue does not attract every request.
 
+Several routers may share a pool (``dejavu up --frontends N``, ``--frontend-instances N``):
+each counts only its own requests, and the node itself refuses a slot it does not have. A
+node that refused (:meth:`Router.mark_full`) is passed over like a full one for a while, so
+the request goes to another node at once instead of waiting for this one.
+
 KV-aware (``policy="kv"``, as Dynamo's KV router): the router keeps a :class:`KVIndex` of
 which node's prefix cache holds which block, fed by the nodes' signed KV events
 (:mod:`orchestrator.kv.events`), and sends a prompt to the node with the lowest
@@ -92,6 +97,7 @@ class Router:
         self.held: dict[str, int] = dict.fromkeys(nodes, 0)  # requests routed, not yet left
         self.slots = slots or {}
         self.down_until: dict[str, float] = dict.fromkeys(nodes, 0.0)
+        self.full_until: dict[str, float] = dict.fromkeys(nodes, 0.0)  # it refused a slot
         self.down_s = down_s
         self.revivals = 0  # nodes marked up while down: a request waiting to rerun goes now
         self.lock = threading.Lock()
@@ -111,7 +117,7 @@ class Router:
             live = [n for n in self.pending if self.down_until[n] <= now]
             if not live:
                 raise NoNodeError(f"all nodes down: {', '.join(self.pending)}")
-            free = [n for n in live if self.held[n] < self.slots.get(n, math.inf)] or live
+            free = self._free(live, now) or live
             work = dict.fromkeys(free, tokens)
             if self.policy == "round-robin":
                 node = free[next(self._turn) % len(free)]
@@ -126,6 +132,25 @@ class Router:
             self.pending[node] += work[node]
             self.held[node] += 1
             return node, work[node]
+
+    def _free(self, nodes: list[str], now: float) -> list[str]:
+        """Those of ``nodes`` with a slot as far as this router knows."""
+        return [n for n in nodes
+                if self.held[n] < self.slots.get(n, math.inf) and self.full_until[n] <= now]
+
+    def has_room(self) -> bool:
+        """A live node with a slot as far as this router knows: a request another node
+        refused may go there at once."""
+        now = time.monotonic()
+        with self.lock:
+            return bool(self._free([n for n in self.pending if self.down_until[n] <= now],
+                                   now))
+
+    def mark_full(self, node: str, for_s: float) -> None:
+        """``node`` refused a slot (requests routed by others hold them all): pass it over
+        while another has room, for ``for_s`` seconds."""
+        with self.lock:
+            self.full_until[node] = time.monotonic() + for_s
 
     def done(self, node: str, tokens: int) -> None:
         with self.lock:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -99,6 +100,17 @@ def first_tokens(stream, n: int) -> list[int]:
         chunk = next(stream)
         got += chunk if isinstance(chunk, list) else chunk.ids
     return got[:n]
+
+
+def complete(cluster: Cluster, prompt: str, max_tokens: int, timeout_s: float = 10.0) -> str:
+    """A greedy completion through the OpenAI API of the state file (raises if it is down)."""
+    body = json.dumps({"model": cluster.model_dir.name, "prompt": prompt,
+                       "max_tokens": max_tokens, "temperature": 0}).encode()
+    url = read_state(cluster.run_dir)["openai"]["url"]
+    request = urllib.request.Request(f"{url}/completions", body,
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        return json.loads(response.read())["choices"][0]["text"]
 
 
 def ids_of(chunks) -> list[int]:

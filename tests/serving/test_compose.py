@@ -10,8 +10,8 @@ from pathlib import Path
 import yaml
 
 from orchestrator.cluster.container import kubernetes_host, repo_main
-from orchestrator.cluster.launcher import settings_from, topology_arguments
-from orchestrator.cluster.topology import Topology, node_configs
+from orchestrator.cluster.launcher import settings_from, topology_arguments, topology_from
+from orchestrator.cluster.topology import node_configs
 from orchestrator.serving.config import TrtllmApi
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,8 +36,7 @@ def merge(base: dict, override: dict) -> dict:
 def writer_nodes(flags: str) -> set[str]:
     parser = argparse.ArgumentParser()
     topology_arguments(parser)
-    a = parser.parse_args(flags.split())
-    topology = Topology(a.prefill, a.decode, a.prefill_depth, a.decode_depth, a.colocated)
+    topology = topology_from(parser.parse_args(flags.split()))
     return set(node_configs(topology, lambda name: name, lambda name: "/r", model_dir="/m"))
 
 
@@ -78,7 +77,9 @@ def test_kubernetes_manifests_validate_and_match_the_compose_topology():
     pods = {f"{name}-{i}" for (kind, name), d in kinds.items() if kind == "StatefulSet"
             for i in range(d["spec"]["replicas"])}
     nodes = writer_nodes(flags)
-    assert pods == {kubernetes_host(n).split(".")[0] for n in nodes} - {"frontend"}
+    frontends = {n for n in nodes if n.startswith("frontend")}  # one Deployment's replicas
+    assert pods == {kubernetes_host(n).split(".")[0] for n in nodes} - frontends
+    assert kinds["Deployment", "frontend"]["spec"]["replicas"] == len(frontends) == 2
     for kind, name in [("Deployment", "controller"), ("Deployment", "frontend"),
                        ("Deployment", "supervisor"), ("Service", "frontend"),
                        ("Service", "controller"), ("Secret", "dejavu-secret")]:
@@ -111,3 +112,14 @@ def test_compose_and_kubernetes_say_which_tensorrt_llm_they_serve():
     assert settings_from(parser.parse_args(flags))["trtllm_api"] == TrtllmApi.LEGACY
     assert settings_from(parser.parse_args([*flags, "--trtllm-api", "llmapi"]))[
         "trtllm_api"] == TrtllmApi.LLMAPI
+
+
+def test_compose_runs_two_frontends_that_clients_reach_on_ports_of_their_own():
+    """Either frontend serves a client; each publishes the ensemble's HTTP and gRPC ports on
+    loopback, at addresses of its own."""
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    frontends = [s for name, s in services.items() if name.startswith("frontend")]
+    assert len(frontends) == 2
+    published = [port.split(":")[1] for s in frontends for port in s["ports"]]
+    assert len(set(published)) == 4 and all(p.startswith("${DEJAVU_") for p in published)
+    assert all(port.startswith("127.0.0.1:") for s in frontends for port in s["ports"])

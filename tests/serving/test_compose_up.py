@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 PROJECT = "dejavu-ci"
 MAX_TOKENS = 120  # long enough to be mid-stream when the stage dies
 TOOLS = ("podman", "docker-compose", "runc", "debootstrap")
-NODES = ("frontend", "prefill0", "decode0s0", "decode0s1")
+NODES = ("frontend", "frontend1", "prefill0", "decode0s0", "decode0s1")
 
 if os.geteuid() != 0 or not all(shutil.which(tool) for tool in TOOLS):
     pytest.skip(f"needs root and {', '.join(TOOLS)} (.ci/run installs them)",
@@ -54,6 +54,7 @@ class Compose:
         self.env = podman_env(tmp) | {
             "DEJAVU_SECRET": secrets.token_hex(16), "MODEL_DIR": str(model),
             "DEJAVU_HTTP_PORT": self.http.split(":")[1], "DEJAVU_GRPC_PORT": str(free_port()),
+            "DEJAVU_HTTP_PORT1": str(free_port()), "DEJAVU_GRPC_PORT1": str(free_port()),
         }
         self.service = subprocess.Popen(
             ["podman", "system", "service", "--time=0", self.env["DOCKER_HOST"]],

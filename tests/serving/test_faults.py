@@ -10,12 +10,12 @@ import json
 import os
 import signal
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 from cluster_helpers import (
     PROMPTS,
+    complete,
     eventually,
     ids_concurrently,
     ids_of,
@@ -155,17 +155,6 @@ def test_a_killed_frontend_is_started_again(cluster, expected, capsys):
     serves_every_request_once(cluster, expected)
 
 
-def complete(cluster, prompt: str) -> str:
-    """A greedy completion through the OpenAI API of the state file (raises if it is down)."""
-    body = json.dumps({"model": cluster.model_dir.name, "prompt": prompt,
-                       "max_tokens": MAX_TOKENS, "temperature": 0}).encode()
-    url = read_state(cluster.run_dir)["openai"]["url"]
-    request = urllib.request.Request(f"{url}/completions", body,
-                                     {"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=10) as response:
-        return json.loads(response.read())["choices"][0]["text"]
-
-
 def standby_waiting(cluster) -> bool:
     """The OpenAI API's warm spare is loaded: it holds the FIFO it waits on open."""
     pid = read_state(cluster.run_dir)["openai"].get("standby_pid")
@@ -180,13 +169,14 @@ def standby_waiting(cluster) -> bool:
 def test_a_killed_openai_api_serves_again_within_5_s(cluster, capsys):
     assert chaos.main(["list", "--dir", str(cluster.run_dir)]) == 0
     assert "openai " in capsys.readouterr().out
-    before, text = read_state(cluster.run_dir)["openai"]["pid"], complete(cluster, PROMPTS[2])
+    before = read_state(cluster.run_dir)["openai"]["pid"]
+    text = complete(cluster, PROMPTS[2], MAX_TOKENS)
     wait_for("the OpenAI API's standby loaded", lambda: standby_waiting(cluster), 60)
     chaos_kill(cluster, "openai", capsys)
     killed = time.monotonic()
     while True:  # the supervisor starts it again on its port
         try:
-            again = complete(cluster, PROMPTS[2])
+            again = complete(cluster, PROMPTS[2], MAX_TOKENS)
             break
         except OSError:  # refused, reset: not back yet
             assert time.monotonic() - killed < 5.0, "the OpenAI API not back within 5 s"

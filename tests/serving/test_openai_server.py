@@ -130,7 +130,7 @@ def test_503_in_openai_shape_when_triton_is_unreachable(tiny_model):
     from orchestrator.cluster.launcher import free_port
     from orchestrator.serving.openai_server import create_app
 
-    dead = f"127.0.0.1:{free_port()}"
+    dead = f"127.0.0.1:{free_port()},127.0.0.1:{free_port()}"  # two frontends, both gone
     app = create_app(OpenAIServer(dead, tiny_model("llama"), model_name="tiny"))
     api = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(),
                                         log_level="warning"))

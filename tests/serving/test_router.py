@@ -110,3 +110,19 @@ def test_round_robin_takes_turns_over_the_live_nodes():
     assert {router.pick(1) for _ in range(4)} == {"a", "c"}
     with pytest.raises(ValueError, match="router policy must be one of"):
         Router(["a"], policy="random")
+
+
+def test_a_node_that_refused_a_slot_is_passed_over_for_a_while():
+    """Another frontend's requests fill a node this router counts as empty: once it refuses,
+    requests go to a node with room at once; with every node refused, to the fewest pending
+    (there they wait for a slot); and the node is tried again after ``for_s``."""
+    router = Router(["a", "b"])
+    router.mark_full("a", 60)
+    assert router.has_room()
+    assert [router.pick(1) for _ in range(3)] == ["b", "b", "b"]
+    router.mark_full("b", 60)
+    assert not router.has_room()
+    assert router.pick(1) == "a"  # a: 1 pending, b: 3
+    router.mark_full("a", 0)
+    router.mark_down("b")
+    assert router.has_room() and router.pick(1) == "a"
