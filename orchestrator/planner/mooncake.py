@@ -159,7 +159,7 @@ def lru_hit_rate(prompts: Sequence[Sequence[int]], lengths: Sequence[int],
 
 def routed_hit_rate(arrivals: Sequence[float], prompts: Sequence[Sequence[int]],
                     lengths: Sequence[int], nodes: int, capacity_blocks: int, block_tokens: int,
-                    prefill_s: Callable[[int, int], float], kv_weight: float = 1.0) -> float:
+                    prefill_s: Callable[[int, int], float], kv_weight: float) -> float:
     """:func:`lru_hit_rate` of ``nodes`` caches of ``capacity_blocks`` each, a prompt going
     to the node of lowest ``kv_weight * (tokens to compute there) + its pending tokens``
     (the frontend's KV router); a node prefills its prompts in turn, each taking

@@ -76,16 +76,16 @@ def test_routed_caches_send_a_next_turn_where_its_prefix_is_and_split_the_load()
     # turn's 8 tokens on the node that prefilled it
     prompts = [[1, 2], [3, 4], [1, 2, 5], [3, 4, 6]]
     lengths = [9, 9, 13, 13]
-    assert routed_hit_rate([0, 0, 10, 10], prompts, lengths, 2, 8, 4, cost) == 16 / 44
+    assert routed_hit_rate([0, 0, 10, 10], prompts, lengths, 2, 8, 4, cost, 1) == 16 / 44
     # one node: the same hits; no room: none
-    assert routed_hit_rate([0, 0, 10, 10], prompts, lengths, 1, 8, 4, cost) == 16 / 44
-    assert routed_hit_rate([0, 0, 10, 10], prompts, lengths, 2, 1, 4, cost) < 16 / 44
+    assert routed_hit_rate([0, 0, 10, 10], prompts, lengths, 1, 8, 4, cost, 1) == 16 / 44
+    assert routed_hit_rate([0, 0, 10, 10], prompts, lengths, 2, 1, 4, cost, 1) < 16 / 44
     # the next turn arrives while its node has more queued than the tokens it would save
     # (weight 1): the other node computes it whole; at weight 2 the saving wins
     busy = [[1, 2], [10, 11, 12, 13, 14, 15, 16, 17], [20, 21, 22, 23, 24, 25, 26, 27],
             [1, 2, 5]]
     lens, at = [9, 33, 33, 13], [0, 0, 0, 0.05]
-    assert routed_hit_rate(at, busy, lens, 2, 32, 4, cost) == 0
+    assert routed_hit_rate(at, busy, lens, 2, 32, 4, cost, 1) == 0
     assert routed_hit_rate(at, busy, lens, 2, 32, 4, cost, kv_weight=2) == 8 / sum(lens)
 
 
