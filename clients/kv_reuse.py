@@ -17,12 +17,16 @@ colocated with the KV router, 6P+2T JSQ, 6P+2T KV router): TTFT p50/p99, ITL p99
 between tokens), end-to-end p50/p99, prompt tokens computed, the hit rate (prompt tokens
 reused over all) against the offline ideal at the same total cache capacity (one cache
 that large under Belady's eviction: :func:`~orchestrator.planner.mooncake.ideal_hit_rate`)
-and bytes of KV moved P->T. Output: ``kv_reuse.csv``, ``kv_reuse.png``, a table.
+and bytes of KV moved P->T; and the simulator's TTFT for the layout at its measured hit
+rate (:class:`~orchestrator.planner.simulator.ServingSimulator`). Output: ``kv_reuse.csv``,
+``kv_reuse.png``, a table. ``--predict-from CSV``: only the simulator's figures, at the hit
+rates of an earlier run's CSV (no cluster).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import statistics
 import sys
@@ -31,6 +35,7 @@ from pathlib import Path
 
 from clients.common import markdown, metric, write_csv
 from orchestrator.planner.throughput import percentile
+from orchestrator.serving.config import NodeConfig
 
 KV_BYTES_PER_TOKEN = 32  # the dummy model's: 2 layers x K/V x 1 head x 2 dims x 4 bytes
 
@@ -74,6 +79,9 @@ COLUMNS = {"layout": "layout", "requests": "requests", "ttft_p50_s": "TTFT p50 s
            "e2e_p99_s": "E2E p99 s", "prefill_tokens": "prefill tokens computed",
            "hit_rate": "hit rate", "ideal_hit_rate": "ideal", "hit_vs_ideal": "of ideal",
            "p_to_t_gb": "P->T GB (x kv_scale)"}
+PREDICTED = {"layout": "layout", "hit_rate": "hit rate", "ttft_p50_s": "TTFT p50 s",
+             "sim_ttft_p50_s": "simulated", "sim_vs_measured_p50": "sim / measured",
+             "ttft_p99_s": "TTFT p99 s", "sim_ttft_p99_s": "simulated p99"}
 
 
 @dataclass
@@ -92,6 +100,50 @@ class Result:
     hit_vs_ideal: float
     p_to_t_gb: float  # KV bytes the P-nodes streamed (the emulated model's: x kv_scale)
     unfinished: int
+    sim_ttft_p50_s: float = math.nan  # the simulator's, at the measured hit rate
+    sim_ttft_p99_s: float = math.nan
+    sim_vs_measured_p50: float = math.nan
+
+    def simulate(self, layout: Layout, jobs, args) -> Result:
+        """With the simulator's TTFT for ``layout`` at this row's hit rate."""
+        self.sim_ttft_p50_s, self.sim_ttft_p99_s = simulated_ttft(layout, jobs, self.hit_rate,
+                                                                  args)
+        self.sim_vs_measured_p50 = self.sim_ttft_p50_s / self.ttft_p50_s
+        return self
+
+
+def simulated_ttft(layout: Layout, jobs, hit_rate: float, args) -> tuple[float, float]:
+    """TTFT p50, p99 the simulator gives ``layout`` on ``jobs`` with prefix caches that hold
+    ``hit_rate`` of every prompt (profile time)."""
+    from orchestrator.planner.simulator import ServingSimulator
+    from orchestrator.planner.workload import Request
+    from orchestrator.profiles.profile import load_profile
+
+    requests = [Request(i, j.arrival, len(j.prompt_ids), j.max_tokens)
+                for i, j in enumerate(jobs)]
+    sim = ServingSimulator(load_profile(args.profile), args.batch, layout.prefill,
+                           layout.decode, 1, hit_rate=hit_rate)
+    ttft = [t.first_token - t.request.arrival for t in sim.run(requests)]
+    return statistics.median(ttft), percentile(ttft, 99)
+
+
+def predict_from(path: Path, layouts: list[Layout], jobs, args) -> list[Result]:
+    """The rows of an earlier run's ``kv_reuse.csv`` for ``layouts``, with the simulator's
+    TTFT at each one's measured hit rate."""
+    import csv
+
+    with path.open() as f:
+        rows = {row["layout"]: row for row in csv.DictReader(f)}
+    results = []
+    for layout in layouts:
+        if layout.name not in rows:
+            raise ValueError(f"{path} has no row {layout.name!r}")
+        row = rows[layout.name]
+        measured = {f.name: (int if f.type == "int" else float)(row[f.name])
+                    for f in dataclasses.fields(Result)
+                    if f.name != "layout" and not f.name.startswith("sim_")}
+        results.append(Result(layout.name, **measured).simulate(layout, jobs, args))
+    return results
 
 
 def latencies(times: list[list[float]]) -> dict[str, float]:
@@ -126,7 +178,8 @@ def run_layout(layout: Layout, model_dir: Path, jobs, prompts_hashes, lengths, a
                     time_scale=args.time_scale, max_batch=args.batch,
                     max_seq_len=args.max_prompt + args.max_new,
                     replicate=ReplicateMode.OFF, prefix_cache_mb=cache_mb,
-                    kv_block=args.kv_block, router=layout.router) as cluster:
+                    kv_block=args.kv_block, router=layout.router,
+                    kv_weight=args.kv_weight) as cluster:
         prefilling = cluster.role("prefill") or cluster.role("decode")
         times = replay(cluster.frontend.grpc_url, load_secret(cluster.secret_file), jobs,
                        progress, args.time_scale, args.drain)
@@ -141,7 +194,8 @@ def run_layout(layout: Layout, model_dir: Path, jobs, prompts_hashes, lengths, a
                   hit_vs_ideal=hit / total / ideal if ideal else math.nan,
                   p_to_t_gb=streamed / 1e9,
                   unfinished=sum(len(t) - 1 < j.max_tokens for j, t in zip(jobs, times,
-                                                                            strict=True)))
+                                                                            strict=True))
+                  ).simulate(layout, jobs, args)
 
 
 def plot(results: list[Result], path: Path) -> None:
@@ -206,11 +260,17 @@ def main(argv: list[str]) -> int:
                         help="longer outputs are cut here")
     parser.add_argument("--kv-block", type=int, default=64,
                         help="prefix-cache block, tokens (divides the trace's 512)")
+    parser.add_argument("--kv-weight", type=float, default=NodeConfig.kv_weight,
+                        help="the KV router's weight of a prompt's tokens to compute against "
+                        "a node's pending tokens")
     parser.add_argument("--cache-tokens", type=int, default=0,
                         help="each prefilling node's cache, tokens (default: half the "
                         "profile machine's KV memory)")
     parser.add_argument("--drain", type=float, default=math.inf,
                         help="cancel what still runs this long after the last arrival")
+    parser.add_argument("--predict-from", type=Path, metavar="CSV",
+                        help="no run: the simulator's TTFT at the hit rates of this earlier "
+                        "kv_reuse.csv, beside its measured TTFT")
     parser.add_argument("--start-timeout", type=float, default=300.0)
     parser.add_argument("--out", type=Path, default=Path("bench_out/kv_reuse"))
     args = parser.parse_args(argv)
@@ -247,6 +307,12 @@ def main(argv: list[str]) -> int:
               f"{statistics.mean(j.max_tokens for j in jobs):.0f}; each prefilling node's "
               f"cache {args.cache_tokens:,} tokens in {args.kv_block}-token blocks; KV "
               f"{engine.kv_scale:.3g}x the profile's per token (kv_scale)", flush=True)
+        if args.predict_from:
+            results = predict_from(args.predict_from, layouts, jobs, args)
+            write_csv(args.out / "kv_reuse_predicted.csv", results)
+            print(markdown(results, PREDICTED))
+            print(f"wrote {args.out}/kv_reuse_predicted.csv")
+            return 0
         results = []
         for layout in layouts:
             print(f"{layout.name}...", flush=True)
@@ -258,6 +324,7 @@ def main(argv: list[str]) -> int:
         return 1
     plot(results, args.out / "kv_reuse.png")
     print(markdown(results, COLUMNS))
+    print(markdown(results, PREDICTED))
     print(f"profile {args.profile}, time scale K = {args.time_scale:g} (times in profile "
           f"time); KV {engine.kv_scale:.3g}x the profile's per token (P->T bytes are the "
           f"emulated model's: / kv_scale for the real model's)")

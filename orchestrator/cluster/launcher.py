@@ -74,6 +74,7 @@ from orchestrator.control.auth import (
 from orchestrator.fault import ReplicateMode
 from orchestrator.pipeline import DEAD_AFTER_S, SwapMode
 from orchestrator.serving.config import NodeConfig, Role, TrtllmApi
+from orchestrator.serving.router import DEFAULT_KV_WEIGHT
 
 Call = Callable[[str, str, list[bytes]], bytes]  # (node url, op, args) -> reply
 SECRET_FILE = "secret"
@@ -556,9 +557,9 @@ def topology_arguments(parser: argparse.ArgumentParser) -> None:
                         "prompt to the node that prefills it (P-node; colocated: token "
                         "pipeline) whose prefix cache holds most of it, by the nodes' KV "
                         "events), round-robin")
-    parser.add_argument("--kv-weight", type=float, default=1.0,
+    parser.add_argument("--kv-weight", type=float, default=DEFAULT_KV_WEIGHT,
                         help="--router kv: weight of a prompt's tokens to compute against a "
-                        "node's pending tokens")
+                        "node's pending tokens (default %(default)s)")
     parser.add_argument("--prefill-chunk", type=int, default=0, metavar="TOKENS",
                         help="--colocated: each step carries the running sequences' token "
                         "steps plus prompt chunks up to this many tokens (chunked prefill, "

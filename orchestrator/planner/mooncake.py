@@ -9,7 +9,9 @@ exactly where the trace says, and a node's prefix cache hits them as it would.
 The ideal (:func:`ideal_hit_rate`): one cache of the cluster's whole capacity, evicting
 by Belady's rule (the block used again farthest in the future: the optimal offline
 policy), every prompt sent where its blocks are: no router and no LRU does better at
-that capacity. :func:`lru_hit_rate` is the same single cache under LRU.
+that capacity. :func:`lru_hit_rate` is the same single cache under LRU, and
+:func:`routed_hit_rate` that capacity split into the nodes' own LRU caches behind the KV
+router (its cost, and each node's queue timed by the profile): where the ideal's hits go.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ import gzip
 import heapq
 import json
 import math
-from collections import OrderedDict
-from collections.abc import Container, Sequence
+from collections import OrderedDict, deque
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -152,6 +154,39 @@ def lru_hit_rate(prompts: Sequence[Sequence[int]], lengths: Sequence[int],
             cached.move_to_end(h)
         while len(cached) > capacity_blocks:
             cached.popitem(last=False)
+    return hit / sum(lengths)
+
+
+def routed_hit_rate(arrivals: Sequence[float], prompts: Sequence[Sequence[int]],
+                    lengths: Sequence[int], nodes: int, capacity_blocks: int, block_tokens: int,
+                    prefill_s: Callable[[int, int], float], kv_weight: float) -> float:
+    """:func:`lru_hit_rate` of ``nodes`` caches of ``capacity_blocks`` each, a prompt going
+    to the node of lowest ``kv_weight * (tokens to compute there) + its pending tokens``
+    (the frontend's KV router); a node prefills its prompts in turn, each taking
+    ``prefill_s(new tokens, cached tokens)``, and its pending tokens are those of the
+    prompts it has not finished."""
+    caches: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(nodes)]
+    queues: list[deque[tuple[float, int]]] = [deque() for _ in range(nodes)]  # (end, tokens)
+    free_at, pending = [0.0] * nodes, [0] * nodes
+    hit = 0
+    for now, hashes, length in zip(arrivals, _refs(prompts), lengths, strict=True):
+        for node, queue in enumerate(queues):
+            while queue and queue[0][0] <= now:
+                pending[node] -= queue.popleft()[1]
+        work = [length - _cached_prefix(hashes, length, block_tokens, c) * block_tokens
+                for c in caches]
+        node = min(range(nodes), key=lambda n: (kv_weight * work[n] + pending[n], pending[n]))
+        cached = length - work[node]
+        hit += cached
+        free_at[node] = max(now, free_at[node]) + prefill_s(work[node], cached)
+        queues[node].append((free_at[node], work[node]))
+        pending[node] += work[node]
+        cache = caches[node]
+        for h in reversed(hashes):
+            cache[h] = None
+            cache.move_to_end(h)
+        while len(cache) > capacity_blocks:
+            cache.popitem(last=False)
     return hit / sum(lengths)
 
 

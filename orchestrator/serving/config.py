@@ -28,7 +28,7 @@ from orchestrator.pipeline import (
     SwapMode,
     check_prefill_chunk,
 )
-from orchestrator.serving.router import POLICIES
+from orchestrator.serving.router import DEFAULT_KV_WEIGHT, POLICIES
 
 
 class Role(StrEnum):
@@ -106,7 +106,7 @@ class NodeConfig:
     # whose cache holds most of them, kv_weight x tokens to compute + pending tokens;
     # round-robin)
     router: str = "jsq"
-    kv_weight: float = 1.0
+    kv_weight: float = DEFAULT_KV_WEIGHT
     # Colocated token pipelines: a step's token budget, its token steps plus prompt chunks
     # (chunked prefill, as Sarathi-Serve's and vLLM's); 0: whole prompts
     prefill_chunk: int = 0

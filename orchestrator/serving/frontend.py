@@ -70,7 +70,7 @@ from orchestrator.serving.node_stream import (
     StreamTimeout,
 )
 from orchestrator.serving.params import GenerationParams
-from orchestrator.serving.router import NoNodeError, Router
+from orchestrator.serving.router import DEFAULT_KV_WEIGHT, NoNodeError, Router
 from orchestrator.serving.text import CONTEXT_TOKENS
 from orchestrator.serving.usage import RequestUsage
 
@@ -135,7 +135,7 @@ class Frontend:
         watch_s: float = 0.1,
         rerun_wait_s: float = 1.0, metrics: Metrics | None = None, max_sequences: int = 0,
         pipeline_sequences: list[int] | None = None, stream_interval: int = 1,
-        router: str = "jsq", kv_weight: float = 1.0, kv_block: int = 32,
+        router: str = "jsq", kv_weight: float = DEFAULT_KV_WEIGHT, kv_block: int = 32,
     ) -> None:
         """``decode_pipelines``: each token pipeline's stage urls, stage 0 (its head) first;
         ``secret``: the cluster's (every request to a node is signed with it);

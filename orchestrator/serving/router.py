@@ -42,6 +42,10 @@ class NoNodeError(RuntimeError):
 
 
 POLICIES = ("jsq", "kv", "round-robin")
+# A prompt's saved tokens against a node's queue (kv): 4, not 1:1, because a hit also keeps
+# the conversation's next turns on the node that holds it. On 10 min of the Mooncake
+# conversation trace, 6P+2T: hit rate 19.4% -> 21.9%, TTFT p99 7.7 -> 4.1 s (JSQ 4.6 s).
+DEFAULT_KV_WEIGHT = 4.0
 
 
 class KVIndex:
@@ -80,7 +84,7 @@ class KVIndex:
 class Router:
     def __init__(self, nodes: list[str], down_s: float = 5.0,
                  slots: dict[str, int] | None = None, policy: str = "jsq",
-                 kv_weight: float = 1.0, block_tokens: int = 32) -> None:
+                 kv_weight: float = DEFAULT_KV_WEIGHT, block_tokens: int = 32) -> None:
         """``slots``: the requests each node holds at once (none given: no bound);
         ``policy``: jsq, kv or round-robin; ``kv_weight``: the weight of a prompt's tokens
         to compute against the node's pending tokens (kv); ``block_tokens``: the nodes'

@@ -14,6 +14,7 @@ from orchestrator.planner.mooncake import (
     load_mooncake,
     lru_hit_rate,
     prompt_tokens,
+    routed_hit_rate,
 )
 
 
@@ -65,3 +66,48 @@ def test_layouts_and_latencies():
     got = latencies([[0.0, 1.0, 1.5, 2.5], [1.0, 3.0]])
     assert got["ttft_p50_s"] == pytest.approx(1.5) and got["e2e_p99_s"] == pytest.approx(2.5,
                                                                                           rel=0.2)
+
+
+def test_routed_caches_send_a_next_turn_where_its_prefix_is_and_split_the_load():
+    def cost(new: int, cached: int) -> float:
+        return new / 100  # 100 tokens/s, whatever is cached
+
+    # two conversations of two turns, 4-token blocks: each second turn finds its first
+    # turn's 8 tokens on the node that prefilled it
+    prompts = [[1, 2], [3, 4], [1, 2, 5], [3, 4, 6]]
+    lengths = [9, 9, 13, 13]
+    assert routed_hit_rate([0, 0, 10, 10], prompts, lengths, 2, 8, 4, cost, 1) == 16 / 44
+    # one node: the same hits; no room: none
+    assert routed_hit_rate([0, 0, 10, 10], prompts, lengths, 1, 8, 4, cost, 1) == 16 / 44
+    assert routed_hit_rate([0, 0, 10, 10], prompts, lengths, 2, 1, 4, cost, 1) < 16 / 44
+    # the next turn arrives while its node has more queued than the tokens it would save
+    # (weight 1): the other node computes it whole; at weight 2 the saving wins
+    busy = [[1, 2], [10, 11, 12, 13, 14, 15, 16, 17], [20, 21, 22, 23, 24, 25, 26, 27],
+            [1, 2, 5]]
+    lens, at = [9, 33, 33, 13], [0, 0, 0, 0.05]
+    assert routed_hit_rate(at, busy, lens, 2, 32, 4, cost, 1) == 0
+    assert routed_hit_rate(at, busy, lens, 2, 32, 4, cost, kv_weight=2) == 8 / sum(lens)
+
+
+def test_predictions_take_each_layouts_measured_hit_rate(tmp_path):
+    from argparse import Namespace
+
+    from clients.common import write_csv
+    from clients.disagg import Job
+    from clients.kv_reuse import Result, predict_from
+
+    def row(name: str, hit_rate: float) -> Result:
+        return Result(name, 20, 1.0, 2.0, 50.0, 2.0, 3.0, 80_000, int(80_000 * (1 - hit_rate)),
+                      hit_rate, 0.3, hit_rate / 0.3, 0.0, 0)
+
+    write_csv(tmp_path / "kv_reuse.csv", [row("2P+1T, jsq", 0.0), row("2P+1T, kv", 0.5)])
+    jobs = [Job([5] * 4000, 8, i * 0.5) for i in range(20)]
+    args = Namespace(profile="splitwise-llama2-70b-h100", batch=16)
+    jsq, kv = predict_from(tmp_path / "kv_reuse.csv",
+                           [Layout.parse("pools:2:1:jsq"), Layout.parse("pools:2:1:kv")], jobs,
+                           args)
+    assert kv.hit_rate == 0.5 and kv.prefill_tokens == 40_000  # the measured row, read back
+    assert 0 < kv.sim_ttft_p50_s < jsq.sim_ttft_p50_s  # half of each prompt cached: faster
+    assert kv.sim_vs_measured_p50 == kv.sim_ttft_p50_s / 1.0
+    with pytest.raises(ValueError, match="no row"):
+        predict_from(tmp_path / "kv_reuse.csv", [Layout.parse("pools:6:2:kv")], jobs, args)

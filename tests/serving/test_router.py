@@ -77,7 +77,7 @@ def test_kv_routes_a_prompt_to_the_node_holding_its_prefix_unless_it_is_far_busi
     with router.assign(16, [1, 2, 3, 4]) as node:  # b: 12 tokens cached, 4 to compute
         assert node == "b" and router.pending["b"] == 4
     assert router.pending == {"a": 0, "b": 0}
-    router.pending["b"] = 20  # b's queue outweighs the 12 tokens it would save
+    router.pending["b"] = 60  # b's queue outweighs the 12 tokens it would save, x4
     assert router.pick(16, [1, 2, 3, 4]) == "a"
     router.pending = {"a": 0, "b": 0}
     router.kv_weight = 0.0  # the queue alone
