@@ -15,8 +15,11 @@ for colocated steps) on the same requests at Poisson arrivals. A request meets t
 when its TTFT is at most ``ttft_s`` and its mean time between tokens (TPOT) at most
 ``tbt_s``, DistServe's per-request attainment. A layout's **goodput** is the highest
 arrival rate at which at least ``attainment`` (90%) of the requests meet both (DistServe's
-definition), found by bisection; the pick is the layout with the most, and its reason
-names the runner-up and what each one's SLO misses at the rate just above its goodput.
+definition), found by bisection up to the layout's capacity (the capacity model's
+sustained requests/s: a short replay above it meets a loose TTFT bound only because it
+ends before the queue grows); the pick is the layout with the most, and its reason names
+the runner-up and what limits each: an SLO it misses at the rate just above its goodput,
+or its throughput.
 
 Splitwise's SLOs (:class:`SplitwiseSLO`) judge a run, not a request: the P50, P90 and P99
 of TTFT, TBT and end-to-end time, each as a slowdown against the same request on an
@@ -30,7 +33,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from orchestrator.pipeline import check_prefill_chunk
-from orchestrator.planner.planner import Layout
+from orchestrator.planner.capacity import Capacity
+from orchestrator.planner.planner import Layout, predict_rps
 from orchestrator.planner.simulator import RequestTimes, ServingSimulator
 from orchestrator.planner.throughput import percentile
 from orchestrator.planner.workload import Request, poisson
@@ -116,15 +120,16 @@ class Candidate:
 class Scored:
     candidate: Candidate
     goodput_rps: float  # the highest rate with ``attainment`` of requests within the SLOs
-    ttft_missed: float  # at the rate just above it: fraction missing the TTFT SLO
+    ttft_missed: float  # at the rate just above it (capped: at it): missing the TTFT SLO
     tbt_missed: float  # ... and the TBT SLO
+    capped: bool = False  # the SLOs hold up to the layout's capacity
 
     @property
     def limit(self) -> str:
-        """Which SLO stops it from serving more."""
-        if self.ttft_missed == self.tbt_missed == 0:
-            return "neither (the search's highest rate)"
-        return "TTFT" if self.ttft_missed >= self.tbt_missed else "TBT"
+        """What stops it from serving more: an SLO, or its throughput."""
+        if self.capped or self.ttft_missed == self.tbt_missed == 0:
+            return "throughput"
+        return "TTFT SLO" if self.ttft_missed >= self.tbt_missed else "TBT SLO"
 
 
 @dataclass(frozen=True)
@@ -145,7 +150,7 @@ class SloPlan:
         lines = [f"{best.candidate} ({best.candidate.family}) serves the most within TTFT <= "
                  f"{self.slo.ttft_s:g} s and TBT <= {self.slo.tbt_s:g} s for "
                  f"{self.slo.attainment:.0%} of requests: {best.goodput_rps:.3g} req/s, "
-                 f"then limited by its {best.limit} SLO."]
+                 f"then limited by its {best.limit}."]
         for family in ("colocated chunked", "colocated whole-prompt", "Splitwise pools",
                        "DejaVu split"):
             other = self.best_of(family)
@@ -214,13 +219,16 @@ def highest_rate(meets: Callable[[float], bool], high: float, steps: int = 10
 
 
 def goodput(cost: EngineProfile, requests: list[Request], candidate: Candidate, batch: int,
-            slo: SLO, high: float, steps: int = 10) -> Scored:
+            slo: SLO, high: float, steps: int = 10, capacity: float | None = None) -> Scored:
     """The highest arrival rate in (0, ``high``] at which ``attainment`` of ``requests``
-    meet ``slo`` (DistServe's goodput)."""
+    meet ``slo`` (DistServe's goodput), no more than ``capacity`` (the rate the layout
+    sustains) where given."""
+    top = high if capacity is None else min(high, capacity)
     lo, hi = highest_rate(
         lambda rate: missed(cost, requests, candidate, batch, slo, rate)[0]
-        <= 1 - slo.attainment, high, steps)
-    return Scored(candidate, lo, *missed(cost, requests, candidate, batch, slo, hi)[1:])
+        <= 1 - slo.attainment, top, steps)
+    return Scored(candidate, lo, *missed(cost, requests, candidate, batch, slo, hi)[1:],
+                  capped=capacity is not None and lo == top)
 
 
 def splitwise_goodput(cost: EngineProfile, requests: list[Request], candidate: Candidate,
@@ -248,13 +256,18 @@ def plan_for_slo(cost: EngineProfile, requests: list[Request], machines: int, ba
                  slo: SLO, chunks: Sequence[int] = CHUNKS, max_depth: int | None = None,
                  high: float | None = None) -> SloPlan:
     """Every candidate's goodput on ``requests`` (their lengths; arrivals are drawn), most
-    first. ``high``: the highest rate tried (default: 10x what the machines serve if every
-    one ran its prompts and tokens alone, a bound no layout reaches)."""
+    first, each at most its capacity-model requests/s (chunked colocated: the whole
+    prompts', which the mixed step matches to within a few %). ``high``: the highest rate
+    tried (default: 10x what the machines serve if every one ran its prompts and tokens
+    alone, a bound no layout reaches)."""
     if high is None:
         high = search_ceiling(cost, requests, machines, batch)
-    scored = [goodput(cost, requests, c, batch, slo, high)
+    capacity = Capacity.of([(r.prompt_len, r.output_len) for r in requests], cost, batch)
+    scored = [goodput(cost, requests, c, batch, slo, high,
+                      capacity=predict_rps(capacity, c.layout))
               for c in candidates(machines, chunks, batch, max_depth)]
-    # Ties: the simpler layout (colocated first, as listed).
+    # Ties (layouts at the same capacity): fewer requests past the SLOs there, then the
+    # simpler layout (colocated first, as listed).
     order = {id(s): i for i, s in enumerate(scored)}
-    scored.sort(key=lambda s: (-s.goodput_rps, order[id(s)]))
+    scored.sort(key=lambda s: (-s.goodput_rps, s.ttft_missed + s.tbt_missed, order[id(s)]))
     return SloPlan(slo, machines, scored)

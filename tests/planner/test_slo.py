@@ -7,7 +7,8 @@ import pytest
 
 from orchestrator.cli import main
 from orchestrator.planner import workload as wl
-from orchestrator.planner.planner import Layout
+from orchestrator.planner.capacity import Capacity
+from orchestrator.planner.planner import Layout, predict_rps
 from orchestrator.planner.simulator import RequestTimes
 from orchestrator.planner.slo import (
     SLO,
@@ -111,3 +112,14 @@ def test_splitwise_goodput_is_a_rate_where_the_run_meets_all_nine(requests):
     rate = splitwise_goodput(COST, few, pools, 16, high=50.0, steps=6)
     assert 0 < rate < 50
     assert SplitwiseSLO().misses(COST, simulate(COST, wl.poisson(few, rate, 0), pools, 16)) == []
+
+
+def test_goodput_stops_at_what_the_layout_sustains(requests):
+    # Loose SLOs: a 150-request replay above capacity would still meet them (it ends
+    # before the queue grows); the goodput is the capacity model's rate, limited there.
+    result = plan_for_slo(COST, requests, 4, 16, SLO(60.0, 0.5), chunks=(512,))
+    capacity = Capacity.of([(r.prompt_len, r.output_len) for r in requests], COST, 16)
+    for scored in result.scored:
+        assert scored.goodput_rps == pytest.approx(predict_rps(capacity, scored.candidate.layout))
+        assert scored.limit == "throughput"
+    assert "limited by its throughput" in result.reason()
