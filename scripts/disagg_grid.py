@@ -10,10 +10,11 @@ colocated whole-prompt requests/s on the same requests (the bench's rates). The 
 colocated whole-prompt, colocated chunked at each ``--prefill-chunks`` budget, the two
 Splitwise pools and the DejaVu split with the most capacity-model requests/s (provisioned
 for throughput, as Splitwise provisions). Per rate: tokens/s (the run's middle), TTFT and
-TBT p50/p99, DistServe's attainment under each ``--slo`` pair and whether the run meets all of
-Splitwise's nine SLOs; per layout: goodput under each (bisected, as ``dejavu plan
---slo-*`` does). Markdown on stdout. Simulated, not measured: the bench's runs on real
-tritonservers are the check on it (docs/bench-disagg.md).
+TBT p50/p99, DistServe's attainment under each ``--slo`` pair and whether the run meets
+all of Splitwise's nine SLOs; per layout: goodput under each (bisected up to the layout's
+capacity-model rate, as ``dejavu plan --slo-*`` does). Markdown on stdout. Simulated, not
+measured: the bench's runs on real tritonservers are the check on it
+(docs/bench-disagg.md).
 """
 
 from __future__ import annotations
@@ -121,12 +122,16 @@ def main(argv: list[str]) -> int:
                 cells = row_of(simulate(cost, arrivals, c, args.batch), cost, slos)
                 print(f"| {load:g}x | {rate:.2f} | {c} | " + " | ".join(cells) + " |")
         high = search_ceiling(cost, requests, args.machines, args.batch)
-        print("\n| layout | goodput, Splitwise's 9 SLOs | "
+        capacity = Capacity.of(lengths, cost, args.batch)
+        print("\n| layout | capacity req/s | goodput, Splitwise's 9 SLOs | "
               + " | ".join(f"goodput {n}" for n in names) + " |")
-        print("|---|---:|" + "---:|" * len(names))
-        for c in picked:
-            good = [goodput(cost, requests, c, args.batch, s, high).goodput_rps for s in slos]
-            print(f"| {c} | {splitwise_goodput(cost, requests, c, args.batch, high):.2f} | "
+        print("|---|---:|---:|" + "---:|" * len(names))
+        for c in picked:  # as dejavu plan: no more than the layout sustains
+            cap = predict_rps(capacity, c.layout)
+            good = [goodput(cost, requests, c, args.batch, s, high, capacity=cap).goodput_rps
+                    for s in slos]
+            split = splitwise_goodput(cost, requests, c, args.batch, high, capacity=cap)
+            print(f"| {c} | {cap:.2f} | {split:.2f} | "
                   + " | ".join(f"{g:.2f}" for g in good) + " |")
         sys.stdout.flush()
     return 0

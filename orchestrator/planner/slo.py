@@ -233,12 +233,13 @@ def goodput(cost: EngineProfile, requests: list[Request], candidate: Candidate, 
 
 def splitwise_goodput(cost: EngineProfile, requests: list[Request], candidate: Candidate,
                       batch: int, high: float, slo: SplitwiseSLO | None = None,
-                      steps: int = 10) -> float:
-    """The highest arrival rate in (0, ``high``] at which a run of ``requests`` meets all
-    nine of Splitwise's SLOs."""
+                      steps: int = 10, capacity: float | None = None) -> float:
+    """The highest arrival rate in (0, ``high``] (and at most ``capacity``) at which a run
+    of ``requests`` meets all nine of Splitwise's SLOs."""
     judge = slo or SplitwiseSLO()
+    top = high if capacity is None else min(high, capacity)
     return highest_rate(lambda rate: not judge.misses(cost, simulate(
-        cost, poisson(requests, rate, 0), candidate, batch)), high, steps)[0]
+        cost, poisson(requests, rate, 0), candidate, batch)), top, steps)[0]
 
 
 def search_ceiling(cost: EngineProfile, requests: list[Request], machines: int,
