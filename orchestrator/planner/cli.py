@@ -196,7 +196,8 @@ def _plan_slo(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     console = Console(width=120)
     console.print(t)
     console.print("missed: the share of requests past each SLO at the rate just above the "
-                  "goodput")
+                  "goodput (limited by throughput: at the layout's capacity, the goodput's "
+                  "ceiling)")
     console.print(result.reason())
     return 0
 

@@ -15,24 +15,35 @@ for colocated steps) on the same requests at Poisson arrivals. A request meets t
 when its TTFT is at most ``ttft_s`` and its mean time between tokens (TPOT) at most
 ``tbt_s``, DistServe's per-request attainment. A layout's **goodput** is the highest
 arrival rate at which at least ``attainment`` (90%) of the requests meet both (DistServe's
-definition), found by bisection; the pick is the layout with the most, and its reason
-names the runner-up and what each one's SLO misses at the rate just above its goodput.
+definition), found by bisection up to the layout's capacity (the capacity model's
+sustained requests/s: a short replay above it meets a loose TTFT bound only because it
+ends before the queue grows); the pick is the layout with the most, and its reason names
+the runner-up and what limits each: an SLO it misses at the rate just above its goodput,
+or its throughput.
+
+Splitwise's SLOs (:class:`SplitwiseSLO`) judge a run, not a request: the P50, P90 and P99
+of TTFT, TBT and end-to-end time, each as a slowdown against the same request on an
+unloaded machine, all nine within bounds; :func:`splitwise_goodput` bisects the same way.
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 from orchestrator.pipeline import check_prefill_chunk
-from orchestrator.planner.planner import Layout
+from orchestrator.planner.capacity import Capacity
+from orchestrator.planner.planner import Layout, predict_rps
 from orchestrator.planner.simulator import RequestTimes, ServingSimulator
+from orchestrator.planner.throughput import percentile
 from orchestrator.planner.workload import Request, poisson
 from orchestrator.profiles.profile import EngineProfile
 
 ATTAINMENT = 0.9  # DistServe's: 90% of the requests within both SLOs
 CHUNKS = (512, 2048)  # the step budgets compared by default (vLLM's and Splitwise's 2,048)
+# Splitwise (ISCA'24) Table VI: P50 / P90 / P99 slowdown bounds against an unloaded machine.
+SPLITWISE_BOUNDS = {"TTFT": (2.0, 3.0, 6.0), "TBT": (1.25, 1.5, 5.0), "E2E": (1.25, 1.5, 5.0)}
 
 
 @dataclass(frozen=True)
@@ -53,6 +64,37 @@ class SLO:
         ttft = times.first_token - times.request.arrival
         tbts = times.tbts()
         return ttft > self.ttft_s, bool(tbts) and statistics.fmean(tbts) > self.tbt_s
+
+
+@dataclass(frozen=True)
+class SplitwiseSLO:
+    """Splitwise's nine SLOs on a run: each latency's P50/P90/P99 slowdown within its bound.
+    The unloaded request: its prompt's prefill alone, then batch-1 token steps at its mean
+    context (Splitwise measures against an unloaded DGX-A100; here the same machine)."""
+
+    bounds: dict[str, tuple[float, float, float]] = field(
+        default_factory=lambda: dict(SPLITWISE_BOUNDS))
+
+    @staticmethod
+    def slowdowns(cost: EngineProfile, times: Sequence[RequestTimes]) -> dict[str, list[float]]:
+        out: dict[str, list[float]] = {"TTFT": [], "TBT": [], "E2E": []}
+        for t in times:
+            p, n = t.request.prompt_len, t.request.output_len
+            prefill, step = cost.prefill_s(p), cost.decode_s(1, p + n / 2)
+            out["TTFT"].append((t.first_token - t.request.arrival) / prefill)
+            out["TBT"] += [gap / step for gap in t.tbts()]
+            end = t.tokens[-1] if t.tokens else t.first_token
+            out["E2E"].append((end - t.request.arrival) / (prefill + (n - 1) * step))
+        return out
+
+    def misses(self, cost: EngineProfile, times: Sequence[RequestTimes]) -> list[str]:
+        """The SLOs the run misses, e.g. ``["TBT P99 6.2x > 5x"]``; empty: all nine met."""
+        found = []
+        for metric, values in self.slowdowns(cost, times).items():
+            for q, bound in zip((50, 90, 99), self.bounds[metric], strict=True):
+                if values and (got := percentile(values, q)) > bound:
+                    found.append(f"{metric} P{q} {got:.2f}x > {bound:g}x")
+        return found
 
 
 @dataclass(frozen=True)
@@ -78,15 +120,16 @@ class Candidate:
 class Scored:
     candidate: Candidate
     goodput_rps: float  # the highest rate with ``attainment`` of requests within the SLOs
-    ttft_missed: float  # at the rate just above it: fraction missing the TTFT SLO
+    ttft_missed: float  # at the rate just above it (capped: at it): missing the TTFT SLO
     tbt_missed: float  # ... and the TBT SLO
+    capped: bool = False  # the SLOs hold up to the layout's capacity
 
     @property
     def limit(self) -> str:
-        """Which SLO stops it from serving more."""
-        if self.ttft_missed == self.tbt_missed == 0:
-            return "neither (the search's highest rate)"
-        return "TTFT" if self.ttft_missed >= self.tbt_missed else "TBT"
+        """What stops it from serving more: an SLO, or its throughput."""
+        if self.capped or self.ttft_missed == self.tbt_missed == 0:
+            return "throughput"
+        return "TTFT SLO" if self.ttft_missed >= self.tbt_missed else "TBT SLO"
 
 
 @dataclass(frozen=True)
@@ -107,7 +150,7 @@ class SloPlan:
         lines = [f"{best.candidate} ({best.candidate.family}) serves the most within TTFT <= "
                  f"{self.slo.ttft_s:g} s and TBT <= {self.slo.tbt_s:g} s for "
                  f"{self.slo.attainment:.0%} of requests: {best.goodput_rps:.3g} req/s, "
-                 f"then limited by its {best.limit} SLO."]
+                 f"then limited by its {best.limit}."]
         for family in ("colocated chunked", "colocated whole-prompt", "Splitwise pools",
                        "DejaVu split"):
             other = self.best_of(family)
@@ -159,40 +202,73 @@ def missed(cost: EngineProfile, requests: list[Request], candidate: Candidate, b
             sum(b for _, b in flags) / n)
 
 
-def goodput(cost: EngineProfile, requests: list[Request], candidate: Candidate, batch: int,
-            slo: SLO, high: float, steps: int = 10) -> Scored:
-    """Bisect the arrival rate in (0, ``high``] for the highest at which ``attainment`` of
-    ``requests`` meet ``slo``."""
+def highest_rate(meets: Callable[[float], bool], high: float, steps: int = 10
+                 ) -> tuple[float, float]:
+    """Bisect (0, ``high``] for the highest rate that ``meets``: (the highest found that
+    meets, 0 if none; the lowest found that does not, ``high`` if it meets)."""
+    if meets(high):
+        return high, high
     lo, hi = 0.0, high
-    first = missed(cost, requests, candidate, batch, slo, hi)
-    if first[0] <= 1 - slo.attainment:
-        return Scored(candidate, hi, *first[1:])
-    above = first
     for _ in range(steps):
         mid = (lo + hi) / 2
-        result = missed(cost, requests, candidate, batch, slo, mid)
-        if result[0] <= 1 - slo.attainment:
+        if meets(mid):
             lo = mid
         else:
-            hi, above = mid, result
-    return Scored(candidate, lo, *above[1:])
+            hi = mid
+    return lo, hi
+
+
+def goodput(cost: EngineProfile, requests: list[Request], candidate: Candidate, batch: int,
+            slo: SLO, high: float, steps: int = 10, capacity: float | None = None) -> Scored:
+    """The highest arrival rate in (0, ``high``] at which ``attainment`` of ``requests``
+    meet ``slo`` (DistServe's goodput), no more than ``capacity`` (the rate the layout
+    sustains) where given."""
+    top = high if capacity is None else min(high, capacity)
+    lo, hi = highest_rate(
+        lambda rate: missed(cost, requests, candidate, batch, slo, rate)[0]
+        <= 1 - slo.attainment, top, steps)
+    return Scored(candidate, lo, *missed(cost, requests, candidate, batch, slo, hi)[1:],
+                  capped=capacity is not None and lo == top)
+
+
+def splitwise_goodput(cost: EngineProfile, requests: list[Request], candidate: Candidate,
+                      batch: int, high: float, slo: SplitwiseSLO | None = None,
+                      steps: int = 10, capacity: float | None = None) -> float:
+    """The highest arrival rate in (0, ``high``] (and at most ``capacity``) at which a run
+    of ``requests`` meets all nine of Splitwise's SLOs."""
+    judge = slo or SplitwiseSLO()
+    top = high if capacity is None else min(high, capacity)
+    return highest_rate(lambda rate: not judge.misses(cost, simulate(
+        cost, poisson(requests, rate, 0), candidate, batch)), top, steps)[0]
+
+
+def search_ceiling(cost: EngineProfile, requests: list[Request], machines: int,
+                   batch: int) -> float:
+    """10x what ``machines`` serve if every one ran its prompts and tokens alone: a rate
+    no layout reaches, the top of the goodput search."""
+    mean_prompt = statistics.fmean(r.prompt_len for r in requests)
+    mean_output = statistics.fmean(r.output_len for r in requests)
+    alone = cost.prefill_s(round(mean_prompt)) + mean_output * cost.decode_s(
+        batch, mean_prompt + mean_output / 2) / batch
+    return 10 * machines / alone
 
 
 def plan_for_slo(cost: EngineProfile, requests: list[Request], machines: int, batch: int,
                  slo: SLO, chunks: Sequence[int] = CHUNKS, max_depth: int | None = None,
                  high: float | None = None) -> SloPlan:
     """Every candidate's goodput on ``requests`` (their lengths; arrivals are drawn), most
-    first. ``high``: the highest rate tried (default: 10x what the machines serve if every
-    one ran its prompts and tokens alone, a bound no layout reaches)."""
+    first, each at most its capacity-model requests/s (chunked colocated: the whole
+    prompts', which the mixed step matches to within a few %). ``high``: the highest rate
+    tried (default: 10x what the machines serve if every one ran its prompts and tokens
+    alone, a bound no layout reaches)."""
     if high is None:
-        mean_prompt = statistics.fmean(r.prompt_len for r in requests)
-        mean_output = statistics.fmean(r.output_len for r in requests)
-        alone = cost.prefill_s(round(mean_prompt)) + mean_output * cost.decode_s(
-            batch, mean_prompt + mean_output / 2) / batch
-        high = 10 * machines / alone
-    scored = [goodput(cost, requests, c, batch, slo, high)
+        high = search_ceiling(cost, requests, machines, batch)
+    capacity = Capacity.of([(r.prompt_len, r.output_len) for r in requests], cost, batch)
+    scored = [goodput(cost, requests, c, batch, slo, high,
+                      capacity=predict_rps(capacity, c.layout))
               for c in candidates(machines, chunks, batch, max_depth)]
-    # Ties: the simpler layout (colocated first, as listed).
+    # Ties (layouts at the same capacity): fewer requests past the SLOs there, then the
+    # simpler layout (colocated first, as listed).
     order = {id(s): i for i, s in enumerate(scored)}
-    scored.sort(key=lambda s: (-s.goodput_rps, order[id(s)]))
+    scored.sort(key=lambda s: (-s.goodput_rps, s.ttft_missed + s.tbt_missed, order[id(s)]))
     return SloPlan(slo, machines, scored)
