@@ -1,7 +1,7 @@
 """``dejavu bench recovery``: DejaVu Fig. 14 on a real cluster of tritonservers, and the
 client-visible pause of a kill -9 of each role.
 
-Three clusters (``Cluster``: controller, supervisor, P-nodes, one token pipeline
+Four clusters (``Cluster``: controller, supervisor, P-nodes, one token pipeline
 of depth D, the frontend), each with a warm-up and a batch of requests streamed
 through the ensemble undisturbed, then its cases in turn: the same batch again
 with the case's victim killed (kill -9 of its process group, as ``dejavu chaos
@@ -18,7 +18,10 @@ cluster whole again before the next case:
   starts its tritonserver again, then the four recovery steps) and the head,
   ``stage0`` (the pipeline starts afresh, its requests run again);
 - ``restart`` (``--replicate off``): a T-stage (``t-stage-no-replicas``): the
-  requests run again from their prompts once the pipeline was started afresh.
+  requests run again from their prompts once the pipeline was started afresh;
+- ``head-spare`` (KV replicas, a warm spare): the head, ``stage0+spare``: the spare
+  takes stage 0's role, the surviving stage is wired to it, and the requests run
+  again from their prompts on the same pipeline.
 
 ``client_pause_s`` is the longest a client waited between two chunks, against
 ``normal_pause_s`` undisturbed; ``ratio`` the failed batch's latency over the
@@ -50,10 +53,12 @@ CLUSTERS = {
               ["controller", "frontend", "p-node", "t-stage+spare"]),
     "replicas": ({"replicate": "on", "spares": 0}, ["t-stage", "stage0"]),
     "restart": ({"replicate": "off", "spares": 0}, ["t-stage-no-replicas"]),
+    "head-spare": ({"replicate": "on", "spares": 1}, ["stage0+spare"]),
 }
 VICTIMS = {"controller": "controller", "frontend": "frontend", "p-node": "prefill0",
            "t-stage+spare": "decode0s{stage}", "t-stage": "decode0s{stage}",
-           "stage0": "decode0s0", "t-stage-no-replicas": "decode0s{stage}"}
+           "stage0": "decode0s0", "t-stage-no-replicas": "decode0s{stage}",
+           "stage0+spare": "decode0s0"}
 CASES = [case for _, cases in CLUSTERS.values() for case in cases]
 PAPER = {"t-stage+spare": 1.24, "t-stage": 1.24, "t-stage-no-replicas": 1.91}  # OPT-66B
 

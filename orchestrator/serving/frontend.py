@@ -21,7 +21,8 @@ out for a while. Prefill is deterministic, so the tokens do not change.
 A request the token pipeline fails after admitting it (a stage lost with no
 replica to resume from, a lost head; a stage that recovers from its replicas
 fails nothing) runs again from its prompt on a pipeline that serves, and the
-client never sees a token twice.
+client never sees a token twice. A spare that took a lost stage 0 over serves at its
+own address: the frontend follows it there, once the controller has closed the repair.
 
 With a fault controller (``controller``), a watcher thread asks it every
 ``watch_s`` which nodes it has declared dead and keeps them (and every token

@@ -1,6 +1,8 @@
 """Warm spares on real tritonservers (``dejavu up --spares N``): a T-stage killed mid-stream
 hands its role to the spare, which was loaded beforehand; the pipeline resumes from the KV
-replicas (same tokens, no request run again) and the supervisor starts a new spare.
+replicas (same tokens, no request run again) and the supervisor starts a new spare. A
+killed stage 0 hands its role to the spare too (its requests run again from their prompts
+on the same pipeline).
 ``dejavu bench recovery`` at its smallest: every case's output well-formed, token-exact."""
 
 from __future__ import annotations
