@@ -203,9 +203,10 @@ class Frontend:
         except grpc.RpcError:
             return  # the controller is away: go by the failures met
         nodes = status["nodes"]
-        # A pipeline under repair: its replacement registers before the repair ends.
+        # A head under repair: its replacement registers before the repair ends (a lost later
+        # stage's pipeline keeps its head, where requests wait for the repair).
         repairing = {self.heads.get(name) for name, p in status["pipelines"].items()
-                     if p["failed"]}
+                     if 0 in p["failed"]}
         alive = {}  # the latest registration per address wins
         for node in nodes:
             alive[node["address"]] = node["alive"]
