@@ -67,7 +67,8 @@ def test_a_killed_stage_moves_to_the_spare_and_a_new_spare_starts(model, tmp_pat
         requests = kill_mid_stream(cluster, PROMPTS[:4], ["decode0s1"])
         assert [r.error for r in requests] == [None] * 4
         assert [ids_of(r.chunks) for r in requests] == expected
-        print(f"stage 1 killed, a spare: longest client pause {longest_gap(requests):.2f} s")
+        with capsys.disabled():  # shown with -s (the test reads the status output it captures)
+            print(f"stage 1 killed, a spare: longest client pause {longest_gap(requests):.2f} s")
         after = read_state(tmp_path)
         stage = node(after, "decode0s1")
         # The spare's process serves stage 1 now: not a new process, not a model load.
