@@ -1,7 +1,7 @@
 """``dejavu bench recovery``: DejaVu Fig. 14 on a real cluster of tritonservers, and the
 client-visible pause of a kill -9 of each role.
 
-Three clusters (``Cluster``: controller, supervisor, P-nodes, one token pipeline
+Five clusters (``Cluster``: controller, supervisor, P-nodes, one token pipeline
 of depth D, the frontend), each with a warm-up and a batch of requests streamed
 through the ensemble undisturbed, then its cases in turn: the same batch again
 with the case's victim killed (kill -9 of its process group, as ``dejavu chaos
@@ -23,7 +23,10 @@ cluster whole again before the next case:
   ``frontend-of-two``: the batch streams through it, a second batch of new requests is
   sent to the first at the kill (their time to first token against the undisturbed
   batch's); the cut streams end with an error (tritonclient does not resend) and are not
-  sent again, so the new requests meet only the loss, not twice the load.
+  sent again, so the new requests meet only the loss, not twice the load;
+- ``head-spare`` (KV replicas, a warm spare): the head, ``stage0+spare``: the spare
+  takes stage 0's role, the surviving stage is wired to it, and the requests run
+  again from their prompts on the same pipeline.
 
 ``client_pause_s`` is the longest a client waited between two chunks, against
 ``normal_pause_s`` undisturbed; ``ratio`` the failed batch's latency over the
@@ -56,11 +59,12 @@ CLUSTERS = {
     "replicas": ({"replicate": "on", "spares": 0}, ["t-stage", "stage0"]),
     "restart": ({"replicate": "off", "spares": 0}, ["t-stage-no-replicas"]),
     "frontends": ({"replicate": "on", "spares": 0, "frontends": 2}, ["frontend-of-two"]),
+    "head-spare": ({"replicate": "on", "spares": 1}, ["stage0+spare"]),
 }
 VICTIMS = {"controller": "controller", "frontend": "frontend", "p-node": "prefill0",
            "t-stage+spare": "decode0s{stage}", "t-stage": "decode0s{stage}",
            "stage0": "decode0s0", "t-stage-no-replicas": "decode0s{stage}",
-           "frontend-of-two": "frontend1"}
+           "frontend-of-two": "frontend1", "stage0+spare": "decode0s0"}
 RESENT = ("frontend",)  # its cut streams are sent again (from their prompts)
 CUT = ("frontend-of-two",)  # its cut streams end with an error, the tokens before it exact
 CASES = [case for _, cases in CLUSTERS.values() for case in cases]

@@ -17,9 +17,12 @@ dies on standby is started again too.
 A head paused while every stage is alive (a connection between two stages
 dropped) has every stage connect to its successor again
 (:func:`orchestrator.fault.stage_recovery.repair_links`). A lost stage 0 took
-its head and its clients' streams with it, and a pipeline without replicas
-has nothing to resume from: the frontend runs those requests again from their
-prompts, and the supervisor starts the whole pipeline afresh.
+its head and its clients' streams with it: with a spare on standby, the spare
+takes its role as it takes any stage's (the survivors drop the requests' KV and
+the frontend runs them again from their prompts on the resumed pipeline);
+without one, or in a pipeline without replicas (nothing to resume from), the
+frontend runs those requests again from their prompts and the supervisor starts
+the whole pipeline afresh.
 
 A node's tritonserver that ends is told to the controller at once (its pid
 watch, :mod:`orchestrator.cluster.pid_watch`): the failover starts then, not
@@ -268,7 +271,9 @@ class Supervisor:
         while time.monotonic() < deadline:
             view = query_status(self.controller_stub(controller))
             failed = set(view["pipelines"][name]["failed"])
-            if 0 in failed or not _replicates(stages):
+            # A spare takes a lost head's place like any stage's; without one, its clients'
+            # requests rerun anyway, and the whole pipeline starts afresh.
+            if 0 in failed - restarted and not _spare_ready(state) or not _replicates(stages):
                 log.warning("%s: stages %s lost, %s; starting the whole pipeline again",
                             name, sorted(failed), "with the head" if 0 in failed else
                             "no replicas to resume from")
@@ -403,6 +408,12 @@ class Supervisor:
 def _prefill_node(state: dict, name: str) -> dict:
     index = int(name.removeprefix("prefill"))
     return next(n for n in state["nodes"] if n["role"] == "prefill" and n["pipeline"] == index)
+
+
+def _spare_ready(state: dict) -> bool:
+    """Whether a warm spare is on standby (loaded: its process is running)."""
+    return any(n["role"] == Role.SPARE and n.get("pid") and alive(n["pid"])
+               for n in state["nodes"])
 
 
 def _replicates(stages: list[dict]) -> bool:

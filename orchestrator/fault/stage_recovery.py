@@ -8,15 +8,14 @@ Two halves, as in DejaVu §4.3:
   the controller has a plan (a replacement registered in every lost slot), it
   calls each node's operations in order through ``call(url, op, args)``.
 
-The order, for lost stages X (not 0: stage 0 holds the head and the clients'
-streams); the calls of a row go out together, and the two rows marked ``||`` with
-each other::
+The order, for lost stages X; the calls of a row go out together, and the two rows
+marked ``||`` with each other::
 
     head: pause; every survivor: quiet  ||    nothing moves (steps to a lost stage died)
     everyone: endpoints, replica_endpoints;
     new x: connect, replicate           ||    its ring and replicas point at its neighbours
     head: rewind(resume); x-1: reconnect      step 3: microbatch j redoes from step t; ring
-                                              and replicas now go to the new x
+    (a new head: every survivor follow_head)  and replicas now go to the new x
     x+1: restore -> new x: adopt              step 1: x's KV from the replica x+1 held
     survivors: rollback                       step 4 (and the replicas held are dropped)
     everyone: reseed; new x: start            step 2 (x-1 re-sends x's replicas)
@@ -25,6 +24,11 @@ each other::
 
 :func:`repair_links` is the same without a lost stage: a dropped connection
 (``drop_link`` is its drill) made a stage report that it cannot send on.
+
+A lost stage 0 took its head with it: its replacement's head starts empty (its
+``rewind`` keeps nothing), so every survivor drops the requests' KV at the rollback
+and the frontend runs those requests again from their prompts, on the same
+pipeline once it resumes.
 
 When the plan says ``recompute`` (a lost stage's replica holder is lost too),
 every microbatch redoes from step 0: the head ends its running requests with
@@ -66,7 +70,8 @@ class RecoveryOps:
         replication = self.replication
         return {
             "replica_endpoints": replication.endpoints, "replicate": replication.connect,
-            "reconnect": self._reconnect, "pause": self._pause, "quiet": self._quiet,
+            "reconnect": self._reconnect, "follow_head": self.node.follow_head,
+            "pause": self._pause, "quiet": self._quiet,
             "rewind": self._rewind, "restore": self._restore, "adopt": self._adopt,
             "rollback": self._rollback, "reseed": replication.reseed,
             "recovered": self._recovered, "resume": self._resume, "fault": self._fault,
@@ -135,9 +140,6 @@ def recover_stage(call: Call, urls: list[str], plan: dict, quiet_timeout_s: floa
     request kept (the others start over). Raises on any failed call (the head then breaks
     at its ``recover_timeout_s``). Calls that do not depend on each other go out together."""
     failed, depth = [int(x) for x in plan["failed"]], len(urls)
-    if 0 in failed:
-        raise ValueError("stage 0 is lost: its head and its clients' streams went with it "
-                         "(the frontend runs those requests again elsewhere)")
     survivors = [i for i in range(depth) if i not in failed]
     recompute = bool(plan["recompute"])
     resume = {} if recompute else dict(plan["resume"])  # a microbatch not named: step 0
@@ -154,8 +156,8 @@ def recover_stage(call: Call, urls: list[str], plan: dict, quiet_timeout_s: floa
             ring, replicas = _endpoints(calls, urls)
             calls.each([(urls[x], "connect", [ring[(x + 1) % depth], ring[0]])
                         for x in failed])
-            calls.each([(urls[x], "replicate", [replicas[(x + 1) % depth], replicas[x - 1]])
-                        for x in failed])
+            calls.each([(urls[x], "replicate", [replicas[(x + 1) % depth],
+                                                replicas[(x - 1) % depth]]) for x in failed])
             return ring, replicas, time.monotonic()
 
         wired = calls.pool.submit(wire)
@@ -164,11 +166,13 @@ def recover_stage(call: Call, urls: list[str], plan: dict, quiet_timeout_s: floa
         ring, replicas, wired_at = wired.result()
         settled = time.monotonic()
         # Once settled: the predecessors' rings and replicas go to the replacements.
-        reconnects = [(urls[x - 1], "reconnect", [ring[x], replicas[x]])
-                      for x in failed if x - 1 not in failed]
+        reconnects = [(urls[(x - 1) % depth], "reconnect", [ring[x], replicas[x]])
+                      for x in failed if (x - 1) % depth not in failed]
         rewound, *_ = calls.each([(urls[0], "rewind", [json.dumps(resume).encode()]),
                                   *reconnects])
         rewound = json.loads(rewound)
+        if 0 in failed:  # the survivors' heartbeats go to the new head
+            calls.each([(urls[i], "follow_head", [ring[0]]) for i in survivors])
         lengths = json.dumps(rewound["lengths"]).encode()
         rewound_at = time.monotonic()
         sampling = json.dumps(rewound["sampling"]).encode()

@@ -277,6 +277,16 @@ class StageNode:
         if old.ticket.node != succ.node:
             self.link_transport.remove_peer(old.ticket.node)
 
+    def follow_head(self, head: bytes) -> None:
+        """Fault recovery, nodes 1..D-1: node 0 was replaced (new endpoints); heartbeats and
+        failure reports go to the new one from now on."""
+        if self.index == 0:
+            raise RuntimeError("node 0 holds the head")
+        ticket = LinkTicket.from_dict(self._endpoints_of("head", head, 0)["ring"])
+        assert self.link_transport is not None
+        self.link_transport.add_peer(ticket.node, ticket.metadata)  # (the last stage's
+        self._head_node = ticket.node  # reconnect may have added it: the same peer)
+
     def drop_link(self) -> None:
         """Fault drill: lose the connection to the successor (its process lives on); the
         next step this stage sends fails, as over a broken network link."""

@@ -21,7 +21,8 @@ out for a while. Prefill is deterministic, so the tokens do not change.
 A request the token pipeline fails after admitting it (a stage lost with no
 replica to resume from, a lost head; a stage that recovers from its replicas
 fails nothing) runs again from its prompt on a pipeline that serves, and the
-client never sees a token twice.
+client never sees a token twice. A spare that took a lost stage 0 over serves at its
+own address: the frontend follows it there, once the controller has closed the repair.
 
 With a fault controller (``controller``), a watcher thread asks it every
 ``watch_s`` which nodes it has declared dead and keeps them (and every token
@@ -159,6 +160,9 @@ class Frontend:
         self.later_stages = {stages[0]: stages[1:] for stages in decode_pipelines}
         # The controller's name of each token pipeline (the launcher's order) -> its head.
         self.heads = {f"decode{i}": stages[0] for i, stages in enumerate(decode_pipelines)}
+        # Each head's address now (a spare that took a lost stage 0 over serves at its own);
+        # the routers go on naming the pipeline by its configured head.
+        self.head_at = {stages[0]: stages[0] for stages in decode_pipelines}
         self.timeout_s, self.rerun_wait_s = timeout_s, rerun_wait_s
         self.max_sequences, self.stream_interval = max_sequences, stream_interval
         self.seats = threading.Semaphore(max_sequences) if max_sequences else None
@@ -195,9 +199,14 @@ class Frontend:
         from orchestrator.fault.client import query_status
 
         try:
-            nodes = query_status(self.status_stub, timeout_s=timeout_s)["nodes"]
+            status = query_status(self.status_stub, timeout_s=timeout_s)
         except grpc.RpcError:
             return  # the controller is away: go by the failures met
+        nodes = status["nodes"]
+        # A head under repair: its replacement registers before the repair ends (a lost later
+        # stage's pipeline keeps its head, where requests wait for the repair).
+        repairing = {self.heads.get(name) for name, p in status["pipelines"].items()
+                     if 0 in p["failed"]}
         alive = {}  # the latest registration per address wins
         for node in nodes:
             alive[node["address"]] = node["alive"]
@@ -213,17 +222,24 @@ class Frontend:
             self.prefill_seen_alive[url] = bool(alive.get(url))
         self._follow_stages(nodes)
         for head, later in self.later_stages.items():
-            if dead & {head, *later}:
+            stages = {self.head_at[head], *later}
+            if dead & stages or head in repairing:
                 self.decode.mark_down(head)
-            elif all(alive.get(url) for url in (head, *later)):
+            elif all(alive.get(url) for url in stages):
                 self.decode.mark_up(head)  # e.g. a lost stage was replaced
 
     def _follow_stages(self, nodes: list[dict]) -> None:
-        """Each later stage's address: the latest live registration in its slot."""
+        """Each stage's address: the latest live registration in its slot."""
         for node in nodes:
             head = self.heads.get(node["pipeline"])
-            if head is None or not node["alive"] or not 0 < node["stage"] <= len(
+            if head is None or not node["alive"] or not 0 <= node["stage"] <= len(
                     self.later_stages[head]):
+                continue
+            if node["stage"] == 0:
+                if self.head_at[head] != node["address"]:
+                    log.warning("stage 0 of %s is at %s now", node["pipeline"],
+                                node["address"])
+                    self.head_at[head] = node["address"]
                 continue
             later = list(self.later_stages[head])
             if later[node["stage"] - 1] != node["address"]:
@@ -247,9 +263,10 @@ class Frontend:
             stream.close()
         self.feeds.close()
 
-    def _node_stream(self, url: str) -> NodeStream:
-        """The stream to stage 0 at ``url``; a broken one is replaced (the node died or was
-        started again)."""
+    def _node_stream(self, head: str) -> NodeStream:
+        """The stream to pipeline ``head``'s stage 0, where it is now; a broken one is
+        replaced (the node died or was started again)."""
+        url = self.head_at.get(head, head)
         with self.streams_lock:
             stream = self.streams.get(url)
             if stream is not None and stream.broken is None:

@@ -1,9 +1,9 @@
 """A warm spare T-node: loaded and on standby, it takes over a lost stage of a token pipeline.
 
 ``dejavu up --spares N`` starts N of them beside the pipelines. A spare loads
-the engine of every stage it may take (stages 1..D-1: stage 0 holds the head
-and its clients' streams, which replicas cannot bring back) and makes each
-one's stage node ahead of time (its KV transports, pools and replica stores:
+the engine of every stage it may take (any stage; stage 0 comes with the
+pipeline's head, which starts empty: the requests it held run again from their
+prompts) and makes each one's stage node ahead of time (its KV transports, pools and replica stores:
 0.5-0.6 s when made at the takeover, on 2 loaded cores), so taking a role costs
 neither a process start, nor a model load, nor an allocation. It registers
 with the fault controller only once it holds a stage: the supervisor calls
@@ -43,7 +43,7 @@ class SpareService:
         self.config, self.metrics = config, metrics or Metrics()
         specs = StageSpec.split(ModelConfig.from_dir(config.model_dir).num_layers, config.depth)
         self.stages: dict[int, StageParts] = {}
-        for x in range(1, config.depth):
+        for x in range(config.depth):
             name = f"{config.name}-s{x}"
             transports: dict[str, Transport] = {f"{name}-{kind}": stage_transport(
                 f"{name}-{kind}") for kind in TRANSPORTS}
@@ -52,7 +52,8 @@ class SpareService:
             node, replication = stage_parts(replace(config, role=Role.DECODE, stage=x), engine,
                                             transports.pop, name)
             if isinstance(replication, NodeReplication):  # its predecessor's replicas too
-                previous = specs[x - 1]  # (a layout that differs is made again at connect)
+                # (stage 0 holds the last stage's; a layout that differs is made at connect)
+                previous = specs[x - 1]
                 replication.hold(replace(
                     engine.kv_layout, first_layer=previous.first_layer,
                     num_layers=previous.last_layer - previous.first_layer))
@@ -72,6 +73,12 @@ class SpareService:
     def admit(self, request_id: str, *args, **kwargs) -> None:
         self._serving("generate").admit(request_id, *args, **kwargs)
 
+    def open_feed(self, *args, **kwargs) -> None:
+        self._serving("feed").open_feed(*args, **kwargs)
+
+    def cancel(self, request_id: str) -> bool:
+        return self.service is not None and self.service.cancel(request_id)
+
     def _serving(self, op: str) -> TokenService:
         if self.service is None:
             raise RequestError(f"op {op!r}: this spare is on standby (it holds no stage)")
@@ -86,7 +93,7 @@ class SpareService:
             if self.service is not None:
                 raise RequestError("this spare already holds a stage")
             if stage not in self.stages:
-                raise RequestError(f"a spare takes stage 1..{len(self.stages)}, not {stage}")
+                raise RequestError(f"a spare takes stage 0..{len(self.stages) - 1}, not {stage}")
             config = replace(self.config, role=Role.DECODE, pipeline=pipeline, stage=stage)
             self.controller = connect_controller(config)
             self.service = stage_service(config, self.metrics, self.controller,

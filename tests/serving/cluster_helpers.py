@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import time
@@ -18,6 +19,7 @@ from clients.common import PROMPTS as ALL_PROMPTS
 from clients.generate import GenerateError, stream_grpc, stream_http
 from orchestrator.cluster import chaos
 from orchestrator.cluster.launcher import Cluster, read_state
+from orchestrator.cluster.pid_watch import watching
 from orchestrator.control.auth import load_secret
 from orchestrator.control.client import ControlClient
 from orchestrator.engine.reference import generate, log_softmax_along
@@ -230,13 +232,21 @@ class Streaming(threading.Thread):
         self.url, self.prompt = url, prompt
         self.params = {"max_tokens": FAULT_TOKENS, **FIXED, **params}
         self.chunks, self.error = [], None
+        self.arrivals: list[float] = []  # monotonic seconds, one per chunk
 
     def run(self) -> None:
         try:
             for chunk in stream_grpc(self.url, self.prompt, **self.params):
                 self.chunks.append(chunk)
+                self.arrivals.append(time.monotonic())
         except GenerateError as exc:
             self.error = exc
+
+
+def longest_gap(requests: list[Streaming]) -> float:
+    """The longest wait any of these clients saw between two of its responses (s)."""
+    return max((b - a for r in requests for a, b in itertools.pairwise(r.arrivals)),
+               default=0.0)
 
 
 def kill_mid_stream(cluster: Cluster, prompts: list[str],
@@ -248,6 +258,12 @@ def kill_mid_stream(cluster: Cluster, prompts: list[str],
     requests = [Streaming(cluster.frontend.grpc_url, p, max_tokens=max_tokens)
                 for p in prompts]
     requests += [Streaming(cluster.frontend.grpc_url, seeded, **SEEDED)] if seeded else []
+    # The supervisor still importing (seconds after `up` on a loaded machine) would act only
+    # once it runs: the clients' pause would measure its start, not the recovery.
+    deadline = time.monotonic() + 120
+    while not watching(cluster.run_dir):
+        assert time.monotonic() < deadline, "the supervisor does not watch its nodes"
+        time.sleep(0.05)
     for r in requests:
         r.start()
     deadline = time.monotonic() + 60

@@ -1,6 +1,8 @@
 """Warm spares on real tritonservers (``dejavu up --spares N``): a T-stage killed mid-stream
 hands its role to the spare, which was loaded beforehand; the pipeline resumes from the KV
-replicas (same tokens, no request run again) and the supervisor starts a new spare.
+replicas (same tokens, no request run again) and the supervisor starts a new spare. A
+killed stage 0 hands its role to the spare too (its requests run again from their prompts
+on the same pipeline).
 ``dejavu bench recovery`` at its smallest: every case's output well-formed, token-exact."""
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from cluster_helpers import (
     fault_cluster,
     ids_of,
     kill_mid_stream,
+    longest_gap,
     metric,
     reference,
 )
@@ -64,6 +67,8 @@ def test_a_killed_stage_moves_to_the_spare_and_a_new_spare_starts(model, tmp_pat
         requests = kill_mid_stream(cluster, PROMPTS[:4], ["decode0s1"])
         assert [r.error for r in requests] == [None] * 4
         assert [ids_of(r.chunks) for r in requests] == expected
+        with capsys.disabled():  # shown with -s (the test reads the status output it captures)
+            print(f"stage 1 killed, a spare: longest client pause {longest_gap(requests):.2f} s")
         after = read_state(tmp_path)
         stage = node(after, "decode0s1")
         # The spare's process serves stage 1 now: not a new process, not a model load.
@@ -85,6 +90,29 @@ def test_a_killed_stage_moves_to_the_spare_and_a_new_spare_starts(model, tmp_pat
         assert status_main(["--dir", str(tmp_path), "--json"]) == 0
         shown = json.loads(capsys.readouterr().out)
         assert [n["role"] for n in shown["nodes"]].count("spare") == 1
+
+
+def test_a_killed_head_stage_moves_to_the_spare(model, tmp_path):
+    """Stage 0 (the head) killed mid-stream: the spare takes its role, the surviving stage
+    is wired to it and the pipeline serves again without starting afresh; every stream
+    ends token-exact."""
+    expected = reference(model, PROMPTS[:4], FAULT_TOKENS, to_end=False)
+    with fault_cluster(model, tmp_path, decode=1, decode_depth=2, spares=1) as cluster:
+        before = read_state(tmp_path)
+        spare, survivor = node(before, "spare0"), node(before, "decode0s1")
+        requests = kill_mid_stream(cluster, PROMPTS[:4], ["decode0s0"])
+        assert [r.error for r in requests] == [None] * 4
+        assert [ids_of(r.chunks) for r in requests] == expected
+        print(f"stage 0 killed, a spare: longest client pause {longest_gap(requests):.2f} s")
+        deadline = time.monotonic() + 30  # the repair is recorded once its last call returned
+        while not (after := read_state(tmp_path)).get("repairs"):
+            assert time.monotonic() < deadline, "no repair recorded"
+            time.sleep(0.1)
+        assert [(r["outcome"], r["stages"]) for r in after["repairs"]] == [("resumed", [0])]
+        head = node(after, "decode0s0")
+        assert (head["grpc"], head["pid"]) == (spare["grpc"], spare["pid"])
+        assert node(after, "decode0s1")["pid"] == survivor["pid"]  # not started afresh
+        assert_all_freed(cluster)
 
 
 def test_bench_recovery_at_its_smallest(model, tmp_path):

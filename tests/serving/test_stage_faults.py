@@ -87,8 +87,9 @@ def test_a_stage_lost_while_the_controller_is_away_recovers_when_it_is_back(dept
 
 
 def test_a_lost_head_stage_restarts_its_pipeline_and_the_requests_rerun(depth2, expected):
-    """Stage 0 holds the head and the clients' streams: its requests run again from their
-    prompts once the supervisor has started the whole pipeline afresh."""
+    """Stage 0 holds the head and the clients' streams; with no spare to take its role, its
+    requests run again from their prompts once the supervisor has started the whole
+    pipeline afresh (with a spare: test_spares.py)."""
     rerun, afresh = reruns(depth2), len(repairs(depth2, "started afresh"))
     requests = kill_mid_stream(depth2, PROMPTS[:4], ["decode0s0"])
     assert [r.error for r in requests] == [None] * 4
