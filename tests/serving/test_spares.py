@@ -129,9 +129,10 @@ def test_bench_recovery_at_its_smallest(model, tmp_path):
         assert row["token_exact"] == "True" and row["errors"] == "0", case
         assert float(row["failed_s"]) > 0 and float(row["undisturbed_s"]) > 0
         assert float(row["client_pause_s"]) > 0
-        if case not in ("controller", "frontend"):  # the nodes the controller watches
+        if case not in ("controller", "frontend", "frontend-of-two"):  # watched nodes
             assert 0 <= float(row["detect_s"]) < 1.0, (case, row["detect_s"])
             assert float(row["repair_s"]) >= 0
     assert float(rows["p-node"]["ttft_new_requests_s"]) > 0
+    assert float(rows["frontend-of-two"]["ttft_new_requests_s"]) > 0  # served by the other
     saved = json.loads((out / "recovery.json").read_text())
     assert [r["case"] for r in saved["rows"]] == bench.CASES
