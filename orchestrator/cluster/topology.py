@@ -81,16 +81,12 @@ class Topology:
 
     def frontend_names(self) -> list[str]:
         """``frontend``, then ``frontend1``, ``frontend2``...: the first keeps its name."""
-        return [frontend_name(i) for i in range(self.frontends)]
+        return ["frontend", *(f"frontend{i}" for i in range(1, self.frontends))]
 
     def decode_names(self) -> list[list[str]]:
         """Each token pipeline's node names, stage 0 first."""
         return [[decode_name(p, i, self.decode_depth) for i in range(self.decode_depth)]
                 for p in range(self.decode)]
-
-
-def frontend_name(index: int) -> str:
-    return f"frontend{index}" if index else "frontend"
 
 
 def decode_name(pipeline: int, stage: int, depth: int) -> str:

@@ -58,6 +58,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.types import Message as ASGIMessage
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
+from orchestrator.control.client import is_unreachable
 from orchestrator.engine.config import ModelConfig
 from orchestrator.engine.tokenizer import load_tokenizer
 from orchestrator.serving.limits import prompt_bytes_limit
@@ -520,9 +521,9 @@ def _lost_or_api_error(error: InferenceServerException | grpc.RpcError
     """:func:`_api_error`, as :class:`_FrontendLost` where the frontend itself is gone (not
     its word that no node can serve: another frontend shares its nodes)."""
     api = _api_error(error)
-    status = str(error.status() or "") if isinstance(error, InferenceServerException) else str(
-        error.code())
-    return _FrontendLost(api) if "UNAVAILABLE" in status and UNAVAILABLE not in str(api) else api
+    gone = (is_unreachable(error) if isinstance(error, InferenceServerException)
+            else error.code() == grpc.StatusCode.UNAVAILABLE)
+    return _FrontendLost(api) if gone and UNAVAILABLE not in str(api) else api
 
 
 def _api_error(error: InferenceServerException | grpc.RpcError) -> ApiError:
