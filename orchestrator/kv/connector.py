@@ -50,6 +50,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -109,6 +110,7 @@ class _Incoming:
         default_factory=list
     )  # (peer, pos, crc)
     abandoned: set[int] = field(default_factory=set)  # layers whose prefill stage gave up
+    held: int = 0  # leading positions the slot held at reservation: no sender writes them
 
     def writers_done(self) -> bool:
         """No sender will write into the slot again: each layer landed or was given up."""
@@ -183,8 +185,13 @@ class KVReceiver:
             until = time.monotonic() + late_write_s
             self._quarantine[incoming.slot] = (until, request_id, incoming)
 
-    def reserve(self, request_id: str, prompt_len: int) -> bytes:
-        """Take a slot for ``request_id``; returns the ticket the prefill node writes with."""
+    def reserve(self, request_id: str, prompt_len: int,
+                fill: Callable[[KVCache], int] | None = None) -> bytes:
+        """Take a slot for ``request_id``; returns the ticket the prefill node writes with.
+
+        ``fill(slot)`` may copy the prompt's leading positions into the (empty) slot from
+        what this node already holds (decode-side reuse) and returns how many it filled,
+        fewer than ``prompt_len``: the ticket tells the senders to write only the rest."""
         if not 0 < prompt_len <= self.layout.max_seq_len:
             raise ValueError(f"prompt_len {prompt_len} not in [1, {self.layout.max_seq_len}]")
         with self._lock:
@@ -200,6 +207,8 @@ class KVReceiver:
                 expires = time.time() + self.reserve_ttl_s
             self._requests[request_id] = incoming
             self.consumed[slot] = 0
+        if fill is not None:  # the slot is ours, and no sender has its ticket yet
+            incoming.held = self._fill(slot, prompt_len, fill)
         depth, step = self.landing.shape[1], self.layout.step_bytes()
         ticket = Ticket(
             request_id,
@@ -213,8 +222,21 @@ class KVReceiver:
             landing_depth=depth,
             consumed_addr=self._consumed_base + slot * self.consumed.element_size(),
             expires=expires,
+            held=incoming.held,
         )
         return ticket.encode(self.secret)
+
+    def _fill(self, slot: int, prompt_len: int, fill: Callable[[KVCache], int]) -> int:
+        """The positions ``fill`` put into the slot (0 if it failed: the senders write all)."""
+        try:
+            held = fill(KVCache(self.layout, self.pool[slot], 0))
+            if not 0 <= held < prompt_len:
+                raise ValueError(f"filled {held} positions of a {prompt_len}-token prompt: "
+                                 "a sender must write one at least")
+        except Exception:  # noqa: BLE001  (reuse is soft state: never worth the request)
+            log.exception("could not fill the KV slot from this node's cache")
+            return 0
+        return held
 
     def _expire(self) -> None:
         """Drop reservations never used before their tickets expired."""
@@ -371,7 +393,8 @@ class KVReceiver:
             layers = header.layer_range
             if not incoming.missing.issuperset(layers):
                 raise KVTransferError(peer, f"layers {list(layers)} received twice", rid)
-            expected = len(layers) * incoming.prompt_len * self.layout.token_bytes_per_layer()
+            sent = incoming.prompt_len - incoming.held
+            expected = len(layers) * sent * self.layout.token_bytes_per_layer()
             check_payload(header, expected, peer)
             self._check_crc(peer, header, incoming, layers)
             incoming.missing.difference_update(layers)
@@ -493,7 +516,7 @@ class KVReceiver:
                 )
             return
         cache = KVCache(self.layout, self.pool[incoming.slot], incoming.prompt_len)
-        got = crc32_of(_pieces(cache, layers, range(incoming.prompt_len)))
+        got = crc32_of(_pieces(cache, layers, range(incoming.held, incoming.prompt_len)))
         if got != header.crc32:
             raise KVTransferError(
                 peer,
@@ -518,6 +541,7 @@ class SendHandle:
     finished: bool = False
     error: KVTransferError | None = None
     released: bool = False  # its staging block is given back (or drains to be)
+    sent_bytes: int = 0  # KV posted (a ticket's held positions are not)
 
 
 class KVSender:
@@ -595,6 +619,9 @@ class KVSender:
                 raise KVTransferError(
                     ticket.node, f"{name} mismatch: ticket has {got}, sender {want}", request_id
                 )
+        if not 0 <= ticket.held < ticket.prompt_len:
+            raise KVTransferError(ticket.node, f"ticket holds {ticket.held} positions of a "
+                                  f"{ticket.prompt_len}-token prompt", request_id)
         if ticket.expired:
             raise KVTransferError(ticket.node, "ticket expired: its KV slot reservation was "
                                   "not used in time", request_id)
@@ -619,9 +646,11 @@ class KVSender:
                                            f"{global_layer} was sent", handle.request_id)
             handle.state = KVPoll.FAILED
             return
-        layers, positions = range(global_layer, global_layer + 1), range(handle.prompt_len)
-        nbytes = handle.prompt_len * self.layout.token_bytes_per_layer()
-        offset = (global_layer - self.layout.first_layer) * nbytes
+        layers = range(global_layer, global_layer + 1)
+        positions = range(ticket.held, handle.prompt_len)  # the rest the receiver lacks
+        row = self.layout.token_bytes_per_layer()
+        nbytes = len(positions) * row
+        offset = (global_layer - self.layout.first_layer) * handle.prompt_len * row
         staging = self.staging[handle.staging, offset : offset + nbytes]
         pack(cache, layers, positions, staging)
         crc = None
@@ -641,6 +670,7 @@ class KVSender:
             self.transport, ticket.node, local, remote, encode_header(header, self.secret)
         )
         handle.transfers.append(transfer)
+        handle.sent_bytes += nbytes
         handle.state = KVPoll.TRANSFERRING
         self.poll(handle)
 

@@ -226,6 +226,9 @@ class Ticket:
     landing_depth: int = 0
     consumed_addr: int = 0
     expires: float = 0.0  # Unix time after which no sender may write with it; 0: never
+    # Positions [0, held) the receiver already holds (its decode-side prefix cache): the
+    # sender writes only the positions from ``held`` on.
+    held: int = 0
 
     @property
     def expired(self) -> bool:
@@ -243,6 +246,7 @@ class Ticket:
                 "checksum": self.checksum,
                 "landing": [self.landing_addr, self.landing_depth, self.consumed_addr],
                 "expires": self.expires,
+                "held": self.held,
             }
         ).encode()
         return body + mac(secret, body)
@@ -268,4 +272,5 @@ class Ticket:
             bool(fields["checksum"]),
             *(int(v) for v in fields["landing"]),
             float(fields["expires"]),
+            int(fields.get("held", 0)),
         )

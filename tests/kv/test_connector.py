@@ -82,6 +82,53 @@ def test_prompt_kv_arrives_exactly_across_regrouped_stages(depth_p, depth_t, che
         receiver.release("r1")
 
 
+@pytest.mark.parametrize(("depth_p", "depth_t"), [(1, 1), (2, 3)])
+@pytest.mark.parametrize("checksum", [False, True])
+def test_a_receiver_holding_a_prefix_is_sent_only_the_rest(depth_p, depth_t, checksum) -> None:
+    """Decode-side reuse: positions a token stage filled at reservation are never sent; the
+    slot ends with its own prefix and the sender's rest."""
+    cluster = Cluster(depth_p, depth_t, checksum)
+    full, mine = torch.randn(MODEL.shape), torch.randn(MODEL.shape)
+
+    def fill(slot: KVCache) -> int:
+        first = slot.layout.first_layer
+        slot.data[:, :, :, :5] = mine[first : first + slot.layout.num_layers, :, :, :5]
+        return 5
+
+    tickets = [r.reserve("r1", 11, fill) for r in cluster.receivers]
+    sent = []
+    for stage, (sender, cache) in enumerate(
+            zip(cluster.senders, cluster.prompt_caches(full), strict=True)):
+        handle = sender.start("r1", tickets)
+        for layer in cluster.p_ranges[stage]:
+            sender.save_layer(handle, layer, cache)
+        sender.finish(handle, b"\x2a" if stage == len(cluster.senders) - 1 else b"")
+        sender.wait_for_save(handle, timeout_s=1)
+        sent.append(handle.sent_bytes)
+    assert sum(sent) == 6 * MODEL.num_layers * MODEL.token_bytes_per_layer()  # 11 - 5 a layer
+    for receiver, layers in zip(cluster.receivers, cluster.t_ranges, strict=True):
+        cache, _ = receiver.wait("r1")
+        assert cache.length == 11
+        assert torch.equal(cache.data[:, :, :, :5], mine[layers.start : layers.stop, :, :, :5])
+        assert torch.equal(cache.data[:, :, :, 5:11], full[layers.start : layers.stop, :, :, 5:11])
+
+
+def test_a_fill_that_fails_or_holds_the_whole_prompt_holds_nothing() -> None:
+    cluster = Cluster(1, 1)
+    receiver = cluster.receivers[0]
+
+    def broken(slot: KVCache) -> int:
+        raise RuntimeError("lost cache")
+
+    for rid, fill in (("a", broken), ("b", lambda slot: 11)):
+        ticket = receiver.reserve(rid, 11, fill)
+        full = torch.randn(MODEL.shape)
+        cluster.send(rid, [ticket], full, extra=b"\x01")
+        cache, _ = receiver.wait(rid)
+        assert torch.equal(cache.data[:, :, :, :11], full[:, :, :, :11])  # all of it sent
+        receiver.release(rid)
+
+
 def test_reserve_rejects_bad_requests() -> None:
     receiver = Cluster(1, 1).receivers[0]
     with pytest.raises(ValueError, match="prompt_len 17 not in"):
