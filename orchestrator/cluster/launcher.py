@@ -550,6 +550,11 @@ def topology_arguments(parser: argparse.ArgumentParser) -> None:
                         help="every node that prefills (P-nodes; colocated: the token "
                         "pipelines) keeps this much prompt KV to reuse for prompts that share "
                         "a prefix (host memory on CPU, device memory on a GPU); 0: off")
+    parser.add_argument("--decode-cache-mb", type=float, default=0.0, metavar="MIB",
+                        help="disaggregated T-nodes (--decode-depth 1) keep this much of "
+                        "finished requests' KV (prompt and answer): a conversation's next turn "
+                        "routed back receives only the blocks they lack from its P-node "
+                        "(decode-side reuse; --router kv routes it back); 0: off")
     parser.add_argument("--kv-block", type=int, default=32, metavar="TOKENS",
                         help="tokens per prefix-cache block (a prompt reuses whole blocks)")
     parser.add_argument("--router", choices=["jsq", "kv", "round-robin"], default="jsq",
@@ -586,6 +591,7 @@ def settings_from(args: argparse.Namespace) -> dict:
             "time_scale": args.time_scale, "frontend_instances": args.frontend_instances,
             "stream_interval": args.stream_interval,
             "prefix_cache_mb": args.prefix_cache_mb, "kv_block": args.kv_block,
+            "decode_cache_mb": args.decode_cache_mb,
             "router": args.router, "kv_weight": args.kv_weight,
             "prefill_chunk": args.prefill_chunk}
 

@@ -238,6 +238,13 @@ class KVReceiver:
             return 0
         return held
 
+    def reused(self, request_id: str) -> int:
+        """The leading positions the request's slot held at reservation (not sent); 0 for a
+        request that holds no slot here."""
+        with self._lock:
+            incoming = self._requests.get(request_id)
+            return 0 if incoming is None else incoming.held
+
     def _expire(self) -> None:
         """Drop reservations never used before their tickets expired."""
         self._progress()  # a filled one is freed at once

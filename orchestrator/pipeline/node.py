@@ -72,6 +72,7 @@ from orchestrator.pipeline.head import PipelineHead
 from orchestrator.pipeline.link import Link, QueueLink
 from orchestrator.pipeline.pipeline import link_capacity, make_placement, resolve_swap
 from orchestrator.pipeline.prefill import decode_first_token
+from orchestrator.pipeline.prefix import DecodeReuse
 from orchestrator.pipeline.stage import StageWorker
 from orchestrator.pipeline.transport_link import LinkTicket, TransportReceiver, TransportSender
 
@@ -207,6 +208,7 @@ class StageNode:
                                        timeout_s=config.kv_timeout_s,
                                        reserve_ttl_s=config.reserve_ttl_s or config.kv_timeout_s)
             self.prompt_kv = ReceiverKVSource(self.receiver)
+        self.decode_reuse: DecodeReuse | None = None  # :meth:`keep_finished`
 
         capacity = link_capacity(mbs)
         self.link_transport: Transport | None = None
@@ -346,9 +348,22 @@ class StageNode:
 
     # -- prompt KV ---------------------------------------------------------------------
 
-    def reserve_prompt(self, request_id: str, prompt_len: int) -> bytes:
-        """A KV slot for the request's prompt on this stage; the ticket goes to the P-node."""
-        return self._receiver().reserve(request_id, prompt_len)
+    def reserve_prompt(self, request_id: str, prompt_len: int,
+                       prompt: list[int] | None = None, salt: str = "") -> bytes:
+        """A KV slot for the request's prompt on this stage; the ticket goes to the P-node.
+        With ``prompt`` (its ids, under ``salt``) and decode-side reuse, the slot starts with
+        the prompt's blocks this node kept, and the ticket asks only for the rest."""
+        fill = None
+        if prompt is not None and self.decode_reuse is not None:
+            fill = self.decode_reuse.fill(prompt, salt)
+        return self._receiver().reserve(request_id, prompt_len, fill)
+
+    def keep_finished(self, reuse: DecodeReuse) -> None:
+        """Keep finished requests' KV in ``reuse`` for their next turns (decode-side reuse:
+        a pipeline's only stage, which holds every layer)."""
+        if self.config.depth != 1 or self.receiver is None or self.worker is None:
+            raise ValueError("decode-side reuse needs a disaggregated pipeline of depth 1")
+        self.decode_reuse, self.worker.keep = reuse, reuse.keep
 
     def release_prompt(self, request_id: str) -> None:
         """Free a reservation whose request was never submitted (submitted ones are freed by

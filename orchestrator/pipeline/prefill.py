@@ -57,6 +57,7 @@ def stream_prefill(
     prefix: PrefixReuse | None = None,
     salts: Mapping[str, str] | None = None,
     cached: dict[str, int] | None = None,
+    sent: dict[str, int] | None = None,
 ) -> dict[str, int]:
     """Prefill ``prompts`` (request id -> ids) on the prompt stages ``engines`` (one
     ``KVSender`` each), streaming every layer's KV while the next computes to the token
@@ -67,7 +68,9 @@ def stream_prefill(
 
     With ``prefix`` (the node's prefix cache), each prompt's cached leading blocks (under
     ``salts[request_id]``) are loaded into its slots and only the rest is computed; every
-    layer still streams the whole prompt's KV. ``cached`` gets each prompt's cached tokens."""
+    layer still streams the whole prompt's KV. ``cached`` gets each prompt's cached tokens,
+    ``sent`` the KV bytes streamed for it (less than its whole KV where a token stage held
+    its leading positions: decode-side reuse)."""
     sampling, salts = sampling or {}, salts or {}
     rids = list(prompts)
     slots = [[engine.new_cache() for _ in rids] for engine in engines]
@@ -112,6 +115,8 @@ def stream_prefill(
             sender.finish(handle, extra=encode_first_token(first[handle.request_id]))
         for sender, handle in taken:
             sender.wait_for_save(handle, save_timeout_s)
+            if sent is not None:
+                sent[handle.request_id] = sent.get(handle.request_id, 0) + handle.sent_bytes
     finally:
         for sender, handle in taken:
             sender.release(handle)

@@ -1,4 +1,5 @@
-"""Prefill on a node with a prefix cache: load each prompt's cached blocks, compute the rest.
+"""Prefill on a node with a prefix cache: load each prompt's cached blocks, compute the rest;
+and a T-node's cache of finished requests' KV (:class:`DecodeReuse`).
 
 The node that prefills (a P-node's prompt stages, a colocated token stage) asks
 :class:`PrefixReuse` before its engines run: each prompt's leading cached blocks
@@ -10,7 +11,9 @@ token is always computed: its logits give the first token.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +21,8 @@ import torch
 from orchestrator.kv.events import KVEventLog
 from orchestrator.kv.prefix_cache import PrefixCache, PrefixHit, block_hashes
 from orchestrator.layout import KVCache
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -63,3 +68,51 @@ class PrefixReuse:
                 self.cache.store(load.hashes, slots)
         finally:
             self.cache.release(load.hit)
+
+
+class DecodeReuse(PrefixReuse):
+    """A T-node's cache of finished requests' KV (prompt and answer), under the same chained
+    block hashes as a P-node's: the next turn of a conversation, routed back here, gets its
+    leading blocks from it, and the P-node streams only the rest (decode-side reuse).
+
+    The head says which tokens a finished sequence's KV holds (:meth:`finished`); the
+    stage's worker hands its KV over before freeing it (:meth:`keep`); a reservation copies
+    the cached blocks into its slot (:meth:`fill`). A request that failed or was cancelled
+    stores nothing."""
+
+    def __init__(self, cache: PrefixCache, secret: bytes = b"") -> None:
+        super().__init__(cache, secret)
+        self.on_stored: Callable[[PrefixCache], None] | None = None  # the node's metrics
+        self._finished: dict[int, tuple[list[int], str]] = {}  # seq id -> (tokens, salt)
+        self._lock = threading.Lock()
+
+    def fill(self, prompt: Sequence[int], salt: str) -> Callable[[KVCache], int]:
+        """What a prompt KV slot is filled with at reservation: the prompt's cached leading
+        blocks (one token at least is left to the P-node, which sends it with the first
+        token); returns the positions filled."""
+        def fill(slot: KVCache) -> int:
+            load = self.load(prompt, salt, [slot])
+            self.cache.release(load.hit)  # copied: the blocks may go now
+            return load.cached_tokens
+
+        return fill
+
+    def finished(self, seq_id: int, tokens: list[int], salt: str) -> None:
+        """The sequence ended normally: its KV holds ``tokens`` (prompt and answer; the
+        last one, never fed, has no KV), under ``salt``."""
+        with self._lock:
+            self._finished[seq_id] = (tokens, salt)
+
+    def keep(self, seq_id: int, cache: KVCache | None) -> None:
+        """The worker frees the sequence's KV (``cache``; None: it holds none): keep its
+        whole blocks if it ended normally."""
+        with self._lock:
+            tokens, salt = self._finished.pop(seq_id, (None, ""))
+        if tokens is None or cache is None:
+            return
+        try:
+            hashes = block_hashes(tokens[: cache.length], self.cache.block_tokens, salt)
+            if self.cache.store(hashes, [cache]) and self.on_stored is not None:
+                self.on_stored(self.cache)
+        except Exception:  # soft state: a block not kept is a later miss, never a failure
+            log.exception("could not keep the KV of sequence %d", seq_id)

@@ -102,6 +102,10 @@ class NodeConfig:
     # GPU), by blocks of kv_block tokens; 0: none
     prefix_cache_mb: float = 0.0
     kv_block: int = 32
+    # Disaggregated T-nodes (token pipelines of depth 1) keep this many MiB of finished
+    # requests' KV (prompt and answer, same blocks): a next turn routed back gets only the
+    # blocks it lacks from its P-node (decode-side reuse); 0: none
+    decode_cache_mb: float = 0.0
     # frontend: how it routes (jsq: by pending tokens; kv: prompts to the prefilling node
     # whose cache holds most of them, kv_weight x tokens to compute + pending tokens;
     # round-robin)
@@ -143,9 +147,10 @@ class NodeConfig:
                              f"got {self.router!r}")
         if self.kv_weight < 0:
             raise ValueError(f"node config: kv_weight must be >= 0, got {self.kv_weight}")
-        if self.prefix_cache_mb < 0:
-            raise ValueError(f"node config: prefix_cache_mb must be >= 0, got "
-                             f"{self.prefix_cache_mb}")
+        for name in ("prefix_cache_mb", "decode_cache_mb"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"node config: {name} must be >= 0, got "
+                                 f"{getattr(self, name)}")
         if self.pipeline < 0:
             raise ValueError(f"node config: pipeline must be >= 0, got {self.pipeline}")
         if self.prefill_chunk and self.mode is not Mode.COLOCATED:

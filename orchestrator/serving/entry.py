@@ -73,7 +73,7 @@ class EntryPoint:
                             timeout_s=FRONTEND_TIMEOUT_S * config.time_scale,
                             stream_interval=config.stream_interval,
                             router=config.router, kv_weight=config.kv_weight,
-                            kv_block=config.kv_block)
+                            kv_block=config.kv_block, decode_reuse=config.decode_cache_mb > 0)
         return cls(frontend, RequestLimits.for_node(config, tokenizer), metrics,
                    config.concurrent_requests())
 

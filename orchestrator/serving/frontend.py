@@ -137,6 +137,7 @@ class Frontend:
         rerun_wait_s: float = 1.0, metrics: Metrics | None = None, max_sequences: int = 0,
         pipeline_sequences: list[int] | None = None, stream_interval: int = 1,
         router: str = "jsq", kv_weight: float = DEFAULT_KV_WEIGHT, kv_block: int = 32,
+        decode_reuse: bool = False,
     ) -> None:
         """``decode_pipelines``: each token pipeline's stage urls, stage 0 (its head) first;
         ``secret``: the cluster's (every request to a node is signed with it);
@@ -147,15 +148,19 @@ class Frontend:
         over a full one); ``stream_interval``: tokens per streamed response after the
         first (which goes at once), as vLLM's and TensorRT-LLM's; ``router``: jsq, kv
         (the P-nodes by their cached prefixes) or round-robin, ``kv_weight`` and
-        ``kv_block`` its (:class:`Router`)."""
+        ``kv_block`` its (:class:`Router`); ``decode_reuse``: the T-nodes keep finished
+        requests' KV (decode-side reuse), so kv routes them too, by the blocks they hold."""
         self.prefill = (Router(prefill_urls, policy=router, kv_weight=kv_weight,
                                block_tokens=kv_block) if prefill_urls else None)
         self.kv_block = kv_block  # the unit of a request's kv_cache_* counts
         heads = [stages[0] for stages in decode_pipelines]
-        # kv routes the nodes that prefill: the T-nodes only when colocated
+        # kv routes the nodes that hold prompt KV: the T-nodes when colocated, or keeping
+        # finished requests' (pipelines of depth 1)
+        self.decode_reuse = decode_reuse and all(len(s) == 1 for s in decode_pipelines)
         self.decode = Router(heads, slots=dict(zip(heads, pipeline_sequences or [],
                                                    strict=False)),
-                             policy="jsq" if router == "kv" and prefill_urls else router,
+                             policy="jsq" if router == "kv" and prefill_urls
+                             and not self.decode_reuse else router,
                              kv_weight=kv_weight, block_tokens=kv_block)
         self.later_stages = {stages[0]: stages[1:] for stages in decode_pipelines}
         # The controller's name of each token pipeline (the launcher's order) -> its head.
@@ -418,7 +423,8 @@ class Frontend:
         # outputs alone piled 2,000-token prompts onto some nodes: 4% less served, simulated).
         left, prompt = params.max_tokens, len(prompt_ids) if self.colocated else 0
         url, charged = self.decode.route(left + prompt, self._hashes(self.decode, prompt_ids,
-                                                                     params))
+                                                                     params),
+                                         None if self.colocated else len(prompt_ids))
         prompt = charged - left  # kv: the prompt tokens it will compute there
 
         def counted(tokens: list[int], log_probs: list[TokenLogProb] | None,
@@ -507,8 +513,7 @@ class Frontend:
             reserved.append(stage_url)
         stream = self._node_stream(url).open(request_id, self.timeout_s)
         try:
-            stream.send(request_arrays(prompt_ids, params)
-                        | (self._kv_since(self.decode, url) if self.colocated else {}))
+            stream.send(request_arrays(prompt_ids, params) | self._kv_since(self.decode, url))
             if self.colocated:
                 return stream, None
             ticket = stream.next(is_cancelled).as_numpy("kv_ticket")

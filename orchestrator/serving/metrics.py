@@ -31,6 +31,9 @@ class Metrics:
     def kv_streamed(self, nbytes: int, seconds: float) -> None:
         """One prompt's KV: bytes moved and how long its transfer was open."""
 
+    def kv_reused(self, nbytes: int) -> None:
+        """Prompt KV a T-node already held (decode-side reuse): not streamed to it."""
+
     def held(self, what: str, count: int) -> None:
         """Request resources taken right now (``what``: staging_blocks, ...): 0 when idle."""
 
@@ -71,6 +74,9 @@ class PublishedMetrics(Metrics):
 
     def kv_streamed(self, nbytes: int, seconds: float) -> None:
         self._add({("kv_bytes", ""): nbytes, ("kv_seconds", ""): seconds})
+
+    def kv_reused(self, nbytes: int) -> None:
+        self._add({("kv_reused_bytes", ""): nbytes})
 
     def held(self, what: str, count: int) -> None:
         self._set(("held", what), count)

@@ -19,7 +19,7 @@ from orchestrator.fault.stage_recovery import RecoveryOps
 from orchestrator.kv.transport.base import Transport
 from orchestrator.layout import StageSpec
 from orchestrator.pipeline.node import PipelineConfig, StageNode
-from orchestrator.pipeline.prefix import PrefixReuse
+from orchestrator.pipeline.prefix import DecodeReuse, PrefixReuse
 from orchestrator.serving.config import Mode, NodeConfig, Role
 from orchestrator.serving.metrics import Metrics
 from orchestrator.serving.prefill_worker import PrefillWorker
@@ -39,18 +39,20 @@ def load_prefill_worker(config: NodeConfig, metrics: Metrics | None = None) -> P
     return PrefillWorker(engines, senders, metrics=metrics, prefix=prefix_reuse(config, engines))
 
 
-def prefix_reuse(config: NodeConfig, engines: list[Engine]) -> PrefixReuse | None:
+def prefix_reuse(config: NodeConfig, engines: list[Engine], budget_mb: float | None = None,
+                 kind: type[PrefixReuse] = PrefixReuse) -> PrefixReuse | None:
     """The prefix cache of a node that prefills on ``engines`` (its stages, in order), within
-    its ``prefix_cache_mb``; None when that is 0."""
-    if not config.prefix_cache_mb:
+    ``budget_mb`` (default its ``prefix_cache_mb``); None when that is 0. ``kind``:
+    :class:`DecodeReuse` for a T-node's cache of finished requests."""
+    budget_mb = config.prefix_cache_mb if budget_mb is None else budget_mb
+    if not budget_mb:
         return None
     from orchestrator.kv.prefix_cache import PrefixCache
 
     first, last = engines[0].kv_layout, engines[-1].kv_layout
     layout = replace(first, num_layers=last.first_layer + last.num_layers - first.first_layer)
-    return PrefixReuse(PrefixCache.within(layout, config.kv_block,
-                                          int(config.prefix_cache_mb * 2**20),
-                                          device=engines[0].device), config.secret())
+    return kind(PrefixCache.within(layout, config.kv_block, int(budget_mb * 2**20),
+                                   device=engines[0].device), config.secret())
 
 
 def load_token_service(config: NodeConfig, metrics: Metrics | None = None,
@@ -117,6 +119,10 @@ def stage_service(config: NodeConfig, metrics: Metrics | None,
     # It prefills: reuse prompt KV (whole prompts only: a chunk's blocks hash as a prefix)
     if config.mode is Mode.COLOCATED and config.depth == 1 and not config.prefill_chunk:
         node.worker.prefix = prefix_reuse(config, [node.engine])
+    # It decodes the whole model: keep finished requests' KV for their next turns
+    if config.mode is not Mode.COLOCATED and config.depth == 1 and config.decode_cache_mb:
+        node.keep_finished(prefix_reuse(config, [node.engine], config.decode_cache_mb,
+                                        DecodeReuse))  # type: ignore[arg-type]  (its kind)
     if config.depth == 1:  # nothing to connect: serve at once (also where no launcher bootstraps)
         node.start()
     recovery = None

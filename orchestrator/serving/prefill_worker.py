@@ -138,6 +138,7 @@ class PrefillWorker:
         opened = time.perf_counter()
         log_probs: dict[str, TokenLogProb] = {}
         cached: dict[str, int] = {}
+        sent: dict[str, int] = {}
         try:
             first = stream_prefill(
                 self.engines, self.senders,
@@ -150,19 +151,18 @@ class PrefillWorker:
                 self.prefix,
                 {rid: job.params.cache_salt for rid, job in todo.items()},
                 cached,
+                sent,
             )
         except Exception as exc:  # one transfer failed (stream_prefill cannot tell which),
             # or every job's client left
             return [exc if job.request_id in todo else r
                     for job, r in zip(jobs, results, strict=True)]
         seconds = time.perf_counter() - opened
-        bytes_per_token = sum(e.kv_layout.token_bytes_per_layer() * e.kv_layout.num_layers
-                              for e in self.engines)
         for i, job in enumerate(jobs):
             if job.request_id in todo:
                 results[i] = First(first[job.request_id], log_probs.get(job.request_id),
                                    cached.get(job.request_id, 0))
-                self.metrics.kv_streamed(len(job.prompt_ids) * bytes_per_token, seconds)
+                self.metrics.kv_streamed(sent.get(job.request_id, 0), seconds)
         if self.prefix is not None:
             self.metrics.prefix_cache(self.prefix.cache)
         return results

@@ -113,9 +113,12 @@ class Router:
         queue and the request holds it until :meth:`leave`."""
         return self.route(tokens, hashes)[0]
 
-    def route(self, tokens: int, hashes: Sequence[int] = ()) -> tuple[str, int]:
+    def route(self, tokens: int, hashes: Sequence[int] = (),
+              prompt_tokens: int | None = None) -> tuple[str, int]:
         """:meth:`pick`, and the tokens charged to the node's queue (kv: ``tokens`` less
-        those cached there); :meth:`done` gives them back."""
+        those cached there); :meth:`done` gives them back. ``prompt_tokens`` (kv, T-nodes
+        of decode-side reuse): the prompt's tokens a node lacks are weighed instead (what
+        its P-node would stream to it), and ``tokens`` charged whole."""
         now = time.monotonic()
         with self.lock:
             live = [n for n in self.pending if self.down_until[n] <= now]
@@ -126,10 +129,13 @@ class Router:
             if self.policy == "round-robin":
                 node = free[next(self._turn) % len(free)]
             elif self.policy == "kv" and hashes:
-                # at least one token is computed, however much is cached
-                work = {n: max(1, tokens - self.index.overlap(n, hashes) * self.block_tokens)
-                        for n in free}
-                node = min(free, key=lambda n: (self.kv_weight * work[n] + self.pending[n],
+                # at least one token is computed (or streamed), however much is cached
+                prompt = tokens if prompt_tokens is None else prompt_tokens
+                lacks = {n: max(1, prompt - self.index.overlap(n, hashes) * self.block_tokens)
+                         for n in free}
+                if prompt_tokens is None:
+                    work = lacks
+                node = min(free, key=lambda n: (self.kv_weight * lacks[n] + self.pending[n],
                                                 self.pending[n]))
             else:
                 node = min(free, key=lambda n: self.pending[n])

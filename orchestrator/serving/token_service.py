@@ -82,8 +82,9 @@ class _Client:
     request_id: str = ""
     feed: str | None = None  # the token feed its tokens go to (None: its own stream)
     cached_tokens: int = 0  # colocated: its prompt's tokens the prefix cache held
-    kv_since: str | None = None  # colocated, a KV-aware router's: its last response carries
-    # the prefix cache's events since this cursor
+    kv_since: str | None = None  # a KV-aware router's: its last response carries the prefix
+    # cache's events since this cursor (colocated; disaggregated: decode-side reuse's cache)
+    kv_reused: int = 0  # disaggregated: its prompt's positions this node held (not streamed)
 
 
 class TokenService:
@@ -116,6 +117,8 @@ class TokenService:
         self.sender.start()
         if self.head is not None:  # a step's tokens go out in one message per feed
             self.head.on_step = self._flush_feeds
+        if node.decode_reuse is not None:
+            node.decode_reuse.on_stored = self.metrics.prefix_cache
 
     @property
     def colocated(self) -> bool:
@@ -254,7 +257,9 @@ class TokenService:
             if self.colocated:
                 self.head.submit(seq)
                 return
-            ticket = self.node.reserve_prompt(request_id, len(prompt_ids))
+            ticket = self.node.reserve_prompt(request_id, len(prompt_ids), prompt_ids,
+                                              params.cache_salt)
+            self._count_reuse(request_id)
             try:
                 self.head.submit_prefilled(seq)
             except Exception:
@@ -281,6 +286,10 @@ class TokenService:
         try:
             if not self.colocated and len(seq.output_ids) == 1 and token is not None:
                 self._count_kv(seq, client)
+            if (finished and self.node.decode_reuse is not None
+                    and seq.finish_reason not in (FinishReason.CANCELLED, FinishReason.ERROR)):
+                self.node.decode_reuse.finished(seq.seq_id, seq.prompt_ids + seq.output_ids,
+                                                seq.cache_salt)
             if self.colocated and len(seq.output_ids) == 1 and self.node.worker.prefix:
                 client.cached_tokens = seq.cached_tokens
                 self.metrics.prefix_cache(self.node.worker.prefix.cache)
@@ -368,9 +377,12 @@ class TokenService:
                 self._answer(feed.close)
 
     def _prefix_outputs(self, client: _Client) -> tuple:
-        """A colocated request's last response's extra outputs: (cached tokens[, its
-        router's KV events, signed]), or none."""
+        """A request's last response's extra outputs: (cached tokens[, its router's KV
+        events, signed]), or none. Disaggregated, the events are decode-side reuse's (the
+        P-node says the cached tokens)."""
         prefix = self.node.worker.prefix if self.node.worker else None
+        if not self.colocated:
+            prefix = self.node.decode_reuse
         if prefix is None:
             return ()
         if client.kv_since is None:
@@ -387,10 +399,23 @@ class TokenService:
             log.exception("could not answer a request")
 
     def _count_kv(self, seq: Sequence, client: _Client) -> None:
-        """The prompt KV of every stage has landed: count the whole model's bytes."""
-        layout = self.engine.kv_layout
-        nbytes = seq.prompt_len * layout.token_bytes_per_layer() * self.engine.stage.num_layers
+        """The prompt KV of every stage has landed: count the whole model's bytes streamed
+        (the positions this node held were not)."""
+        nbytes = (seq.prompt_len - client.kv_reused) * self._token_bytes()
         self.metrics.kv_streamed(nbytes, time.perf_counter() - client.reserved_at)
+
+    def _count_reuse(self, request_id: str) -> None:
+        """Decode-side reuse: the prompt's positions its slot already held."""
+        reused = self.node.receiver.reused(request_id)
+        if reused:
+            with self.lock:
+                self.clients[request_id].kv_reused = reused
+            self.metrics.kv_reused(reused * self._token_bytes())
+            self.metrics.prefix_cache(self.node.decode_reuse.cache)
+
+    def _token_bytes(self) -> int:
+        """KV bytes of one token, the whole model's."""
+        return self.engine.kv_layout.token_bytes_per_layer() * self.engine.stage.num_layers
 
     def _forget(self, request_id: str) -> None:
         with self.lock:

@@ -1,5 +1,6 @@
 """KV reuse on real tritonservers: the prefix cache of the node that prefills (a P-node of
-1P+1T, a colocated T-node) over a multi-turn conversation.
+1P+1T, a colocated T-node) over a multi-turn conversation; and decode-side reuse (1P+1T's
+T-node keeps each finished turn's KV, and is streamed only the blocks it lacks).
 
 Each turn's prompt is the last one, its answer and a new message: the node loads the
 cached blocks, prefills only the rest, and the greedy tokens are the single-process
@@ -33,7 +34,7 @@ MESSAGES = [[(11 * i + 5) % 500 + 1 for i in range(n)] for n in (21, 9, 30)]
 def cluster(request, model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     with cluster_up(model, tmp_path_factory.mktemp(request.param),
                     colocated=request.param == "colocated", prefix_cache_mb=4,
-                    kv_block=BLOCK) as up:
+                    decode_cache_mb=4, kv_block=BLOCK) as up:
         yield up
 
 
@@ -84,6 +85,44 @@ def test_multi_turn_prompts_reuse_their_prefix_token_exact(cluster, model):
     assert metric(node, "dejavu_prefix_cache", what="hit_rate") == pytest.approx(hit / looked)
     assert 0 < metric(node, "dejavu_prefix_cache", what="bytes") <= metric(
         node, "dejavu_prefix_cache", what="budget_bytes")
+
+
+def test_a_t_node_keeps_each_finished_turn_and_is_streamed_only_the_blocks_it_lacks(
+        cluster, model):
+    """Decode-side reuse, token-exact: each turn's T-node slot starts with the whole blocks
+    of the last turn's prompt and answer (its KV, kept when it finished), and the P-node
+    streams only the rest: the T-node's ``dejavu_kv_reused_bytes`` and the P-node's
+    ``dejavu_kv_bytes`` say exactly that many bytes."""
+    if not cluster.role("prefill"):
+        pytest.skip("colocated: no prompt KV is streamed")
+    engine = load_engine(model, max_seq_len=MAX_SEQ_LEN)
+    token_bytes = engine.kv_layout.token_bytes_per_layer() * engine.kv_layout.num_layers
+    p_node, t_node = cluster.role("prefill")[0].server, cluster.role("decode")[0].server
+    first = [(23 * i + 4) % 500 + 1 for i in range(37)]  # a conversation only this test has
+    turns, prompt = [], first
+    for message in MESSAGES:
+        answer = generate([engine], [prompt], MAX_TOKENS)[0]
+        turns.append((prompt, answer))
+        prompt = prompt + answer + message
+    turns.append((prompt, generate([engine], [prompt], MAX_TOKENS)[0]))
+
+    kept = 0  # positions the T-node holds of this conversation: the last turn's KV
+    for prompt, answer in turns:
+        held = min(kept, len(prompt) - 1) // BLOCK * BLOCK
+        reused = metric(t_node, "dejavu_kv_reused_bytes")
+        sent = metric(p_node, "dejavu_kv_bytes")
+        cache_bytes = metric(t_node, "dejavu_prefix_cache", what="bytes")
+        assert ask(cluster.frontend.grpc_url, prompt)[0] == answer
+        assert eventually(lambda s=sent: metric(p_node, "dejavu_kv_bytes") - s,
+                          lambda v: v > 0) == (len(prompt) - held) * token_bytes
+        assert eventually(lambda r=reused: metric(t_node, "dejavu_kv_reused_bytes") - r,
+                          lambda v, h=held: v >= h * token_bytes) == held * token_bytes
+        # its KV (the answer's last token has none) is kept once the T-node frees it
+        grown = ((len(prompt) + MAX_TOKENS - 1) // BLOCK - kept // BLOCK) * BLOCK * token_bytes
+        eventually(lambda b=cache_bytes: metric(t_node, "dejavu_prefix_cache", what="bytes") - b,
+                   lambda v, g=grown: v >= g)
+        kept = len(prompt) + MAX_TOKENS - 1
+    assert held > 0
 
 
 def test_another_cache_salt_never_hits(cluster, model):

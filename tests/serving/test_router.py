@@ -84,6 +84,17 @@ def test_kv_routes_a_prompt_to_the_node_holding_its_prefix_unless_it_is_far_busi
     assert router.pick(16, [1, 2, 3, 4]) == "a"
 
 
+def test_kv_routes_a_turn_back_to_the_t_node_holding_its_blocks_and_charges_its_tokens():
+    """Decode-side reuse: a T-node's cost weighs the prompt tokens it lacks (what its P-node
+    would stream), and its queue is charged the request's tokens to generate."""
+    router = kv_router()
+    router.kv_events("b", {"cursor": "e:1", "events": [["stored", [1, 2, 3]]]})
+    node, charged = router.route(8, [1, 2, 3, 4], prompt_tokens=16)
+    assert (node, charged) == ("b", 8) and router.pending == {"a": 0, "b": 8}
+    router.pending["b"] = 60  # a queue that outweighs the 12 tokens not streamed, x4
+    assert router.route(8, [1, 2, 3, 4], prompt_tokens=16) == ("a", 8)
+
+
 def test_kv_index_follows_removals_and_resets_and_needs_every_block_from_the_first():
     router = kv_router()
     router.kv_events("b", {"cursor": "e:1", "events": [["stored", [1, 2, 3]]]})
