@@ -73,6 +73,7 @@ from orchestrator.pipeline.link import Link, QueueLink
 from orchestrator.pipeline.pipeline import link_capacity, make_placement, resolve_swap
 from orchestrator.pipeline.prefill import decode_first_token
 from orchestrator.pipeline.prefix import DecodeReuse
+from orchestrator.pipeline.sequence import Sequence
 from orchestrator.pipeline.stage import StageWorker
 from orchestrator.pipeline.transport_link import LinkTicket, TransportReceiver, TransportSender
 
@@ -361,9 +362,16 @@ class StageNode:
     def keep_finished(self, reuse: DecodeReuse) -> None:
         """Keep finished requests' KV in ``reuse`` for their next turns (decode-side reuse:
         a pipeline's only stage, which holds every layer)."""
-        if self.config.depth != 1 or self.receiver is None or self.worker is None:
+        if self.config.depth != 1 or self.receiver is None:
             raise ValueError("decode-side reuse needs a disaggregated pipeline of depth 1")
-        self.decode_reuse, self.worker.keep = reuse, reuse.keep
+        self.decode_reuse = reuse
+
+    def keep(self, seq: Sequence) -> None:
+        """``seq`` ended normally: keep its KV for its next turn (decode-side reuse). On the
+        head's thread, which runs this pipeline's only stage: its KV is still here."""
+        if self.decode_reuse is not None:
+            self.decode_reuse.keep(seq.prompt_ids + seq.output_ids, seq.cache_salt,
+                                   self.kv.held().get(seq.seq_id))
 
     def release_prompt(self, request_id: str) -> None:
         """Free a reservation whose request was never submitted (submitted ones are freed by

@@ -12,7 +12,6 @@ token is always computed: its logits give the first token.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -75,16 +74,13 @@ class DecodeReuse(PrefixReuse):
     block hashes as a P-node's: the next turn of a conversation, routed back here, gets its
     leading blocks from it, and the P-node streams only the rest (decode-side reuse).
 
-    The head says which tokens a finished sequence's KV holds (:meth:`finished`); the
-    stage's worker hands its KV over before freeing it (:meth:`keep`); a reservation copies
-    the cached blocks into its slot (:meth:`fill`). A request that failed or was cancelled
-    stores nothing."""
+    A request that ended normally is kept (:meth:`keep`) before its final response goes
+    out, so the KV events that response carries name its blocks; a reservation copies the
+    cached blocks into its slot (:meth:`fill`)."""
 
     def __init__(self, cache: PrefixCache, secret: bytes = b"") -> None:
         super().__init__(cache, secret)
         self.on_stored: Callable[[PrefixCache], None] | None = None  # the node's metrics
-        self._finished: dict[int, tuple[list[int], str]] = {}  # seq id -> (tokens, salt)
-        self._lock = threading.Lock()
 
     def fill(self, prompt: Sequence[int], salt: str) -> Callable[[KVCache], int]:
         """What a prompt KV slot is filled with at reservation: the prompt's cached leading
@@ -97,22 +93,15 @@ class DecodeReuse(PrefixReuse):
 
         return fill
 
-    def finished(self, seq_id: int, tokens: list[int], salt: str) -> None:
-        """The sequence ended normally: its KV holds ``tokens`` (prompt and answer; the
-        last one, never fed, has no KV), under ``salt``."""
-        with self._lock:
-            self._finished[seq_id] = (tokens, salt)
-
-    def keep(self, seq_id: int, cache: KVCache | None) -> None:
-        """The worker frees the sequence's KV (``cache``; None: it holds none): keep its
-        whole blocks if it ended normally."""
-        with self._lock:
-            tokens, salt = self._finished.pop(seq_id, (None, ""))
-        if tokens is None or cache is None:
+    def keep(self, tokens: list[int], salt: str, cache: KVCache | None) -> None:
+        """Keep the whole blocks of a finished request's KV ``cache`` (None: it holds none
+        here), which holds ``tokens`` (prompt and answer; the last one, never fed, has
+        none) under ``salt``."""
+        if cache is None:
             return
         try:
             hashes = block_hashes(tokens[: cache.length], self.cache.block_tokens, salt)
             if self.cache.store(hashes, [cache]) and self.on_stored is not None:
                 self.on_stored(self.cache)
         except Exception:  # soft state: a block not kept is a later miss, never a failure
-            log.exception("could not keep the KV of sequence %d", seq_id)
+            log.exception("could not keep a finished request's KV")

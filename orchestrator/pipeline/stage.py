@@ -118,8 +118,6 @@ class StageWorker:
         self.timeline: deque[Interval] = deque(maxlen=TIMELINE_KEPT)
         # A pipeline's only stage (colocated) may reuse cached prompt KV: set by its node.
         self.prefix: PrefixReuse | None = None
-        # Told a sequence's KV before it is freed (a T-node keeping it: decode-side reuse).
-        self.keep: Callable[[int, KVCache | None], None] | None = None
         self._handling = False  # a message taken and not yet passed on
         self._handled = 0  # messages handled (the inbox counts those it gave out)
         self._last_handled = time.monotonic()
@@ -336,8 +334,6 @@ class StageWorker:
     def _forget(self, seq_ids: list[int]) -> None:
         """Free ended sequences; after a failed step some may never have arrived here."""
         for seq_id in seq_ids:
-            if self.keep is not None:
-                self.keep(seq_id, self.kv.held().get(seq_id) if seq_id in self.kv else None)
             if seq_id in self.kv:
                 self.kv.drop(seq_id)
             elif self.prompt_kv is not None:  # admitted in a step that failed before taking it

@@ -466,9 +466,9 @@ class Frontend:
                 tokens, log_probs, done = stream.tokens(is_cancelled)
                 if self.colocated:  # the node's last response says it
                     usage.cached_tokens = stream.cached_tokens
+                if done and stream.kv_events is not None:  # before the client hears the end
+                    self._index_kv_events(self.decode, url, stream.kv_events)
                 counted(tokens, log_probs, done)
-            if stream.kv_events is not None:
-                self._index_kv_events(self.decode, url, stream.kv_events)
         except (InferenceServerException, ControlError) as exc:
             if is_unreachable(exc):
                 self.decode.mark_down(url)

@@ -286,10 +286,9 @@ class TokenService:
         try:
             if not self.colocated and len(seq.output_ids) == 1 and token is not None:
                 self._count_kv(seq, client)
-            if (finished and self.node.decode_reuse is not None
-                    and seq.finish_reason not in (FinishReason.CANCELLED, FinishReason.ERROR)):
-                self.node.decode_reuse.finished(seq.seq_id, seq.prompt_ids + seq.output_ids,
-                                                seq.cache_salt)
+            if finished and seq.finish_reason not in (FinishReason.CANCELLED,
+                                                      FinishReason.ERROR):
+                self.node.keep(seq)  # before its final response: its events name the blocks
             if self.colocated and len(seq.output_ids) == 1 and self.node.worker.prefix:
                 client.cached_tokens = seq.cached_tokens
                 self.metrics.prefix_cache(self.node.worker.prefix.cache)

@@ -29,8 +29,7 @@ def decoded(length: int) -> KVCache:
 def test_a_finished_request_fills_the_next_turns_slot_with_its_whole_blocks():
     node = reuse()
     tokens = list(range(1, 12))  # 9 prompt tokens and 2 answered: the last one has no KV
-    node.finished(7, tokens, "")
-    node.keep(7, decoded(10))
+    node.keep(tokens, "", decoded(10))
     assert len(node.cache) == 2  # 10 positions: two whole blocks
     slot = KVCache.empty(LAYOUT)
     assert node.fill([*tokens, 50, 51], "")(slot) == 8
@@ -42,10 +41,7 @@ def test_a_finished_request_fills_the_next_turns_slot_with_its_whole_blocks():
     assert sorted(answer["reset"]) == sorted(node.cache.held_hashes())
 
 
-def test_a_sequence_that_did_not_finish_normally_keeps_nothing():
+def test_a_request_holding_no_kv_here_keeps_nothing():
     node = reuse()
-    node.keep(3, decoded(10))  # cancelled or failed: the head never said it finished
-    node.finished(4, list(range(1, 12)), "")
-    node.keep(4, None)  # it held no KV here
-    node.keep(4, decoded(10))  # said once only
-    assert len(node.cache) == 0
+    node.keep(list(range(1, 12)), "", None)
+    assert len(node.cache) == 0 and node.events.since("")["reset"] == []

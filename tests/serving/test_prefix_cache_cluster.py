@@ -155,14 +155,16 @@ def test_openai_reports_cached_tokens_and_takes_a_cache_salt(cluster, model):
 
 
 @pytest.mark.parametrize("layout", [{"prefill": 2}, {"prefill": 0, "decode": 2,
-                                                    "colocated": True}],
-                         ids=["2P+1T", "2 colocated"])
+                                                    "colocated": True},
+                                    {"prefill": 1, "decode": 2, "decode_cache_mb": 4}],
+                         ids=["2P+1T", "2 colocated", "1P+2T decode-side"])
 def test_the_kv_router_sends_each_next_turn_to_the_node_holding_its_prefix(model, tmp_path,
                                                                          layout):
     """2 prefilling nodes, KV-aware routing: four first turns at once (the router spreads
     them by queue), then their second turns at once: each finds its whole prefix cached,
     so the router indexed the nodes' signed KV events and sent each to the node holding
-    it."""
+    it. Decode-side (2 T-nodes keeping finished turns): each second turn goes back to the
+    T-node holding its first turn's KV, which is streamed only the rest."""
     from concurrent.futures import ThreadPoolExecutor
 
     engine = load_engine(model, max_seq_len=MAX_SEQ_LEN)
@@ -179,6 +181,11 @@ def test_the_kv_router_sends_each_next_turn_to_the_node_holding_its_prefix(model
         nodes = up.role("prefill") or up.role("decode")
         eventually(lambda: sum(metric(n.server, "dejavu_prefix_cache", what="hit_tokens")
                                for n in nodes), lambda hits: hits == 4 * 32)
+        if "decode_cache_mb" in layout:  # each T-node held the first turn's 2 whole blocks
+            token_bytes = engine.kv_layout.token_bytes_per_layer() * engine.kv_layout.num_layers
+            eventually(lambda: sum(metric(n.server, "dejavu_kv_reused_bytes")
+                                   for n in up.role("decode")),
+                       lambda reused: reused == 4 * 32 * token_bytes)
 
 
 def test_a_replay_bigger_than_the_cache_stays_in_its_budget_and_keeps_serving(model, tmp_path):
