@@ -17,7 +17,8 @@ colocated with the KV router, 6P+2T JSQ, 6P+2T KV router): TTFT p50/p99, ITL p99
 between tokens), end-to-end p50/p99, prompt tokens computed, the hit rate (prompt tokens
 reused over all) against the offline ideal at the same total cache capacity (one cache
 that large under Belady's eviction: :func:`~orchestrator.planner.mooncake.ideal_hit_rate`)
-and bytes of KV moved P->T; and the simulator's TTFT for the layout at its measured hit
+and bytes of KV moved P->T (and, with decode-side reuse, those not moved: the T-nodes held
+them); and the simulator's TTFT for the layout at its measured hit
 rate (:class:`~orchestrator.planner.simulator.ServingSimulator`). Output: ``kv_reuse.csv``,
 ``kv_reuse.png``, a table. ``--predict-from CSV``: only the simulator's figures, at the hit
 rates of an earlier run's CSV (no cluster).
@@ -47,26 +48,30 @@ class Layout:
     decode: int  # token pipelines (colocated: each prefills its own)
     router: str  # jsq, kv, round-robin
     cache: bool = True
+    decode_cache: bool = False  # the T-nodes keep finished requests' KV (decode-side reuse)
 
     @classmethod
     def parse(cls, text: str) -> Layout:
-        """``colocated:N:ROUTER[:nocache]`` or ``pools:P:T:ROUTER[:nocache]``."""
+        """``colocated:N:ROUTER[:nocache]`` or ``pools:P:T:ROUTER[:nocache][:decode]``."""
         parts = text.split(":")
+        flags = set()
+        while parts and parts[-1] in ("nocache", "decode"):
+            flags.add(parts.pop())
+        cache, suffix = "nocache" not in flags, "" if "nocache" not in flags else ", no cache"
         try:
-            cache = parts[-1] != "nocache"
-            parts = parts if cache else parts[:-1]
-            if parts[0] == "colocated" and len(parts) == 3:
+            if parts[0] == "colocated" and len(parts) == 3 and "decode" not in flags:
                 n, router = int(parts[1]), parts[2]
-                name = f"{n} colocated, {router}" + ("" if cache else ", no cache")
-                return cls(name, 0, n, router, cache)
+                return cls(f"{n} colocated, {router}{suffix}", 0, n, router, cache)
             if parts[0] == "pools" and len(parts) == 4:
                 p, t, router = int(parts[1]), int(parts[2]), parts[3]
-                return cls(f"{p}P+{t}T, {router}" + ("" if cache else ", no cache"), p, t,
-                           router, cache)
+                decode = "decode" in flags
+                return cls(f"{p}P+{t}T, {router}{suffix}"
+                           + (", decode-side reuse" if decode else ""), p, t, router, cache,
+                           decode)
         except (ValueError, IndexError):
             pass
         raise ValueError(f"bad layout {text!r}: colocated:N:ROUTER[:nocache] or "
-                         "pools:P:T:ROUTER[:nocache]")
+                         "pools:P:T:ROUTER[:nocache][:decode]")
 
     @property
     def prefilling(self) -> int:
@@ -78,7 +83,7 @@ COLUMNS = {"layout": "layout", "requests": "requests", "ttft_p50_s": "TTFT p50 s
            "ttft_p99_s": "TTFT p99 s", "itl_p99_ms": "ITL p99 ms", "e2e_p50_s": "E2E p50 s",
            "e2e_p99_s": "E2E p99 s", "prefill_tokens": "prefill tokens computed",
            "hit_rate": "hit rate", "ideal_hit_rate": "ideal", "hit_vs_ideal": "of ideal",
-           "p_to_t_gb": "P->T GB (x kv_scale)"}
+           "p_to_t_gb": "P->T GB (x kv_scale)", "p_to_t_saved_gb": "P->T saved GB"}
 PREDICTED = {"layout": "layout", "hit_rate": "hit rate", "ttft_p50_s": "TTFT p50 s",
              "sim_ttft_p50_s": "simulated", "sim_vs_measured_p50": "sim / measured",
              "ttft_p99_s": "TTFT p99 s", "sim_ttft_p99_s": "simulated p99"}
@@ -100,6 +105,7 @@ class Result:
     hit_vs_ideal: float
     p_to_t_gb: float  # KV bytes the P-nodes streamed (the emulated model's: x kv_scale)
     unfinished: int
+    p_to_t_saved_gb: float = 0.0  # not streamed: the T-nodes held it (decode-side reuse)
     sim_ttft_p50_s: float = math.nan  # the simulator's, at the measured hit rate
     sim_ttft_p99_s: float = math.nan
     sim_vs_measured_p50: float = math.nan
@@ -141,7 +147,8 @@ def predict_from(path: Path, layouts: list[Layout], jobs, args) -> list[Result]:
         row = rows[layout.name]
         measured = {f.name: (int if f.type == "int" else float)(row[f.name])
                     for f in dataclasses.fields(Result)
-                    if f.name != "layout" and not f.name.startswith("sim_")}
+                    if f.name != "layout" and not f.name.startswith("sim_")
+                    and f.name in row}  # a column newer than the CSV keeps its default
         results.append(Result(layout.name, **measured).simulate(layout, jobs, args))
     return results
 
@@ -178,6 +185,7 @@ def run_layout(layout: Layout, model_dir: Path, jobs, prompts_hashes, lengths, a
                     time_scale=args.time_scale, max_batch=args.batch,
                     max_seq_len=args.max_prompt + args.max_new,
                     replicate=ReplicateMode.OFF, prefix_cache_mb=cache_mb,
+                    decode_cache_mb=capacity_mb if layout.decode_cache else 0.0,
                     kv_block=args.kv_block, router=layout.router,
                     kv_weight=args.kv_weight) as cluster:
         prefilling = cluster.role("prefill") or cluster.role("decode")
@@ -186,13 +194,14 @@ def run_layout(layout: Layout, model_dir: Path, jobs, prompts_hashes, lengths, a
         wait_idle(cluster)
         hit = node_sum(prefilling, "dejavu_prefix_cache", what="hit_tokens") if cache_mb else 0
         streamed = node_sum(cluster.role("prefill"), "dejavu_kv_bytes")
+        saved = node_sum(cluster.role("decode"), "dejavu_kv_reused_bytes")
     blocks = int(cache_mb * 2**20 // (args.kv_block * KV_BYTES_PER_TOKEN)) * layout.prefilling
     ideal = ideal_hit_rate(prompts_hashes, lengths, blocks, args.kv_block) if blocks else 0.0
     total = sum(lengths)
     return Result(layout.name, len(jobs), **latencies(times), prompt_tokens=total,
                   prefill_tokens=int(total - hit), hit_rate=hit / total, ideal_hit_rate=ideal,
                   hit_vs_ideal=hit / total / ideal if ideal else math.nan,
-                  p_to_t_gb=streamed / 1e9,
+                  p_to_t_gb=streamed / 1e9, p_to_t_saved_gb=saved / 1e9,
                   unfinished=sum(len(t) - 1 < j.max_tokens for j, t in zip(jobs, times,
                                                                             strict=True))
                   ).simulate(layout, jobs, args)
@@ -249,8 +258,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--rate-scale", type=float, default=1.0,
                         help="arrivals this many times as dense as the trace's")
     parser.add_argument("--layouts", nargs="+", default=RECIPE,
-                        help="colocated:N:ROUTER[:nocache] or pools:P:T:ROUTER[:nocache] "
-                        "(ROUTER: jsq, kv, round-robin); default: Dynamo's recipe")
+                        help="colocated:N:ROUTER[:nocache] or pools:P:T:ROUTER[:nocache]"
+                        "[:decode] (ROUTER: jsq, kv, round-robin; decode: the T-nodes keep "
+                        "finished requests' KV, a cache as large as a prefilling node's: "
+                        "decode-side reuse); default: Dynamo's recipe")
     parser.add_argument("--profile", default="splitwise-llama2-70b-h100")
     parser.add_argument("--time-scale", type=float, default=1.0, metavar="K")
     parser.add_argument("--batch", type=int, default=16, help="sequences per T-node microbatch")

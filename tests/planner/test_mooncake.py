@@ -61,8 +61,12 @@ def test_layouts_and_latencies():
     assert Layout.parse("colocated:8:round-robin:nocache") == Layout(
         "8 colocated, round-robin, no cache", 0, 8, "round-robin", False)
     assert Layout.parse("pools:6:2:kv").prefilling == 6
+    assert Layout.parse("pools:6:2:kv:decode") == Layout(
+        "6P+2T, kv, decode-side reuse", 6, 2, "kv", True, True)
     with pytest.raises(ValueError, match="bad layout"):
         Layout.parse("pools:6:kv")
+    with pytest.raises(ValueError, match="bad layout"):
+        Layout.parse("colocated:8:kv:decode")  # no T-node receives prompt KV
     got = latencies([[0.0, 1.0, 1.5, 2.5], [1.0, 3.0]])
     assert got["ttft_p50_s"] == pytest.approx(1.5) and got["e2e_p99_s"] == pytest.approx(2.5,
                                                                                           rel=0.2)
