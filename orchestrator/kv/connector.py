@@ -30,6 +30,9 @@ every token stage that this prompt stage is done; a receiver is complete once
 all of its layers arrived and the last prompt stage (the one holding the
 model's last layer, which produced ``extra``) has finished. Nothing is trusted
 until its header verifies: a failed or timed-out request never returns a cache.
+A receiver that already holds the prompt's leading positions (``reserve``'s ``fill``:
+a T-node's cache of finished requests) says so in the ticket, and each layer's write
+covers only the positions after them.
 
 Token-step deltas (replicas, hand-offs): a :class:`~orchestrator.kv.delta.DeltaStreamer`
 given the same ticket writes each step into the slot's landing ring; the
