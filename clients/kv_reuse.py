@@ -185,7 +185,8 @@ def run_layout(layout: Layout, model_dir: Path, jobs, prompts_hashes, lengths, a
                     time_scale=args.time_scale, max_batch=args.batch,
                     max_seq_len=args.max_prompt + args.max_new,
                     replicate=ReplicateMode.OFF, prefix_cache_mb=cache_mb,
-                    decode_cache_mb=capacity_mb if layout.decode_cache else 0.0,
+                    decode_cache_mb=(args.decode_cache_tokens * KV_BYTES_PER_TOKEN / 2**20
+                                     if layout.decode_cache else 0.0),
                     kv_block=args.kv_block, router=layout.router,
                     kv_weight=args.kv_weight) as cluster:
         prefilling = cluster.role("prefill") or cluster.role("decode")
@@ -260,8 +261,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--layouts", nargs="+", default=RECIPE,
                         help="colocated:N:ROUTER[:nocache] or pools:P:T:ROUTER[:nocache]"
                         "[:decode] (ROUTER: jsq, kv, round-robin; decode: the T-nodes keep "
-                        "finished requests' KV, a cache as large as a prefilling node's: "
-                        "decode-side reuse); default: Dynamo's recipe")
+                        "finished requests' KV, --decode-cache-tokens each: decode-side "
+                        "reuse); default: Dynamo's recipe")
     parser.add_argument("--profile", default="splitwise-llama2-70b-h100")
     parser.add_argument("--time-scale", type=float, default=1.0, metavar="K")
     parser.add_argument("--batch", type=int, default=16, help="sequences per T-node microbatch")
@@ -277,6 +278,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--cache-tokens", type=int, default=0,
                         help="each prefilling node's cache, tokens (default: half the "
                         "profile machine's KV memory)")
+    parser.add_argument("--decode-cache-tokens", type=int, default=0,
+                        help="each T-node's cache of finished requests, tokens (layouts with "
+                        ":decode; default: --cache-tokens)")
     parser.add_argument("--drain", type=float, default=math.inf,
                         help="cancel what still runs this long after the last arrival")
     parser.add_argument("--predict-from", type=Path, metavar="CSV",
@@ -300,6 +304,7 @@ def main(argv: list[str]) -> int:
                              f"{mooncake.TRACE_BLOCK_TOKENS}-token blocks")
         profile = load_profile(args.profile)
         args.cache_tokens = args.cache_tokens or profile.max_kv_tokens() // 2
+        args.decode_cache_tokens = args.decode_cache_tokens or args.cache_tokens
         model_dir = dummy_long_model(args.out, args.max_prompt + args.max_new)
         engine = load_emulated_engine(str(model_dir), profile, max_seq_len=1)
         requests = mooncake.load_mooncake(args.trace_file, args.start, args.window,
