@@ -239,6 +239,9 @@ class StageWorker:
         mb = message.microbatch
         self._forget(message.release)
         for seq_id in message.admit:
+            if seq_id in message.resume:  # re-attached: its KV is here already
+                self.kv.cut(seq_id, message.resume[seq_id])
+                continue
             if self.prompt_kv is None:
                 raise RuntimeError("sequences admitted with prompt KV, but no prompt KV source")
             self.kv.add(seq_id, self.prompt_kv.take(seq_id, self.index))

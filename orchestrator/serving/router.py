@@ -180,6 +180,11 @@ class Router:
             if self.down_until[node] <= time.monotonic():
                 self.index.apply(node, answer)
 
+    def is_up(self, node: str) -> bool:
+        """Not marked down (or its down time is over)."""
+        with self.lock:
+            return self.down_until[node] <= time.monotonic()
+
     def mark_up(self, node: str) -> None:
         with self.lock:
             if self.down_until[node] > time.monotonic():
