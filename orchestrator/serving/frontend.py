@@ -423,7 +423,10 @@ class Frontend:
         """Whether another node has taken the attempt's head over (a spare), or a node of
         either pool came back, since this call."""
         revived = self._revived_since()
-        return lambda: revived() or self.head_at.get(attempt.url, attempt.url) != attempt.head_at
+        return lambda: revived() or self._head_moved(attempt)
+
+    def _head_moved(self, attempt: _Attempt) -> bool:
+        return self.head_at.get(attempt.url, attempt.url) != attempt.head_at
 
     def _revived_since(self) -> Callable[[], bool]:
         """Whether a node of either pool came back since this call."""
@@ -557,6 +560,8 @@ class Frontend:
         of it, PipelineLost if it cannot be reached or fails it again."""
         url, deadline = attempt.url, time.monotonic() + self.timeout_s
         while not self.decode.is_up(url):  # marked down from its loss to its repair's end
+            if not self._head_moved(attempt):  # no spare took over: it starts afresh
+                raise NotKept(f"pipeline {url} is down and no node took its head over")
             if time.monotonic() > deadline:
                 raise PipelineLost(f"pipeline {url} not repaired in {self.timeout_s:.0f} s")
             self._wait(_REPAIR_POLL_S, is_cancelled)
@@ -576,6 +581,8 @@ class Frontend:
         except (InferenceServerException, ServingError, StreamTimeout, ConnectionError) as exc:
             if isinstance(exc, Refused):
                 raise
+            if isinstance(exc, InferenceServerException) and is_unreachable(exc):
+                self.decode.mark_down(url)  # its replacement marks it up
             raise PipelineLost(f"re-attaching to {url}: {exc}") from exc
         finally:
             if stream is not None:
