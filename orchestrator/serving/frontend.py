@@ -568,6 +568,8 @@ class Frontend:
         assert attempt.request_id is not None
         stream: RequestStream | None = None
         done = False
+        left = params.max_tokens - len(delivered)
+        self.decode.hold(url, left)
         try:
             stream = self._node_stream(url).open(attempt.request_id, self.timeout_s)
             stream.send(request_arrays(prompt_ids, replace(params, delivered=tuple(delivered))))
@@ -585,6 +587,8 @@ class Frontend:
                 self.decode.mark_down(url)  # its replacement marks it up
             raise PipelineLost(f"re-attaching to {url}: {exc}") from exc
         finally:
+            self.decode.done(url, left)
+            self.decode.leave(url)
             if stream is not None:
                 stream.stop_forwarding()
                 if not done:

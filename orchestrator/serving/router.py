@@ -156,6 +156,12 @@ class Router:
         with self.lock:
             self.full_until[node] = time.monotonic() + for_s
 
+    def hold(self, node: str, tokens: int) -> None:
+        """A request goes on at ``node`` (re-attached there, not routed): counted as routed."""
+        with self.lock:
+            self.pending[node] += tokens
+            self.held[node] += 1
+
     def done(self, node: str, tokens: int) -> None:
         with self.lock:
             self.pending[node] = max(0, self.pending[node] - tokens)
