@@ -191,7 +191,7 @@ def recover_stage(call: Call, urls: list[str], plan: dict, quiet_timeout_s: floa
                                   *((urls[i], "sequences", []) for i in survivors)])
             if not recompute:
                 kept = _kept_of_lost_head([json.loads(r) for r in replies[len(survivors):]])
-                rewound["lengths"] = {s: n for s, n in kept.values()}
+                rewound["lengths"] = {str(s): n for s, n in kept.values()}
         lengths = json.dumps(rewound["lengths"]).encode()
         rewound_at = time.monotonic()
         sampling = json.dumps(rewound["sampling"]).encode()
