@@ -151,6 +151,7 @@ class ReceiverKVSource:
 
     def discard(self, seq_id: int, request_id: str | None = None) -> None:
         with self._lock:
+            self.taken.pop(seq_id, None)
             request_id = self._request_ids.pop(seq_id, None) or request_id
         if request_id is not None:
             self.receiver.release(request_id)

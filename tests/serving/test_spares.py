@@ -17,6 +17,7 @@ import pytest
 from cluster_helpers import (
     FAULT_TOKENS,
     PROMPTS,
+    SEEDED,
     assert_all_freed,
     eventually,
     fault_cluster,
@@ -25,6 +26,7 @@ from cluster_helpers import (
     longest_gap,
     metric,
     reference,
+    stream_grpc,
 )
 
 from benchmarks import recovery as bench
@@ -98,18 +100,20 @@ def test_a_killed_head_stage_moves_to_the_spare(model, tmp_path):
     """Stage 0 (the head) killed mid-stream: the spare takes its role, the surviving stage
     is wired to it and the pipeline serves again without starting afresh; every request is
     re-attached to the new head with the tokens it had, none runs again from its prompt,
-    and every stream ends token-exact."""
+    and every stream ends token-exact (a seeded sampled one as undisturbed)."""
     expected = reference(model, PROMPTS[:4], FAULT_TOKENS, to_end=False)
     with fault_cluster(model, tmp_path, decode=1, decode_depth=2, spares=1) as cluster:
+        undisturbed = ids_of(stream_grpc(cluster.frontend.grpc_url, PROMPTS[4],
+                                         max_tokens=FAULT_TOKENS, **SEEDED))
         before = read_state(tmp_path)
         spare, survivor = node(before, "spare0"), node(before, "decode0s1")
-        requests = kill_mid_stream(cluster, PROMPTS[:4], ["decode0s0"])
-        assert [r.error for r in requests] == [None] * 4
-        assert [ids_of(r.chunks) for r in requests] == expected
+        requests = kill_mid_stream(cluster, PROMPTS[:4], ["decode0s0"], seeded=PROMPTS[4])
+        assert [r.error for r in requests] == [None] * 5
+        assert [ids_of(r.chunks) for r in requests] == [*expected, undisturbed]
         print(f"stage 0 killed, a spare: longest client pause {longest_gap(requests):.2f} s"
               f" (load average {os.getloadavg()[0]:.1f})")
         frontend = cluster.frontend
-        eventually(lambda: metric(frontend, "dejavu_reattached"), lambda n: n == 4)
+        eventually(lambda: metric(frontend, "dejavu_reattached"), lambda n: n == 5)
         assert metric(frontend, "dejavu_reruns") == 0  # neither a request nor a prompt
         deadline = time.monotonic() + 30  # the repair is recorded once its last call returned
         while not (after := read_state(tmp_path)).get("repairs"):
