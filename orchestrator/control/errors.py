@@ -25,6 +25,7 @@ class ErrorCode(enum.IntEnum):
     NO_FREE_SLOT = 4  # every prompt-KV slot is held: wait and ask again
     KV_TRANSFER = 5  # a KV transfer failed or was refused: the prompt may run elsewhere
     PIPELINE_LOST = 6  # the token pipeline failed a request it had admitted
+    NOT_KEPT = 7  # a re-attached request's KV was not kept: run it again from its prompt
 
 
 class ControlError(RuntimeError):

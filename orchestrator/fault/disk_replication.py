@@ -78,6 +78,10 @@ class DiskReplication:
     def reseed(self) -> None:
         """Nothing to do: the files already hold what the stage kept."""
 
+    def replica_lengths(self) -> dict[str, int]:
+        """None held for another stage: a lost stage 0's sequences are not re-attached."""
+        return {}
+
     def held(self) -> list[str]:
         """Sequences with a replica file (as strings)."""
         return sorted(p.stem for p in self.folder.glob("*.kv"))

@@ -39,7 +39,7 @@ from orchestrator.engine.sampling import Sampler, SamplingParams
 from orchestrator.fault.replication import AckFn, ReplicaStore, Replicator, send_cache
 from orchestrator.fault.rpc import RequestError, Stub, service_handler
 from orchestrator.kv.connector import KVSender
-from orchestrator.kv.transport.base import Transport
+from orchestrator.kv.transport.base import KVPoll, Transport
 from orchestrator.layout import KVCache, KVLayout
 from orchestrator.pipeline.node import StageNode
 
@@ -288,6 +288,15 @@ class NodeReplication:
         """Wait until every step so far landed on the successor and was acked there."""
         assert self.replicator is not None
         self.replicator.flush()
+
+    def replica_lengths(self) -> dict[str, int]:
+        """Each replica held here (by sequence id) and the KV positions it holds now."""
+        if self.store is None:
+            return {}
+        self.store.progress()  # take in the deltas that landed since this stage's last step
+        receiver = self.store.receiver
+        return {rid: receiver.cache(rid).length for rid in self.store.held
+                if receiver.poll(rid) is KVPoll.SUCCESS}  # a seed still landing: not kept
 
     def held(self) -> list[str]:
         """Sequence ids (as strings) whose replicas this node holds."""

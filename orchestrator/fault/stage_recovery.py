@@ -25,10 +25,13 @@ marked ``||`` with each other::
 :func:`repair_links` is the same without a lost stage: a dropped connection
 (``drop_link`` is its drill) made a stage report that it cannot send on.
 
-A lost stage 0 took its head with it: its replacement's head starts empty (its
-``rewind`` keeps nothing), so every survivor drops the requests' KV at the rollback
-and the frontend runs those requests again from their prompts, on the same
-pipeline once it resumes.
+A lost stage 0 took its head with it: its replacement's head starts empty. Each
+request keeps the KV length every survivor holds and stage 1's replica of stage 0
+holds (``sequences``); stage 0's part is restored into the replacement as any lost
+stage's, and the new head is told which requests it may take back
+(``reattachable``): the frontend re-attaches each with the tokens it has delivered,
+and the pipeline computes on from the KV kept (a request not kept runs again from
+its prompt).
 
 When the plan says ``recompute`` (a lost stage's replica holder is lost too),
 every microbatch redoes from step 0: the head ends its running requests with
@@ -71,6 +74,7 @@ class RecoveryOps:
         return {
             "replica_endpoints": replication.endpoints, "replicate": replication.connect,
             "reconnect": self._reconnect, "follow_head": self.node.follow_head,
+            "sequences": self._sequences, "reattachable": self._reattachable,
             "pause": self._pause, "quiet": self._quiet,
             "rewind": self._rewind, "restore": self._restore, "adopt": self._adopt,
             "rollback": self._rollback, "reseed": replication.reseed,
@@ -105,6 +109,16 @@ class RecoveryOps:
         sampling = {s.seq_id: asdict(s.sampling.resumed(s.output_ids)) for s in head.running()
                     if s.seq_id in lengths}
         return json.dumps({"lengths": lengths, "sampling": sampling}).encode()
+
+    def _sequences(self) -> bytes:
+        """What a survivor holds of each request: its KV (``kv``: seq id -> [request id,
+        length]) and the replicas of its predecessor (``replicas``: seq id -> length)."""
+        return json.dumps({"kv": self.node.sequences(),
+                           "replicas": self.replication.replica_lengths()}).encode()
+
+    def _reattachable(self, kept: bytes) -> None:
+        self._head().expect_reattach({r: (int(s), int(n)) for r, (s, n)
+                                      in json.loads(kept).items()})
 
     def _restore(self, to: bytes, lengths: bytes) -> None:
         self.replication.restore(to, {str(s): n for s, n in json.loads(lengths).items()})
@@ -171,8 +185,13 @@ def recover_stage(call: Call, urls: list[str], plan: dict, quiet_timeout_s: floa
         rewound, *_ = calls.each([(urls[0], "rewind", [json.dumps(resume).encode()]),
                                   *reconnects])
         rewound = json.loads(rewound)
+        kept: dict[str, tuple[int, int]] = {}  # a lost head's: request -> (seq id, length)
         if 0 in failed:  # the survivors' heartbeats go to the new head
-            calls.each([(urls[i], "follow_head", [ring[0]]) for i in survivors])
+            replies = calls.each([*((urls[i], "follow_head", [ring[0]]) for i in survivors),
+                                  *((urls[i], "sequences", []) for i in survivors)])
+            if not recompute:
+                kept = _kept_of_lost_head([json.loads(r) for r in replies[len(survivors):]])
+                rewound["lengths"] = {str(s): n for s, n in kept.values()}
         lengths = json.dumps(rewound["lengths"]).encode()
         rewound_at = time.monotonic()
         sampling = json.dumps(rewound["sampling"]).encode()
@@ -184,6 +203,8 @@ def recover_stage(call: Call, urls: list[str], plan: dict, quiet_timeout_s: floa
         for future in [calls.pool.submit(restore, holder, x)
                        for holder, x in ([] if recompute else plan["restore"])]:
             future.result()
+        if kept:
+            calls.one(urls[0], "reattachable", [json.dumps(kept).encode()])
         restored = time.monotonic()
         _resume(calls, urls, survivors, lengths, failed, plan["epoch"])
         done = time.monotonic()
@@ -194,6 +215,18 @@ def recover_stage(call: Call, urls: list[str], plan: dict, quiet_timeout_s: floa
                 done - began, settled - began, quiet - began, wired_at - began,
                 rewound_at - settled, restored - rewound_at, done - restored)
     return rewound["lengths"]
+
+
+def _kept_of_lost_head(survivors: list[dict]) -> dict[str, tuple[int, int]]:
+    """Each request whose KV every survivor (stage 1 first) holds and whose stage 0 KV
+    stage 1's replica holds: request id -> (seq id, the length all of them hold)."""
+    kept: dict[str, tuple[int, int]] = {}
+    for seq, (request, length) in survivors[0]["kv"].items():
+        held = [length, survivors[0]["replicas"].get(seq, 0),
+                *(s["kv"].get(seq, ("", 0))[1] for s in survivors[1:])]
+        if min(held) > 0:
+            kept[request] = (int(seq), min(held))
+    return kept
 
 
 def repair_links(call: Call, urls: list[str], quiet_timeout_s: float = 30.0) -> int:

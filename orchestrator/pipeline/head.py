@@ -39,6 +39,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from orchestrator.control.errors import ErrorCode
 from orchestrator.pipeline.link import (
     KVProbe,
     Link,
@@ -48,13 +49,19 @@ from orchestrator.pipeline.link import (
     TokenMessage,
 )
 from orchestrator.pipeline.scheduler import Batch, MicrobatchScheduler
-from orchestrator.pipeline.sequence import FinishReason, Status
+from orchestrator.pipeline.sequence import FinishReason, Status, ids_after
 from orchestrator.pipeline.sequence import Sequence as Seq
 
 log = logging.getLogger(__name__)
 
 MODES = ("disaggregated", "colocated")
 ERRORS_KEPT = 64  # the latest errors a long-lived head keeps (``error_count`` counts all)
+
+
+class NotKept(KeyError):
+    """Nothing of a request to re-attach is kept here: it runs again from its prompt."""
+
+    error_code = ErrorCode.NOT_KEPT
 
 
 class HeadState(enum.Enum):
@@ -133,6 +140,10 @@ class PipelineHead:
         self.reason: str | None = None  # why FAULTED (since ``_fault_at``) or BROKEN
         self._fault_at = 0.0
         self._markers: dict[str, bool] = {}  # drain marker sent -> came back
+        # A lost head's requests whose KV the stages kept, until the frontend re-attaches
+        # them: request id -> (seq id, KV length); dropped after ``kv_timeout_s``.
+        self._reattachable: dict[str, tuple[int, int]] = {}
+        self._reattachable_since = 0.0
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="pipeline-head", daemon=True)
         self._started = False
@@ -219,6 +230,40 @@ class PipelineHead:
                 self._pending_kv[seq.seq_id] = (seq, time.monotonic())
             else:
                 self._admit_prefilled(seq, first_token)
+        self.from_last.wake()
+        return seq
+
+    def expect_reattach(self, kept: dict[str, tuple[int, int]]) -> None:
+        """Recovery of a lost head, on its replacement: the stages hold ``kept`` (request id
+        -> (seq id, KV length)) for the frontend to :meth:`reattach`."""
+        with self._lock:
+            self._reattachable = dict(kept)
+            self._reattachable_since = time.monotonic()
+            if kept:  # the new head's sequences take other ids: the stages' KV keys
+                ids_after(max(s for s, _ in kept.values()))
+
+    def reattach(self, seq: Seq, delivered: Sequence[int]) -> Seq:
+        """Take back a lost head's request (``seq``: as first submitted; ``delivered``: the
+        tokens its client has) on the KV the stages kept: it goes on from the KV length
+        both hold, and tokens made again after it are the ones delivered (greedy or
+        seeded). Raises NotKept if nothing of it was kept here."""
+        if self.mode != "disaggregated":
+            raise ValueError("re-attaching needs mode='disaggregated'")
+        with self._lock:
+            kept = self._reattachable.pop(seq.request_id, None)
+            if kept is None:
+                raise NotKept(f"request {seq.request_id!r}: no KV kept here to re-attach")
+            seq.seq_id, length = kept
+            tokens = min(length - seq.prompt_len + 1, len(delivered))  # the last one: input
+            if tokens < 1:
+                self._release_kept([seq.seq_id])
+                raise NotKept(f"request {seq.request_id!r}: {length} KV positions kept, "
+                               f"{len(delivered)} tokens delivered: nothing to go on from")
+            self._register(seq)
+            seq.output_ids, seq.log_probs = list(delivered[:tokens]), [None] * tokens
+            seq.kv_kept = seq.prompt_len + tokens - 1
+            seq.status = Status.READY
+            self.scheduler.add(seq)
         self.from_last.wake()
         return seq
 
@@ -417,6 +462,7 @@ class PipelineHead:
                     if not self._paused:  # a paused head waits on a repair, not a stall
                         self._fail_stalled()
                     self._expire_pending_kv()
+                    self._expire_reattachable()
                 self._prune()
 
     def _wait_s(self) -> float:
@@ -440,6 +486,8 @@ class PipelineHead:
             self.scheduler.fail(mb, f"first stage not taking work: {exc}")
             return
         self._in_flight[mb], self._sent_step[mb] = True, batch.step
+        for seq in batch.admit:  # its KV was cut to this length on every stage
+            seq.kv_kept = None
         self._sent_at[mb] = time.monotonic()
 
     def _complete(self, message: TokenMessage) -> None:
@@ -505,6 +553,21 @@ class PipelineHead:
                 seq.finish(FinishReason.ERROR, f"prompt KV of {seq.request_id!r} not complete "
                                                f"on {where} after {self.kv_timeout_s} s")
                 self._discard_prompt_kv(seq)
+
+    def _expire_reattachable(self) -> None:
+        """Kept KV that no frontend re-attached within ``kv_timeout_s`` is freed."""
+        if self._reattachable and (time.monotonic() - self._reattachable_since
+                                   > self.kv_timeout_s):
+            log.warning("%d requests of a lost head not re-attached in %s s: their KV freed",
+                        len(self._reattachable), self.kv_timeout_s)
+            self._release_kept([s for s, _ in self._reattachable.values()])
+            self._reattachable.clear()
+
+    def _release_kept(self, seq_ids: list[int]) -> None:
+        """Free these sequences' KV on every stage with microbatch 0's next step."""
+        self.scheduler.to_release[0].extend(seq_ids)
+        if not self._in_flight[0] and not self._paused:
+            self._issue(0)
 
     # -- faults ---------------------------------------------------------------------
 
@@ -575,6 +638,7 @@ def _to_message(batch: Batch) -> StepMessage:
         salts=[c.seq.cache_salt for c in batch.prefill],
         partial=[c.seq.seq_id for c in batch.prefill if not c.completes],
         admit=[s.seq_id for s in batch.admit],
+        resume={s.seq_id: s.kv_kept for s in batch.admit if s.kv_kept is not None},
         release=batch.release,
         # The last stage's samplers go on after the tokens made (the P-node's first).
         sampling={s.seq_id: s.sampling.resumed(s.output_ids) for s in sampled},

@@ -36,6 +36,9 @@ class StepMessage:
     # KV grows, no token is sampled); the others' chunks end their prompts.
     partial: list[int] = field(default_factory=list)
     admit: list[int] = field(default_factory=list)  # prompt KV waits in each stage's inbox
+    # Admitted sequences whose KV the stages already hold (re-attached after a lost head):
+    # seq id -> the KV length kept, the rest cut; no prompt KV is taken for them.
+    resume: dict[int, int] = field(default_factory=dict)
     release: list[int] = field(default_factory=list)  # free these sequences' KV first
     sampling: dict[int, SamplingParams] = field(default_factory=dict)  # sampling from here on
     error: str | None = None  # an earlier stage failed this step; pass it on

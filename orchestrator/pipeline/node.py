@@ -122,6 +122,8 @@ class ReceiverKVSource:
     def __init__(self, receiver: KVReceiver) -> None:
         self.receiver = receiver
         self._request_ids: dict[int, str] = {}  # seq id -> request id, learnt from probes
+        # seq id -> request id of the sequences taken in: a new head re-attaches them by it
+        self.taken: dict[int, str] = {}
         self._lock = threading.Lock()
 
     def probe(self, seq_id: int, request_id: str, stage_index: int) -> tuple[KVPoll, str]:
@@ -142,6 +144,7 @@ class ReceiverKVSource:
         """A copy of the prompt's positions; the receiver's slot goes back to its pool now."""
         with self._lock:
             request_id = self._request_ids.pop(seq_id)
+            self.taken[seq_id] = request_id
         slot = self.receiver.cache(request_id)
         cache = KVCache(slot.layout, slot.layout.allocate("cpu"), slot.length)
         cache.data[:, :, :, : slot.length].copy_(slot.data[:, :, :, : slot.length])
@@ -150,6 +153,7 @@ class ReceiverKVSource:
 
     def discard(self, seq_id: int, request_id: str | None = None) -> None:
         with self._lock:
+            self.taken.pop(seq_id, None)
             request_id = self._request_ids.pop(seq_id, None) or request_id
         if request_id is not None:
             self.receiver.release(request_id)
@@ -300,6 +304,15 @@ class StageNode:
         """This stage holds no message and handled none for ``for_s`` seconds (recovery: a
         paused pipeline has settled here)."""
         return self.worker is not None and self.worker.quiet(for_s)
+
+    def sequences(self) -> dict[int, tuple[str, int]]:
+        """Each sequence whose KV this stage holds: its request id (known to a stage that
+        took its prompt KV in), its KV length. Ended ones are forgotten here."""
+        held = {s: c.length for s, c in self.kv.held().items()}
+        taken = self.prompt_kv.taken if self.prompt_kv is not None else {}
+        for seq_id in [s for s in taken if s not in held]:
+            taken.pop(seq_id, None)
+        return {s: (taken[s], n) for s, n in held.items() if s in taken}
 
     def repaired(self) -> None:
         """Node 0, after a repair: forget the failures seen and the lost stage's heartbeats

@@ -136,7 +136,10 @@ class MicrobatchScheduler:
             seq = self.waiting.popleft()
             seq.status = Status.RUNNING
             new.append(seq)
-            self.joined[seq.seq_id] = self.steps[microbatch]
+            # Disaggregated, it joins with its first token (a re-attached one with more,
+            # their KV but the last one's held): counted as if it had joined that much earlier.
+            self.joined[seq.seq_id] = self.steps[microbatch] - (
+                0 if self.colocated else len(seq.output_ids) - 1)
         return new
 
     def _chunk(self, seq: Sequence, budget: int | None, step: int) -> Chunk:

@@ -17,6 +17,13 @@ TokenCallback = Callable[["Sequence", int | None, bool], None]
 _ids = itertools.count()
 
 
+def ids_after(seq_id: int) -> None:
+    """New sequences of this process take ids above ``seq_id`` (a head that took over a lost
+    one's sequences keeps their ids: every stage's KV is keyed by them)."""
+    global _ids
+    _ids = itertools.count(max(next(_ids), seq_id + 1))
+
+
 class Status(enum.Enum):
     WAITING = "waiting"  # queued; colocated: prompt not run yet, disaggregated: KV pending
     READY = "ready"  # disaggregated: prompt KV is on the token stages, first token known
@@ -53,6 +60,8 @@ class Sequence:
     # Colocated: prompt tokens whose KV the stages hold or compute in the step in flight
     # (a chunked prompt runs over several steps; it samples once this reaches prompt_len).
     prefilled: int = 0
+    # Re-attached to a new head: the KV length every stage keeps for it when it joins.
+    kv_kept: int | None = None
     finish_reason: FinishReason | None = None
     error: str | None = None
     # monotonic seconds, for latency

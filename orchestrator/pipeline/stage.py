@@ -59,7 +59,8 @@ class PromptKVSource(Protocol):
         ...
 
     def discard(self, seq_id: int, request_id: str | None = None) -> None:
-        """Drop a prompt KV that will never be taken (cancelled, failed); no-op if unknown."""
+        """Drop a prompt KV that will never be taken (cancelled, failed), or forget a taken
+        one (its sequence ended); no-op if unknown."""
         ...
 
 
@@ -239,6 +240,9 @@ class StageWorker:
         mb = message.microbatch
         self._forget(message.release)
         for seq_id in message.admit:
+            if seq_id in message.resume:  # re-attached: its KV is here already
+                self.kv.cut(seq_id, message.resume[seq_id])
+                continue
             if self.prompt_kv is None:
                 raise RuntimeError("sequences admitted with prompt KV, but no prompt KV source")
             self.kv.add(seq_id, self.prompt_kv.take(seq_id, self.index))
@@ -336,8 +340,8 @@ class StageWorker:
         for seq_id in seq_ids:
             if seq_id in self.kv:
                 self.kv.drop(seq_id)
-            elif self.prompt_kv is not None:  # admitted in a step that failed before taking it
-                self.prompt_kv.discard(seq_id)
+            if self.prompt_kv is not None:  # its request id, or its prompt KV if admitted in
+                self.prompt_kv.discard(seq_id)  # a step that failed before taking it
             self.samplers.pop(seq_id, None)
             if self.on_release is not None:
                 self.on_release(seq_id)

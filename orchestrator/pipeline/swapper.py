@@ -109,6 +109,13 @@ class KVPlacement(ABC):
             else:
                 self._cut(seq_id, length)
 
+    def cut(self, seq_id: int, length: int) -> None:
+        """Keep ``seq_id``'s first ``length`` positions (a re-attached sequence joins)."""
+        held = self.held()[seq_id].length
+        if held < length:
+            raise RuntimeError(f"sequence {seq_id}: {held} KV positions here, {length} needed")
+        self._cut(seq_id, length)
+
     @abstractmethod
     def _cut(self, seq_id: int, length: int) -> None: ...
 

@@ -187,7 +187,7 @@ def encode(message: Message, out: torch.Tensor) -> int:
             "type": "step", "microbatch": message.microbatch, "step": message.step,
             "seq_ids": message.seq_ids, "has_inputs": message.inputs is not None,
             "prompt_seq_ids": message.prompt_seq_ids, "partial": message.partial,
-            "admit": message.admit,
+            "admit": message.admit, "resume": list(message.resume.items()),
             "release": message.release, "error": message.error,
             "sampling": [[s, asdict(p)] for s, p in message.sampling.items()],
         }
@@ -234,6 +234,7 @@ def decode(slot: torch.Tensor) -> Message:
         microbatch=header["microbatch"], step=header["step"], seq_ids=header["seq_ids"],
         inputs=inputs, prompt_seq_ids=header["prompt_seq_ids"], prompts=tensors,
         partial=header["partial"],
-        admit=header["admit"], release=header["release"], error=header["error"],
+        admit=header["admit"], resume=dict(header["resume"]), release=header["release"],
+        error=header["error"],
         sampling={s: SamplingParams(**p) for s, p in header["sampling"]},
     )

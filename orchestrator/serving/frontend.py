@@ -22,7 +22,11 @@ A request the token pipeline fails after admitting it (a stage lost with no
 replica to resume from, a lost head; a stage that recovers from its replicas
 fails nothing) runs again from its prompt on a pipeline that serves, and the
 client never sees a token twice. A spare that took a lost stage 0 over serves at its
-own address: the frontend follows it there, once the controller has closed the repair.
+own address: the frontend follows it there, once the controller has closed the repair,
+and re-attaches each request the lost head held, with the tokens its client already
+has; the new head goes on from the KV the stages kept (stage 0's restored from its
+replica on stage 1). Only a request the new head kept nothing of runs again from its
+prompt.
 
 With a fault controller (``controller``), a watcher thread asks it every
 ``watch_s`` which nodes it has declared dead and keeps them (and every token
@@ -41,6 +45,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 
 import numpy as np
 import tritonclient.grpc as grpcclient
@@ -100,12 +105,27 @@ class PipelineLost(ServingError):
     """The token pipeline failed a request it had admitted: it may run again from its prompt."""
 
 
+class NotKept(PipelineLost):
+    """The pipeline's new head kept nothing of a re-attached request: it runs again from its
+    prompt."""
+
+
 class Refused(ServingError):
     """A node refused the request itself (bad parameters, a failed step it would fail again):
     never run again."""
 
 
 _BUSY_WAIT_S, _MAX_BUSY_WAIT_S = 0.05, 1.0  # first and longest wait for a free KV slot
+_REPAIR_POLL_S = 0.02  # a request to re-attach waits for its pipeline's repair, polling
+
+
+@dataclass
+class _Attempt:
+    """Where a request's pipeline holds it now (``request_id`` None: no pipeline holds it)."""
+
+    url: str = ""  # the pipeline (its configured head)
+    request_id: str | None = None
+    head_at: str = ""  # the head's address then
 _MAX_RERUN_WAIT_S = 8.0  # longest wait before a lost request runs again
 FRONTEND_TIMEOUT_S = 60.0  # a request's longest wait for a seat, a slot, or its node's word
 
@@ -334,13 +354,23 @@ class Frontend:
             lost_at: float | None = None
             busy_until = time.monotonic() + self.timeout_s
             busy_wait, rerun_wait = _BUSY_WAIT_S, self.rerun_wait_s
+            attempt = _Attempt()
             while True:
                 made = 0
                 if is_cancelled():
                     raise Cancelled()
                 try:
+                    if attempt.request_id is not None and (sent or held):
+                        made = len(sent) + len(held)  # its tokens from here on are new
+                        self._reattach(attempt, prompt_ids, params, sent + held, relay,
+                                       is_cancelled)
+                        return
                     return self._generate_once(prompt_ids, params, relay, is_cancelled,
-                                               usage or RequestUsage())
+                                               usage or RequestUsage(), attempt)
+                except NotKept as exc:
+                    log.warning("%s; running the request again from its prompt", exc)
+                    self.metrics.rerun("request")
+                    attempt.request_id = None
                 except NodeBusy:
                     if time.monotonic() + busy_wait > busy_until:
                         raise
@@ -360,6 +390,13 @@ class Frontend:
                     if time.monotonic() + rerun_wait - lost_at > self.timeout_s:
                         raise ServingError(f"{exc} (and still failing {self.timeout_s:.0f} s "
                                            "after the first failure)") from exc
+                    if attempt.request_id is not None and (sent or held):
+                        log.warning("%s; re-attaching the request once its pipeline is "
+                                    "repaired", exc)
+                        # Until a head takes over (``_reattach`` then waits for the repair's
+                        # end) or the lost one is back.
+                        self._wait(rerun_wait, is_cancelled, self._head_back(attempt))
+                        continue
                     log.warning("%s; running the request again from its prompt in %.1f s", exc,
                                 rerun_wait)
                     self.metrics.rerun("request")
@@ -386,6 +423,15 @@ class Frontend:
             yield
         finally:
             self.seats.release()
+
+    def _head_back(self, attempt: _Attempt) -> Callable[[], bool]:
+        """Whether another node has taken the attempt's head over (a spare), or a node of
+        either pool came back, since this call."""
+        revived = self._revived_since()
+        return lambda: revived() or self._head_moved(attempt)
+
+    def _head_moved(self, attempt: _Attempt) -> bool:
+        return self.head_at.get(attempt.url, attempt.url) != attempt.head_at
 
     def _revived_since(self) -> Callable[[], bool]:
         """Whether a node of either pool came back since this call."""
@@ -414,9 +460,11 @@ class Frontend:
         relay: Relay,
         is_cancelled: Callable[[], bool],
         usage: RequestUsage,
+        attempt: _Attempt,
     ) -> None:
         """One try: route, hand the prompt from P to T, relay tokens. Raises PipelineLost
-        if the pipeline fails the request after admitting it."""
+        if the pipeline fails the request after admitting it (``attempt`` says where it
+        was admitted: a lost head's replacement may take it back)."""
         request_id = uuid.uuid4().hex
         # Pending tokens this request holds on the T-node: those it may generate, and when
         # colocated its prompt's until the first token (the prefill runs there: routing by
@@ -458,18 +506,14 @@ class Frontend:
                     admitted = True
                     first = self._prefill(request_id, prompt_ids, params, tickets, is_cancelled)
                 tokens, log_probs, usage.cached_tokens = first
+                attempt.url, attempt.request_id = url, request_id
+                attempt.head_at = self.head_at.get(url, url)
                 counted(tokens, log_probs, False)
-            # Its tokens go out from the feed's thread as they come; this one waits for
-            # the last ones (no thread woken per token).
-            stream.forward(lambda tokens, log_probs: counted(tokens, log_probs, False))
-            while not done:
-                tokens, log_probs, done = stream.tokens(is_cancelled)
-                if self.colocated:  # the node's last response says it
-                    usage.cached_tokens = stream.cached_tokens
-                if done and stream.kv_events is not None:  # before the client hears the end
-                    self._index_kv_events(self.decode, url, stream.kv_events)
-                counted(tokens, log_probs, done)
+            self._follow(url, stream, counted, is_cancelled, usage)
+            done = True
         except (InferenceServerException, ControlError) as exc:
+            if isinstance(exc, ControlError):  # the head answered: it lives, and dropped it
+                attempt.request_id = None
             if is_unreachable(exc):
                 self.decode.mark_down(url)
             error = _decode_error(exc, f"decode node {url}", admitted)
@@ -499,6 +543,63 @@ class Frontend:
             for stage_url in reserved:  # a stage gone took its slot along
                 with contextlib.suppress(InferenceServerException, ControlError, TimeoutError):
                     self.control.call(stage_url, "release", request_id=request_id)
+
+    def _follow(self, url: str, stream: RequestStream, relay: Relay,
+                is_cancelled: Callable[[], bool], usage: RequestUsage) -> None:
+        """Relay the request's tokens from ``url`` until its last. They go out from the feed's
+        thread as they come; this one waits for the last ones (no thread woken per token)."""
+        stream.forward(lambda tokens, log_probs: relay(tokens, log_probs, False))
+        done = False
+        while not done:
+            tokens, log_probs, done = stream.tokens(is_cancelled)
+            if self.colocated:  # the node's last response says it
+                usage.cached_tokens = stream.cached_tokens
+            if done and stream.kv_events is not None:  # before the client hears the end
+                self._index_kv_events(self.decode, url, stream.kv_events)
+            relay(tokens, log_probs, done)
+
+    def _reattach(self, attempt: _Attempt, prompt_ids: list[int], params: GenerationParams,
+                  delivered: list[int], relay: Relay, is_cancelled: Callable[[], bool]) -> None:
+        """Hand a request whose head was lost to the head of the same pipeline, once the
+        controller has closed its repair, with the tokens its client has (``delivered``);
+        its tokens from there on go to ``relay``. Raises NotKept if the head kept nothing
+        of it, PipelineLost if it cannot be reached or fails it again."""
+        url, deadline = attempt.url, time.monotonic() + self.timeout_s
+        while not self.decode.is_up(url):  # marked down from its loss to its repair's end
+            if not self._head_moved(attempt):  # no spare took over: it starts afresh
+                raise NotKept(f"pipeline {url} is down and no node took its head over")
+            if time.monotonic() > deadline:
+                raise PipelineLost(f"pipeline {url} not repaired in {self.timeout_s:.0f} s")
+            self._wait(_REPAIR_POLL_S, is_cancelled)
+        assert attempt.request_id is not None
+        stream: RequestStream | None = None
+        done = False
+        left = params.max_tokens - len(delivered)
+        self.decode.hold(url, left)
+        try:
+            stream = self._node_stream(url).open(attempt.request_id, self.timeout_s)
+            stream.send(request_arrays(prompt_ids, replace(params, delivered=tuple(delivered))))
+            self._follow(url, stream, relay, is_cancelled, RequestUsage())
+            done = True
+            self.metrics.reattached()
+        except ControlError as exc:
+            if exc.code is ErrorCode.NOT_KEPT:
+                raise NotKept(str(exc)) from exc
+            raise PipelineLost(f"re-attaching to {url}: {exc}") from exc
+        except (InferenceServerException, ServingError, StreamTimeout, ConnectionError) as exc:
+            if isinstance(exc, Refused):
+                raise
+            if isinstance(exc, InferenceServerException) and is_unreachable(exc):
+                self.decode.mark_down(url)  # its replacement marks it up
+            raise PipelineLost(f"re-attaching to {url}: {exc}") from exc
+        finally:
+            self.decode.done(url, left)
+            self.decode.leave(url)
+            if stream is not None:
+                stream.stop_forwarding()
+                if not done:
+                    stream.end()
+                stream.close()
 
     def _admit(
         self, url: str, request_id: str, prompt_ids: list[int], params: GenerationParams,

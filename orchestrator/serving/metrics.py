@@ -41,6 +41,10 @@ class Metrics:
         """The frontend ran a ``prompt`` again on another P-node, or a whole ``request``
         again from its prompt (its pipeline lost it)."""
 
+    def reattached(self) -> None:
+        """The frontend re-attached a request whose head was lost to the new head, with the
+        tokens it had delivered: the request went on from the KV kept, not its prompt."""
+
     def prefix_cache(self, cache: PrefixCache) -> None:
         """The node's prefix cache after a prefill: its counters since start, its bytes."""
 
@@ -68,6 +72,9 @@ class PublishedMetrics(Metrics):
 
     def rerun(self, what: str) -> None:
         self._add({("reruns", what): 1})
+
+    def reattached(self) -> None:
+        self._add({("reattached", ""): 1})
 
     def queue_length(self, requests: int) -> None:
         self._set(("queue_length", ""), requests)

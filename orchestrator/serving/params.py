@@ -119,10 +119,14 @@ class GenerationParams:
     return_perf_metrics: bool = False
     stream: bool = False
     cache_salt: str = ""  # "" : no salt (the cache shared by every request without one)
+    # The frontend's, re-attaching a request whose head was lost to the new head: the
+    # tokens its client has already (empty: a new request).
+    delivered: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("stop_words", "bad_words"):  # JSON gives lists back
             object.__setattr__(self, name, tuple(tuple(w) for w in getattr(self, name)))
+        object.__setattr__(self, "delivered", tuple(self.delivered))
 
     @property
     def greedy(self) -> bool:

@@ -187,6 +187,7 @@ class TritonMetrics(PublishedMetrics):
                             "streamed (decode-side reuse)", False, ""),
         "held": ("dejavu_held", "request resources held", True, "what"),
         "reruns": ("dejavu_reruns", "prompts or requests run again", False, "what"),
+        "reattached": ("dejavu_reattached", "requests re-attached to a new head", False, ""),
         # since start: lookup_tokens, hit_tokens, evicted_blocks, hit_rate (hit / lookup
         # tokens); now: bytes held, budget_bytes
         "prefix_cache": ("dejavu_prefix_cache", "the node's prefix cache", True, "what"),

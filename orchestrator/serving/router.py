@@ -162,6 +162,12 @@ class Router:
         with self.lock:
             self.full_until[node] = time.monotonic() + for_s
 
+    def hold(self, node: str, tokens: int) -> None:
+        """A request goes on at ``node`` (re-attached there, not routed): counted as routed."""
+        with self.lock:
+            self.pending[node] += tokens
+            self.held[node] += 1
+
     def done(self, node: str, tokens: int) -> None:
         with self.lock:
             self.pending[node] = max(0, self.pending[node] - tokens)
@@ -185,6 +191,11 @@ class Router:
         with self.lock:
             if self.down_until[node] <= time.monotonic():
                 self.index.apply(node, answer)
+
+    def is_up(self, node: str) -> bool:
+        """Not marked down (or its down time is over)."""
+        with self.lock:
+            return self.down_until[node] <= time.monotonic()
 
     def mark_up(self, node: str) -> None:
         with self.lock:

@@ -240,6 +240,9 @@ class TokenService:
             raise RequestError(f"stage {self.node.index} of a token pipeline: generate "
                                "requests go to stage 0")
         check_prompt(prompt_ids, params, self.head.max_seq_len, self.engine.vocab_size)
+        if any(not 0 <= t < self.engine.vocab_size for t in params.delivered):
+            raise RequestError(f"delivered tokens outside the vocabulary of "
+                               f"{self.engine.vocab_size}")
         seq = Sequence(request_id, prompt_ids, params.max_tokens, params.end_id,
                        params.sampling(prompt_ids), self._on_token,
                        stop_words=params.stop_words, cache_salt=params.cache_salt)
@@ -249,11 +252,15 @@ class TokenService:
             if feed is not None and feed not in self.feeds:
                 raise RequestError(f"no token feed {feed!r} is open here")
             self.clients[request_id] = _Client(
-                emit, fail, 0 if self.colocated else 1, time.perf_counter(),
+                emit, fail, len(params.delivered) or (0 if self.colocated else 1),
+                time.perf_counter(),
                 log_probs=[] if params.return_log_probs else None, request_id=request_id,
                 feed=feed, kv_since=kv_since)
             self.metrics.queue_length(len(self.clients))
         try:
+            if params.delivered:  # a lost head's request, its KV kept on the stages
+                self.head.reattach(seq, params.delivered)
+                return
             if self.colocated:
                 self.head.submit(seq)
                 return

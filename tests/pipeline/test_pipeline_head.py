@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import threading
 
-from orchestrator.pipeline.head import PipelineHead
+import pytest
+
+from orchestrator.pipeline.head import NotKept, PipelineHead
 from orchestrator.pipeline.link import QueueLink, StepMessage, TokenMessage
 from orchestrator.pipeline.sequence import Sequence
 
@@ -69,5 +71,52 @@ def test_a_head_whose_repair_failed_gives_up_at_once():
         head.give_up("recovery of stages [1] failed")
         assert seq.is_finished and seq.error == "recovery of stages [1] failed"
         assert head.broken == "recovery of stages [1] failed"
+    finally:
+        head.stop(1.0)
+
+
+def test_a_lost_heads_request_is_reattached_on_the_kv_kept():
+    """A new head told what the stages kept takes a request back with the tokens its client
+    has: it joins with the KV cut to what both hold (one token delivered short of it: cut one
+    more), the next input is the last token kept, and a later rewind counts from there."""
+    to_first, from_last = QueueLink("to-first", 4), QueueLink("from-last", 4)
+    head = PipelineHead(to_first, from_last, num_microbatches=1, batch_size=2,
+                        max_seq_len=64, recover_timeout_s=30.0).start()
+    try:
+        # Prompt of 3, the stages hold 3 + 4 positions: 5 tokens made, the client has 4.
+        head.expect_reattach({"r": (40, 7), "gone": (41, 5)})
+        seq = head.reattach(Sequence("r", [1, 2, 3], 8, None), [7, 8, 9, 10])
+        assert (seq.seq_id, seq.output_ids) == (40, [7, 8, 9, 10])
+        step = next_step(to_first)
+        assert step.admit == [40] and step.resume == {40: 6}  # 3 + 4 - 1: 10 is the input
+        assert step.inputs.tolist() == [10]
+        from_last.send(TokenMessage(0, step.step, {40: 11}), 1.0)
+        step = next_step(to_first)
+        assert step.resume == {} and seq.output_ids == [7, 8, 9, 10, 11]
+        # Nothing kept of it, or already taken: it runs again from its prompt.
+        with pytest.raises(NotKept):
+            head.reattach(Sequence("r", [1, 2, 3], 8, None), [7])
+        with pytest.raises(NotKept):
+            head.reattach(Sequence("other", [1, 2, 3], 8, None), [7])
+        # A new sequence of this head never takes a kept one's id (the stages' KV key).
+        assert Sequence("new", [1], 1).seq_id > 41
+        head.report_failure("stage 1 lost")
+        from_last.send(TokenMessage(0, step.step, {}, error="stage 1 lost"), 1.0)
+        # Redone from the step it joined at: the KV length and tokens it joined with.
+        assert head.rewind({0: step.step - 1}) == {40: 6}
+        assert seq.output_ids == [7, 8, 9, 10]
+    finally:
+        head.stop(1.0)
+
+
+def test_kept_kv_no_frontend_reattaches_is_freed():
+    to_first, from_last = QueueLink("to-first", 4), QueueLink("from-last", 4)
+    head = PipelineHead(to_first, from_last, num_microbatches=1, batch_size=1,
+                        max_seq_len=64, kv_timeout_s=0.05).start()
+    try:
+        head.expect_reattach({"r": (50, 6)})
+        assert next_step(to_first).release == [50]
+        with pytest.raises(NotKept):
+            head.reattach(Sequence("r", [1, 2, 3], 8, None), [7, 8, 9])
     finally:
         head.stop(1.0)

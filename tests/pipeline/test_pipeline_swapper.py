@@ -86,6 +86,19 @@ def test_rollback_cuts_kv_back_and_drops_what_restarts(placement):
     kv.shutdown()
 
 
+@pytest.mark.parametrize("placement", [ResidentKV, SwappedKV])
+def test_cut_keeps_one_sequences_first_positions(placement):
+    """A re-attached sequence joins: its KV cut to what its client was delivered."""
+    kv = placement(DeviceArena(LAYOUT, 2 * LAYOUT.slot_bytes(), CPU))
+    kv.add(0, filled(6, 0.0))
+    kv.add(1, filled(5, 1.0))
+    kv.cut(0, 4)
+    assert kv.held()[0].length == 4 and kv.held()[1].length == 5
+    with pytest.raises(RuntimeError, match="sequence 1: 5 KV positions here, 6 needed"):
+        kv.cut(1, 6)
+    kv.shutdown()
+
+
 def test_should_swap_on_hand_computed_cases():
     # transf_i = i: sum_{i=1}^{3} max(1, i) = 6 > 2*2*1 = 4
     assert not should_swap(2, 1.0, 1, 1, 1, 1.0)

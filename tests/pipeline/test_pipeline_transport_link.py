@@ -32,14 +32,14 @@ def test_messages_survive_the_wire_format():
     step = StepMessage(
         microbatch=2, step=7, seq_ids=[4, 9], inputs=torch.randn(2, 8),
         prompt_seq_ids=[11], prompts=[torch.tensor([5, 6, 7])], admit=[9], release=[1, 3],
-        sampling={11: SamplingParams(temperature=0.7, top_k=5, seed=3)}, error=None,
+        resume={9: 12}, sampling={11: SamplingParams(temperature=0.7, top_k=5, seed=3)}, error=None,
     )
     back = decode(buf[: encode(step, buf)])
     assert isinstance(back, StepMessage)
     assert torch.equal(back.inputs, step.inputs) and torch.equal(back.prompts[0], step.prompts[0])
     assert back.prompts[0].dtype == torch.int64
-    assert (back.seq_ids, back.admit, back.release, back.sampling) == (
-        step.seq_ids, step.admit, step.release, step.sampling)
+    assert (back.seq_ids, back.admit, back.release, back.resume, back.sampling) == (
+        step.seq_ids, step.admit, step.release, step.resume, step.sampling)
     tokens = TokenMessage(1, 3, {4: 10, 9: 0}, error="stage 1: boom")
     assert decode(buf[: encode(tokens, buf)]) == tokens
     assert isinstance(decode(buf[: encode(Shutdown(), buf)]), Shutdown)

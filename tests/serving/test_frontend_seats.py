@@ -40,7 +40,7 @@ def test_sequences_beyond_the_seats_wait_their_turn_and_never_retry(frontend, mo
     lock, go = threading.Lock(), threading.Event()
     counts = {"calls": 0, "running": 0, "most": 0}
 
-    def once(prompt_ids, params, relay, is_cancelled, usage) -> None:  # one try on a T-node
+    def once(prompt_ids, params, relay, is_cancelled, usage, attempt) -> None:  # a try on a T-node
         with lock:
             counts["calls"] += 1
             counts["running"] += 1

@@ -1,14 +1,15 @@
 """Warm spares on real tritonservers (``dejavu up --spares N``): a T-stage killed mid-stream
 hands its role to the spare, which was loaded beforehand; the pipeline resumes from the KV
 replicas (same tokens, no request run again) and the supervisor starts a new spare. A
-killed stage 0 hands its role to the spare too (its requests run again from their prompts
-on the same pipeline).
+killed stage 0 hands its role to the spare too: stage 0's KV comes back from its replica on
+stage 1 and the frontend re-attaches every request to the new head (none runs again).
 ``dejavu bench recovery`` at its smallest: every case's output well-formed, token-exact."""
 
 from __future__ import annotations
 
 import csv
 import json
+import os
 import time
 from types import SimpleNamespace
 
@@ -16,13 +17,16 @@ import pytest
 from cluster_helpers import (
     FAULT_TOKENS,
     PROMPTS,
+    SEEDED,
     assert_all_freed,
+    eventually,
     fault_cluster,
     ids_of,
     kill_mid_stream,
     longest_gap,
     metric,
     reference,
+    stream_grpc,
 )
 
 from benchmarks import recovery as bench
@@ -94,16 +98,23 @@ def test_a_killed_stage_moves_to_the_spare_and_a_new_spare_starts(model, tmp_pat
 
 def test_a_killed_head_stage_moves_to_the_spare(model, tmp_path):
     """Stage 0 (the head) killed mid-stream: the spare takes its role, the surviving stage
-    is wired to it and the pipeline serves again without starting afresh; every stream
-    ends token-exact."""
+    is wired to it and the pipeline serves again without starting afresh; every request is
+    re-attached to the new head with the tokens it had, none runs again from its prompt,
+    and every stream ends token-exact (a seeded sampled one as undisturbed)."""
     expected = reference(model, PROMPTS[:4], FAULT_TOKENS, to_end=False)
     with fault_cluster(model, tmp_path, decode=1, decode_depth=2, spares=1) as cluster:
+        undisturbed = ids_of(stream_grpc(cluster.frontend.grpc_url, PROMPTS[4],
+                                         max_tokens=FAULT_TOKENS, **SEEDED))
         before = read_state(tmp_path)
         spare, survivor = node(before, "spare0"), node(before, "decode0s1")
-        requests = kill_mid_stream(cluster, PROMPTS[:4], ["decode0s0"])
-        assert [r.error for r in requests] == [None] * 4
-        assert [ids_of(r.chunks) for r in requests] == expected
-        print(f"stage 0 killed, a spare: longest client pause {longest_gap(requests):.2f} s")
+        requests = kill_mid_stream(cluster, PROMPTS[:4], ["decode0s0"], seeded=PROMPTS[4])
+        assert [r.error for r in requests] == [None] * 5
+        assert [ids_of(r.chunks) for r in requests] == [*expected, undisturbed]
+        print(f"stage 0 killed, a spare: longest client pause {longest_gap(requests):.2f} s"
+              f" (load average {os.getloadavg()[0]:.1f})")
+        frontend = cluster.frontend
+        eventually(lambda: metric(frontend, "dejavu_reattached"), lambda n: n == 5)
+        assert metric(frontend, "dejavu_reruns") == 0  # neither a request nor a prompt
         deadline = time.monotonic() + 30  # the repair is recorded once its last call returned
         while not (after := read_state(tmp_path)).get("repairs"):
             assert time.monotonic() < deadline, "no repair recorded"

@@ -14,7 +14,7 @@ def responses(interval: int, steps: list[list[int]], stream: bool = True) -> lis
     frontend = Frontend(["p:1"], [["h:1"]], b"secret", timeout_s=5.0,
                         stream_interval=interval)
 
-    def once(prompt_ids, params, relay, is_cancelled, usage) -> None:
+    def once(prompt_ids, params, relay, is_cancelled, usage, attempt) -> None:
         for i, tokens in enumerate(steps):
             relay(tokens, None, i == len(steps) - 1)
 
