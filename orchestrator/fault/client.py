@@ -231,14 +231,13 @@ class ControllerClient:
             self._unsent = set(self._acks)  # a new controller has none of them
 
     def _flush_acks(self) -> None:
+        """Send the unsent acks; they stay unsent until the controller has them (a failed
+        call leaves them for the next beat)."""
         with self._lock:
             batch = [[s, j, self._acks[(s, j)]] for (s, j) in sorted(self._unsent)]
-            self._unsent.clear()
         if not batch:
             return
-        try:
-            self._call("Ack", {"node_id": self.node_id, "acks": batch})
-        except grpc.RpcError:
-            with self._lock:  # keep them for the next beat
-                self._unsent.update((s, j) for s, j, _ in batch)
-            raise
+        self._call("Ack", {"node_id": self.node_id, "acks": batch})
+        with self._lock:  # a later step acked meanwhile is still to send
+            self._unsent.difference_update(
+                (s, j) for s, j, step in batch if self._acks.get((s, j)) == step)

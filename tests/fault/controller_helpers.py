@@ -35,6 +35,6 @@ def wait_for_plan(controller: str, secret: bytes, pipeline: str, after_epoch: in
 
 
 def unsent_acks(client: ControllerClient) -> int:
-    """Acks ``client`` recorded and has not sent yet (the heartbeat thread's own set)."""
+    """Acks ``client`` recorded that the controller does not have yet."""
     with client._lock:
         return len(client._unsent)
