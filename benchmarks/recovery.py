@@ -24,8 +24,10 @@ cluster whole again before the next case:
   sent to the first at the kill (their time to first token against the undisturbed
   batch's); the cut streams end with an error (tritonclient does not resend) and are not
   sent again, so the new requests meet only the loss, not twice the load;
-- ``head-spare`` (KV replicas, a warm spare): the head, ``stage0+spare``: the spare
-  takes stage 0's role, the surviving stage is wired to it, and the requests run
+- ``head-spare`` (KV replicas, a warm spare, one P-node and a warm P spare): the lone
+  P-node, ``p-node+spare`` (as ``p-node``, a batch of new requests sent at the kill:
+  the P spare takes its role and prefills them), then the head, ``stage0+spare``: the
+  spare takes stage 0's role, the surviving stage is wired to it, and the requests run
   again from their prompts on the same pipeline.
 
 ``client_pause_s`` is the longest a client waited between two chunks, against
@@ -59,12 +61,15 @@ CLUSTERS = {
     "replicas": ({"replicate": "on", "spares": 0}, ["t-stage", "stage0"]),
     "restart": ({"replicate": "off", "spares": 0}, ["t-stage-no-replicas"]),
     "frontends": ({"replicate": "on", "spares": 0, "frontends": 2}, ["frontend-of-two"]),
-    "head-spare": ({"replicate": "on", "spares": 1}, ["stage0+spare"]),
+    "head-spare": ({"replicate": "on", "spares": 1, "prefill_spares": 1},
+                   ["p-node+spare", "stage0+spare"]),
 }
 VICTIMS = {"controller": "controller", "frontend": "frontend", "p-node": "prefill0",
            "t-stage+spare": "decode0s{stage}", "t-stage": "decode0s{stage}",
            "stage0": "decode0s0", "t-stage-no-replicas": "decode0s{stage}",
-           "frontend-of-two": "frontend1", "stage0+spare": "decode0s0"}
+           "frontend-of-two": "frontend1", "stage0+spare": "decode0s0",
+           "p-node+spare": "prefill0"}
+NEW_REQUESTS = ("p-node", "p-node+spare", "frontend-of-two")  # a batch sent at the kill
 RESENT = ("frontend",)  # its cut streams are sent again (from their prompts)
 CUT = ("frontend-of-two",)  # its cut streams end with an error, the tokens before it exact
 CASES = [case for _, cases in CLUSTERS.values() for case in cases]
@@ -228,7 +233,7 @@ def bench_case(args, case: str, url: str, free: Batch, expected: list[list[int]]
     if node:  # a node the controller watches
         watcher.start()
     killed_at = 0.0
-    during: list[Batch] = []  # p-node, frontend-of-two: new requests sent at the kill
+    during: list[Batch] = []  # NEW_REQUESTS: a batch sent at the kill
     # frontend-of-two: the batch streams through the victim, new requests go to the other
     survivor, url = (url, state["frontends"][1]["grpc"]) if case == "frontend-of-two" else (
         url, url)
@@ -237,7 +242,7 @@ def bench_case(args, case: str, url: str, free: Batch, expected: list[list[int]]
         nonlocal killed_at
         killed_at = time.monotonic()
         kill(victim, signal.SIGKILL)
-        if case in ("p-node", "frontend-of-two"):
+        if case in NEW_REQUESTS:
             during.append(run_batch(survivor, prompts, args.tokens))
 
     failed = run_batch(url, prompts, args.tokens, (args.kill_at, kill_victim),
@@ -309,8 +314,8 @@ def print_table(rows: list[dict], args) -> None:
     print(f"failed batch = {args.batch} requests x {args.tokens} tokens, the victim "
           f"(t-stage: stage {args.kill_stage} of {args.depth}) killed after {args.kill_at} "
           f"tokens; heartbeat timeout {args.timeout_s} s (detect_s: kill -> declared dead; "
-          f"client_pause_s: the longest wait between two chunks; p-node, frontend-of-two: "
-          f"ttft of new requests sent at the kill, to the other frontend for the latter); "
+          f"client_pause_s: the longest wait between two chunks; {', '.join(NEW_REQUESTS)}: "
+          f"ttft of new requests sent at the kill, to the other frontend for the last); "
           f"paper (OPT-66B): {PAPER['t-stage']}x with replicas, "
           f"{PAPER['t-stage-no-replicas']}x restart")
 

@@ -31,7 +31,8 @@ every T-stage streams its KV replicas to the next stage, and a lost stage is
 recovered from them: its requests pause instead of starting over. With
 ``spares`` (``dejavu up --spares N``), N warm spare T-nodes wait loaded beside
 the pipelines: a lost stage's role moves to one (no process start, no model
-load in the pause) and the supervisor starts a new spare.
+load in the pause) and the supervisor starts a new spare; ``prefill_spares``
+(``--prefill-spares N``) does the same for a lost P-node.
 """
 
 from __future__ import annotations
@@ -97,10 +98,10 @@ class Node:
             "config": asdict(c),
             "name": s.name,
             "role": c.role.value,
-            "pipeline": None if c.role in (Role.FRONTEND, Role.SPARE) else c.pipeline,
+            "pipeline": None if c.role is Role.FRONTEND or c.role.spare else c.pipeline,
             "stage": c.stage if c.role is Role.DECODE else None,
             "depth": {Role.PREFILL: c.prefill_depth, Role.DECODE: c.depth,
-                      Role.SPARE: c.depth}.get(c.role),
+                      Role.SPARE: c.depth, Role.PREFILL_SPARE: c.prefill_depth}.get(c.role),
             "http": s.http_url,
             "grpc": s.grpc_url,
             "metrics": f"127.0.0.1:{s.metrics_port}",
@@ -126,6 +127,7 @@ class Cluster:
         spares: int = 0,
         frontends: int = 1,
         openai: bool = True,
+        prefill_spares: int = 0,
         prefill_profile: str = "",
         **settings,
     ) -> None:
@@ -141,9 +143,10 @@ class Cluster:
         serving the whole contract and routing to the shared pools itself (a T-node refuses
         a slot it does not have, so they never book one twice); ``openai``: also start the
         OpenAI-compatible API (loopback, in front of every frontend); ``prefill_profile``:
-        the P-nodes' own engine profile (mixed machines, :func:`node_configs`)."""
+        the P-nodes' own engine profile (mixed machines, :func:`node_configs`);
+        ``prefill_spares``: warm spare P-nodes that take over a lost P-node."""
         topology = Topology(prefill, decode, prefill_depth, decode_depth, colocated, spares,
-                            frontends)
+                            frontends, prefill_spares)
         self.model_dir = Path(model_dir).resolve()
         if not (self.model_dir / "config.json").is_file():
             raise ValueError(f"{self.model_dir} is not a model folder (no config.json)")
@@ -624,6 +627,9 @@ def up_main(argv: list[str]) -> int:
     parser.add_argument("--spares", type=int, default=0,
                         help="warm spare T-nodes (loaded, on standby): a lost stage's role "
                         "moves to one instead of waiting for its process to start again")
+    parser.add_argument("--prefill-spares", type=int, default=0,
+                        help="warm spare P-nodes (loaded, on standby): a lost P-node's role "
+                        "moves to one instead of waiting for its process to start again")
     _dir_argument(parser)
     args = parser.parse_args(argv)
     if (Path(args.dir) / STATE_FILE).exists():
@@ -634,7 +640,8 @@ def up_main(argv: list[str]) -> int:
     try:
         common = dict(run_dir=args.dir, controller_timeout_s=args.controller_timeout,
                       devices=parse_assignments(args.devices), spares=args.spares,
-                      frontends=args.frontends, **settings_from(args))
+                      prefill_spares=args.prefill_spares, frontends=args.frontends,
+                      **settings_from(args))
         if args.spec is not None:
             del common["max_batch"]  # the spec's
             cluster = Cluster.from_spec(json.loads(args.spec.read_text()), **common)
@@ -670,7 +677,7 @@ def up_main(argv: list[str]) -> int:
 
 def _place(node: dict) -> str:
     """Where a node sits: ``pipeline 0 stage 1/3`` (P-nodes: ``pipeline 0 depth 2``)."""
-    if node["role"] == Role.SPARE:
+    if Role(node["role"]).spare:
         return f"standby (depth {node['depth']})"
     if node.get("pipeline") is None:
         return ""
@@ -697,7 +704,7 @@ def status_main(argv: list[str]) -> int:
     view = controller_view(state)
     state["warnings"] = [f"{n['name']} DOWN: the spare pool is short one warm spare (a used "
                          f"spare's replacement loading); every role still serves"
-                         for n in state["nodes"] if n["role"] == Role.SPARE and not n["ready"]]
+                         for n in state["nodes"] if Role(n["role"]).spare and not n["ready"]]
     if args.json:
         print(json.dumps(state, indent=2))
     else:
@@ -728,7 +735,7 @@ def serving(state: dict, view: dict) -> bool:
     warning) and the controller answers and counts each registered node alive."""
     return "error" not in view and all(
         n["ready"] and n["controller"] in ("alive", "-")
-        for n in state["nodes"] if n["role"] != Role.SPARE)
+        for n in state["nodes"] if not Role(n["role"]).spare)
 
 
 def controller_view(state: dict) -> dict:
@@ -749,7 +756,7 @@ def controller_view(state: dict) -> dict:
     registered = {n["address"]: n for n in view.get("nodes", [])}  # the latest per address
     for node in state["nodes"]:
         known = registered.get(node["grpc"])
-        if node["role"] in (Role.FRONTEND, Role.SPARE):  # a spare registers once it serves
+        if node["role"] == Role.FRONTEND or Role(node["role"]).spare:  # a spare: once it serves
             node["controller"] = "-"
         elif "error" in view:
             node["controller"] = "unknown"

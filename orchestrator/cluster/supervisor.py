@@ -5,7 +5,10 @@
 controller, every ``poll_s``, which nodes it has declared dead, and starts each
 again: the same ports and repository under a new incarnation name, so the
 controller and the KV transports see a new node. A P-node just serves again
-(its prompts in flight ran again elsewhere). For a lost T-stage x > 0 of a
+(its prompts in flight ran again elsewhere); with a warm P spare on standby
+(``dejavu up --prefill-spares N``) the spare takes its role at once instead
+(``assume``: it registers in the lost node's place, the frontends send it that
+place's prompts), and a new P spare starts later as for T-stages. For a lost T-stage x > 0 of a
 replicating pipeline it waits for the controller's recovery plan and carries
 it out (:func:`orchestrator.fault.stage_recovery.recover_stage`). With a warm
 spare on standby (``dejavu up --spares N``) the lost stage's role moves to
@@ -237,7 +240,12 @@ class Supervisor:
         poll. A failed recovery starts the whole pipeline afresh."""
         try:
             if name.startswith("prefill"):
-                self.restart_nodes(state, name, [_prefill_node(state, name)])
+                lost = _prefill_node(state, name)
+                if self.take_over(state, lost):  # a warm P spare serves in its place
+                    self.close_repair(state, name, [lost])
+                    self.record(state, name, "taken over")
+                else:
+                    self.restart_nodes(state, name, [lost])
                 return
             index = int(name.removeprefix("decode"))
             plan = self.replace(state, name, index)
@@ -273,7 +281,8 @@ class Supervisor:
             failed = set(view["pipelines"][name]["failed"])
             # A spare takes a lost head's place like any stage's; without one, its clients'
             # requests rerun anyway, and the whole pipeline starts afresh.
-            if 0 in failed - restarted and not _spare_ready(state) or not _replicates(stages):
+            if (0 in failed - restarted and not _spare_ready(state, Role.SPARE)
+                    or not _replicates(stages)):
                 log.warning("%s: stages %s lost, %s; starting the whole pipeline again",
                             name, sorted(failed), "with the head" if 0 in failed else
                             "no replicas to resume from")
@@ -291,33 +300,38 @@ class Supervisor:
         raise TimeoutError(f"no recovery plan for {name} in {self.ready_timeout_s} s")
 
     def take_over(self, state: dict, lost: dict) -> bool:
-        """Move the lost stage's role to a warm spare, if one is on standby: the two state
-        file entries trade places (the spare's names the stage from now on, the lost one's
-        a spare to start again). False if no spare could take it."""
-        for spare in [n for n in state["nodes"] if n["role"] == Role.SPARE and n.get("pid")]:
-            place = [str(lost["pipeline"]).encode(), str(lost["stage"]).encode()]
+        """Move the lost node's role (a T-stage, or a P-node) to a warm spare of its kind,
+        if one is on standby: the two state file entries trade places (the spare's names
+        the role from now on, the lost one's a spare to start again). False if no spare
+        could take it."""
+        kind = Role.SPARE if lost["role"] == Role.DECODE else Role.PREFILL_SPARE
+        model = "decode" if kind is Role.SPARE else "prefill"
+        place = [str(lost["pipeline"]).encode()]
+        if kind is Role.SPARE:
+            place.append(str(lost["stage"]).encode())
+        for spare in [n for n in state["nodes"] if n["role"] == kind and n.get("pid")]:
             try:
-                self.call(spare["grpc"], "assume", place)
+                self.control.call(spare["grpc"], "assume", place, model=model)
             except Exception:
                 log.exception("%s could not take over %s; stopping it", spare["name"],
                               lost["name"])
                 kill(spare, signal.SIGKILL)
                 spare["pid"] = None  # started again by replenish
                 continue
-            log.warning("%s took over stage %d of decode%d (%s)", spare["name"], lost["stage"],
-                        lost["pipeline"], lost["name"])
+            log.warning("%s took over %s's role (pipeline %d, stage %s)", spare["name"],
+                        lost["name"], lost["pipeline"], lost["stage"])
             kill(lost, signal.SIGKILL)  # declared dead: make sure (a spare starts on its ports)
             self.spares_after = time.monotonic() + self.spare_delay_s
-            where = {k: lost[k] for k in ("role", "pipeline", "stage")}
-            stage = {**spare, **where, "name": lost["name"],
-                     "config": spare["config"] | where}
+            role = {k: lost["config"][k] for k in ("role", "pipeline", "stage")}
+            taken = {**spare, **{k: lost[k] for k in ("role", "pipeline", "stage")},
+                     "name": lost["name"], "config": spare["config"] | role}
             port = lost["grpc"].split(":")[1]
-            standby = {**lost, "name": spare["name"], "role": Role.SPARE.value, "pipeline": None,
+            standby = {**lost, "name": spare["name"], "role": kind.value, "pipeline": None,
                        "stage": None, "pid": None,
                        "log": str(Path(lost["log"]).with_name(f"{spare['name']}-{port}.log")),
-                       "config": lost["config"] | {"role": Role.SPARE.value, "stage": 0}}
+                       "config": lost["config"] | {"role": kind.value, "stage": 0}}
             lost.clear()
-            lost.update(stage)
+            lost.update(taken)
             spare.clear()
             spare.update(standby)
             self.write_state(state)
@@ -330,7 +344,7 @@ class Supervisor:
         if time.monotonic() < self.spares_after:
             return
         for spare in state["nodes"]:
-            if (spare["role"] == Role.SPARE and not (spare.get("pid") and alive(spare["pid"]))
+            if (Role(spare["role"]).spare and not (spare.get("pid") and alive(spare["pid"]))
                     and not stopping(self.run_dir)):
                 log.warning("starting spare %s", spare["name"])
                 try:
@@ -348,8 +362,13 @@ class Supervisor:
             self.ready(server, node)
         if len(nodes) > 1:
             connect_pipeline(self.call, [n["grpc"] for n in nodes], _replicates(nodes))
-        # Once the old nodes are declared dead and the new ones hold every slot, the
-        # controller has a plan with nothing to restore: the new nodes close it.
+        self.close_repair(state, name, nodes)
+        log.warning("%s: started afresh (incarnation %d)", name, nodes[0]["incarnation"])
+        self.record(state, name, "started afresh")
+
+    def close_repair(self, state: dict, name: str, nodes: list[dict]) -> None:
+        """Once the old nodes are declared dead and the new ones (``nodes``) hold every
+        slot, the controller has a plan with nothing to restore: the new nodes close it."""
         controller = state["controller"]["address"]
         deadline = time.monotonic() + self.ready_timeout_s
         while (plan := self.plan(controller, name)) is None or len(plan["failed"]) < len(nodes):
@@ -359,8 +378,6 @@ class Supervisor:
         for node in nodes:
             self.controller_stub(controller).call(
                 "Recovered", {"node_id": node["config"]["name"], "epoch": plan["epoch"]}, 2.0)
-        log.warning("%s: started afresh (incarnation %d)", name, nodes[0]["incarnation"])
-        self.record(state, name, "started afresh")
 
     def launch(self, state: dict, node: dict) -> TritonServer:
         """A lost node's tritonserver again, as a new incarnation (same ports and repo)."""
@@ -410,9 +427,9 @@ def _prefill_node(state: dict, name: str) -> dict:
     return next(n for n in state["nodes"] if n["role"] == "prefill" and n["pipeline"] == index)
 
 
-def _spare_ready(state: dict) -> bool:
-    """Whether a warm spare is on standby (loaded: its process is running)."""
-    return any(n["role"] == Role.SPARE and n.get("pid") and alive(n["pid"])
+def _spare_ready(state: dict, kind: Role) -> bool:
+    """Whether a warm spare of ``kind`` is on standby (loaded: its process is running)."""
+    return any(n["role"] == kind and n.get("pid") and alive(n["pid"])
                for n in state["nodes"])
 
 

@@ -24,6 +24,7 @@ ROLE_MODELS = {
     Role.PREFILL: ("prefill",),
     Role.DECODE: ("decode",),
     Role.SPARE: ("decode",),
+    Role.PREFILL_SPARE: ("prefill",),
 }
 
 
@@ -32,7 +33,8 @@ class Topology:
     """``prefill``/``decode``: how many P- and T-pipelines, of depths ``prefill_depth``
     (prompt stages in one P-node) and ``decode_depth`` (T-nodes, one stage each);
     ``spares``: warm spare T-nodes that take over a lost stage; ``frontends``: frontend
-    nodes (tritonservers clients reach), each routing to every pool on its own."""
+    nodes (tritonservers clients reach), each routing to every pool on its own;
+    ``prefill_spares``: warm spare P-nodes that take over a lost P-node."""
 
     prefill: int = 1
     decode: int = 1
@@ -41,6 +43,7 @@ class Topology:
     colocated: bool = False
     spares: int = 0
     frontends: int = 1
+    prefill_spares: int = 0
 
     def __post_init__(self) -> None:
         if self.frontends < 1:
@@ -48,6 +51,9 @@ class Topology:
         if self.spares < 0 or self.spares and self.decode_depth < 2:
             raise ValueError(f"spares take over stages of pipelines deeper than 1; got "
                              f"{self.spares} spares at depth {self.decode_depth}")
+        if self.prefill_spares < 0 or self.prefill_spares and self.colocated:
+            raise ValueError(f"P spares take over P-nodes, which a colocated cluster does not "
+                             f"have; got {self.prefill_spares} P spares")
         if self.decode < 1:
             raise ValueError("a cluster needs at least one decode node")
         if not self.colocated and self.prefill < 1:
@@ -126,6 +132,8 @@ def node_configs(topology: Topology, address: Callable[[str], str],
             configs[name] = config(name, Role.DECODE, pipeline=p, stage=i, depth=len(stages))
     for i in range(topology.spares):
         configs[f"spare{i}"] = config(f"spare{i}", Role.SPARE, depth=topology.decode_depth)
+    for i in range(topology.prefill_spares):  # the P-nodes' engine, as theirs
+        configs[f"pspare{i}"] = replace(config(f"pspare{i}", Role.PREFILL_SPARE), **prefill_own)
     for name in topology.frontend_names():
         configs[name] = config(name, Role.FRONTEND)
     return configs

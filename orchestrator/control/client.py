@@ -141,33 +141,35 @@ def _stream_error(responses: queue.Queue, fallback: Exception) -> Exception:
 
 
 class ControlClient:
-    """Signed control requests to T-nodes: ``call(url, op, args)`` returns the reply."""
+    """Signed control requests to T-nodes (and warm P spares): ``call(url, op, args)``
+    returns the reply."""
 
     def __init__(self, secret: bytes, timeout_s: float, pool: ClientPool | None = None) -> None:
         self.secret, self.timeout_s = secret, timeout_s
         self.pool = pool or ClientPool()
 
     def call(self, url: str, op: str, args: Sequence[bytes] = (), request_id: str = "",
-             prompt_ids: list[int] | None = None) -> bytes:
+             prompt_ids: list[int] | None = None, model: str = "decode") -> bytes:
+        """``model``: the node's model that answers (``prefill`` on a P-node)."""
         arrays = {"op": np.array([op.encode()], dtype=np.object_)}
         if prompt_ids:
             arrays["input_ids"] = np.array(prompt_ids, dtype=np.int32)
         if args:
             arrays["peers"] = np.array(list(args), dtype=np.object_)
         try:
-            return self._call(url, op, arrays, request_id)
+            return self._call(url, op, arrays, request_id, model)
         except _Unsent:
             # A pooled connection to a node that was started again may still be waiting out
             # its reconnect backoff (its stream fails before the request is sent): once more,
             # on a new connection.
             self.pool.forget(url)
             try:
-                return self._call(url, op, arrays, request_id)
+                return self._call(url, op, arrays, request_id, model)
             except _Unsent as exc:
                 raise exc.error from None
 
-    def _call(self, url: str, op: str, arrays: dict[str, np.ndarray], request_id: str
-              ) -> bytes:
+    def _call(self, url: str, op: str, arrays: dict[str, np.ndarray], request_id: str,
+              model: str) -> bytes:
         responses: queue.Queue = queue.Queue()
         with self.pool.borrow(url) as client:
             client.start_stream(callback=lambda result, error: responses.put((result, error)))
@@ -175,23 +177,23 @@ class ControlClient:
             try:
                 try:
                     client.async_stream_infer(
-                        "decode", [tensor(k, v) for k, v in arrays.items()],
+                        model, [tensor(k, v) for k, v in arrays.items()],
                         request_id=request_id,
-                        parameters=request_parameters(self.secret, "decode", op, request_id,
+                        parameters=request_parameters(self.secret, model, op, request_id,
                                                       url, arrays))
                 except InferenceServerException as exc:  # the stream ended before the send
                     raise _Unsent(_stream_error(responses, exc)) from None
                 try:
                     result, error = responses.get(timeout=self.timeout_s)
                 except queue.Empty:
-                    raise TimeoutError(f"decode node {url}: no answer to {op!r} within "
+                    raise TimeoutError(f"{model} node {url}: no answer to {op!r} within "
                                        f"{self.timeout_s:.0f} s") from None
                 answered = True
             finally:  # waiting for a silent node's stream to end would never return
                 stop_stream(client, cancel=not answered)
         if error is not None:
             raise error
-        raise_for_error(result, f"decode node {url} ({op})")
+        raise_for_error(result, f"{model} node {url} ({op})")
         return result.as_numpy("reply").reshape(-1)[0]
 
     def close(self) -> None:

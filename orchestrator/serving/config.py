@@ -36,6 +36,12 @@ class Role(StrEnum):
     PREFILL = "prefill"  # a P-node
     DECODE = "decode"  # a T-node: one stage of a token pipeline
     SPARE = "spare"  # a warm spare T-node: loaded, on standby (serving/spare.py)
+    PREFILL_SPARE = "prefill_spare"  # a warm spare P-node (serving/prefill_role.py)
+
+    @property
+    def spare(self) -> bool:
+        """A warm spare on standby: it registers with the controller once it takes a role."""
+        return self in (Role.SPARE, Role.PREFILL_SPARE)
 
 
 class TrtllmApi(StrEnum):
@@ -166,6 +172,9 @@ class NodeConfig:
         if self.role is Role.SPARE and (self.depth < 2 or self.replicate != "on"):
             raise ValueError("node config: a spare takes over a stage of a pipeline deeper "
                              "than 1 from replicas in memory (replicate on)")
+        if self.role is Role.PREFILL_SPARE and self.mode is not Mode.DISAGGREGATED:
+            raise ValueError("node config: a P spare takes over a lost P-node: disaggregated "
+                             "mode only")
         if self.replicates and self.replicate is ReplicateMode.DISK and not self.replica_dir:
             raise ValueError("node config: replicate=disk needs a replica_dir")
         if self.role is Role.FRONTEND and not self.decode_urls:

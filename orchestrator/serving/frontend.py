@@ -15,8 +15,10 @@ output collector merges them.
 A P-node lost mid-prompt (unreachable, killed while prefilling, or its KV
 transfer failed) costs the client a pause, not an error: the frontend cancels
 the T-side admission (the head frees every stage's slot), reserves afresh and
-runs the prompt once more on another P-node; the router leaves the lost node
-out for a while. Prefill is deterministic, so the tokens do not change.
+runs the prompt once more on another P-node, or on a warm P spare that took the
+lost one's role (at its own address, once the controller knows it there); the
+router leaves the lost node out for a while. Prefill is deterministic, so the
+tokens do not change.
 
 A request the token pipeline fails after admitting it (a stage lost with no
 replica to resume from, a lost head; a stage that recovers from its replicas
@@ -193,6 +195,10 @@ class Frontend:
         self.seats = threading.Semaphore(max_sequences) if max_sequences else None
         self.secret, self.pool = secret, ClientPool()
         self.control = ControlClient(secret, timeout_s, self.pool)
+        # Each P-node's address now, by its configured one (the router's name for it): a
+        # warm P spare that took a lost P-node's role serves it at its own address.
+        self.prefill_at = {url: url for url in prefill_urls}
+        self.prefill_names = {f"prefill{i}": url for i, url in enumerate(prefill_urls)}
         self.prefill_clients = {url: connect(url) for url in prefill_urls}
         self.streams: dict[str, NodeStream] = {}  # stage 0 url -> the one stream to it
         self.streams_lock = threading.Lock()
@@ -236,15 +242,17 @@ class Frontend:
         for node in nodes:
             alive[node["address"]] = node["alive"]
         dead = {address for address, ok in alive.items() if not ok}
+        self._follow_prefill(nodes)
         for url in self.prefill_clients:
-            if url in dead:
+            address = self.prefill_at[url]
+            if address in dead:
                 self.prefill.mark_down(url)
-            elif alive.get(url) and not self.prefill_seen_alive.get(url, False):
-                # Started again: use it at once. Only then: a node this frontend saw fail
-                # is still alive to the controller until it declares it dead, and put
-                # back, it took the prompts rerun a moment later too.
+            elif alive.get(address) and not self.prefill_seen_alive.get(address, False):
+                # Started again (or a spare took its role): use it at once. Only then: a
+                # node this frontend saw fail is still alive to the controller until it
+                # declares it dead, and put back, it took the prompts rerun a moment later too.
                 self.prefill.mark_up(url)
-            self.prefill_seen_alive[url] = bool(alive.get(url))
+            self.prefill_seen_alive[address] = bool(alive.get(address))
         self._follow_stages(nodes)
         for head, later in self.later_stages.items():
             stages = {self.head_at[head], *later}
@@ -252,6 +260,18 @@ class Frontend:
                 self.decode.mark_down(head)
             elif all(alive.get(url) for url in stages):
                 self.decode.mark_up(head)  # e.g. a lost stage was replaced
+
+    def _follow_prefill(self, nodes: list[dict]) -> None:
+        """Each P-node's address: the latest live registration in its place."""
+        for node in nodes:
+            url = self.prefill_names.get(node["pipeline"])
+            if url is None or not node["alive"] or self.prefill_at[url] == node["address"]:
+                continue
+            log.warning("%s is at %s now", node["pipeline"], node["address"])
+            client, self.prefill_clients[url] = (self.prefill_clients[url],
+                                                 connect(node["address"]))
+            self.prefill_at[url] = node["address"]
+            client.close()
 
     def _follow_stages(self, nodes: list[dict]) -> None:
         """Each stage's address: the latest live registration in its slot."""
@@ -608,6 +628,10 @@ class Frontend:
         """Reserve the prompt KV on every stage and send the request to stage 0; the KV
         tickets (None when colocated). ``reserved`` lists the stages to release if this
         fails."""
+        if self.prefill is not None:
+            # No P-node to write its KV: a slot taken now would wait out a writer that never
+            # comes (the T-node cannot tell), and hold its place from the reruns.
+            self.prefill.check_live()
         tickets = []
         for stage_url in [] if self.colocated else self.later_stages[url]:
             tickets.append(self._reserve(stage_url, request_id, prompt_ids))
@@ -646,6 +670,7 @@ class Frontend:
         assert self.prefill is not None
         with self.prefill.assign(len(prompt_ids),
                                  self._hashes(self.prefill, prompt_ids, params)) as url:
+            address = self.prefill_at[url]  # where its role is served now
             arrays = {**request_arrays(prompt_ids, params), "kv_ticket": tickets,
                       **self._kv_since(self.prefill, url)}
             answers: queue.Queue = queue.Queue()
@@ -655,7 +680,7 @@ class Frontend:
                     lambda result, error: answers.put((result, error)),
                     request_id=request_id, client_timeout=self.timeout_s,
                     parameters=request_parameters(self.secret, "prefill", "prefill", request_id,
-                                                  url, arrays),
+                                                  address, arrays),
                 )
                 while True:
                     try:
@@ -666,16 +691,16 @@ class Frontend:
                             raise Cancelled() from None
                 if error is not None:
                     raise error
-                raise_for_error(result, f"prefill node {url}")
+                raise_for_error(result, f"prefill node {address}")
             except InferenceServerException as exc:
                 if is_unreachable(exc):  # died before or during the call: worth a rerun
                     self.prefill.mark_down(url)
                     # A fresh channel: this one backs off reconnecting to the dead node and
                     # fails calls at once until its next try, after the node is back too.
-                    self.prefill_clients[url] = connect(url)
-                    raise PrefillLost(f"prefill node {url} lost: {exc.message()}") from exc
+                    self.prefill_clients[url] = connect(address)
+                    raise PrefillLost(f"prefill node {address} lost: {exc.message()}") from exc
                 # Prefill is deterministic: it would fail the same way again.
-                raise Refused(f"prefill node {url}: {exc.message()}") from exc
+                raise Refused(f"prefill node {address}: {exc.message()}") from exc
             except ControlError as exc:
                 if exc.code is ErrorCode.KV_TRANSFER:  # its KV never landed: worth a rerun
                     self.prefill.mark_down(url)

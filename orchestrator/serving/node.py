@@ -135,8 +135,8 @@ def stage_service(config: NodeConfig, metrics: Metrics | None,
 def connect_controller(config: NodeConfig) -> ControllerClient | None:
     """Register with the fault controller and heartbeat; None when the node has no
     controller. Stop the client when the model is unloaded."""
-    if not config.controller or config.role is Role.SPARE:
-        return None  # a spare registers once it holds a stage
+    if not config.controller or config.role.spare:
+        return None  # a spare registers once it holds a role
     token = config.role is Role.DECODE
     spec = NodeSpec(
         pipeline=f"{config.role.value}{config.pipeline}",

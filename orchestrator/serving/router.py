@@ -121,9 +121,7 @@ class Router:
         its P-node would stream to it), and ``tokens`` charged whole."""
         now = time.monotonic()
         with self.lock:
-            live = [n for n in self.pending if self.down_until[n] <= now]
-            if not live:
-                raise NoNodeError(f"all nodes down: {', '.join(self.pending)}")
+            live = self._live(now)
             free = self._free(live, now) or live
             work = dict.fromkeys(free, tokens)
             if self.policy == "round-robin":
@@ -142,6 +140,17 @@ class Router:
             self.pending[node] += work[node]
             self.held[node] += 1
             return node, work[node]
+
+    def _live(self, now: float) -> list[str]:
+        live = [n for n in self.pending if self.down_until[n] <= now]
+        if not live:
+            raise NoNodeError(f"all nodes down: {', '.join(self.pending)}")
+        return live
+
+    def check_live(self) -> None:
+        """Raises NoNodeError when every node is down."""
+        with self.lock:
+            self._live(time.monotonic())
 
     def _free(self, nodes: list[str], now: float) -> list[str]:
         """Those of ``nodes`` with a slot as far as this router knows."""

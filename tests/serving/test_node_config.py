@@ -135,6 +135,20 @@ def test_spares_are_standby_t_nodes_of_the_pipelines_depth():
         replace(spares[0], replicate=ReplicateMode.OFF)
 
 
+def test_prefill_spares_are_standby_p_nodes_with_the_p_nodes_engine():
+    configs = node_configs(Topology(prefill_spares=2), lambda n: f"{n}:1", model_dir="m",
+                           profile="a100", prefill_profile="h100")
+    spares = [c for c in configs.values() if c.role is Role.PREFILL_SPARE]
+    assert [c.name for c in spares] == ["pspare0", "pspare1"]
+    assert {c.profile for c in spares} == {"h100"}  # a P-node's role: its machine's profile
+    assert all(c.role.spare and c.prefill_depth == configs["prefill0"].prefill_depth
+               for c in spares)
+    with pytest.raises(ValueError, match="colocated"):
+        Topology(colocated=True, prefill=0, prefill_spares=1)
+    with pytest.raises(ValueError, match="disaggregated mode only"):
+        replace(spares[0], mode=Mode.COLOCATED)
+
+
 def test_tensorrt_llm_is_decoupled_unless_the_deployment_says_not(tmp_path):
     """``--trtllm-decoupled false`` (the backend's decoupled_mode) reaches the frontend's
     tensorrt_llm config alone; a non-boolean value is refused."""

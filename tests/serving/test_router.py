@@ -35,6 +35,16 @@ def test_down_node_is_skipped_until_its_time_is_up():
     assert router.pick(1) == "a"
 
 
+def test_check_live_fails_only_when_every_node_is_down():
+    # The frontend asks before it takes a T slot for a prompt no P-node could write.
+    router = Router(["a", "b"], down_s=60)
+    router.mark_down("a")
+    router.check_live()
+    router.mark_down("b")
+    with pytest.raises(NoNodeError, match="all nodes down"):
+        router.check_live()
+
+
 def test_a_node_marked_up_while_down_counts_as_a_revival():
     """A request waiting to run again goes as soon as a lost node is back (the frontend
     watches this count), not after the rest of its backoff."""

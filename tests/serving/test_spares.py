@@ -144,6 +144,7 @@ def test_bench_recovery_at_its_smallest(model, tmp_path):
             assert 0 <= float(row["detect_s"]) < 1.0, (case, row["detect_s"])
             assert float(row["repair_s"]) >= 0
     assert float(rows["p-node"]["ttft_new_requests_s"]) > 0
+    assert float(rows["p-node+spare"]["ttft_new_requests_s"]) > 0  # prefilled by the P spare
     assert float(rows["frontend-of-two"]["ttft_new_requests_s"]) > 0  # served by the other
     saved = json.loads((out / "recovery.json").read_text())
     assert [r["case"] for r in saved["rows"]] == bench.CASES
