@@ -119,6 +119,8 @@ class Refused(ServingError):
 
 _BUSY_WAIT_S, _MAX_BUSY_WAIT_S = 0.05, 1.0  # first and longest wait for a free KV slot
 _REPAIR_POLL_S = 0.02  # a request to re-attach waits for its pipeline's repair, polling
+_MAX_RERUN_WAIT_S = 8.0  # longest wait before a lost request runs again
+FRONTEND_TIMEOUT_S = 60.0  # a request's longest wait for a seat, a slot, or its node's word
 
 
 @dataclass
@@ -128,8 +130,6 @@ class _Attempt:
     url: str = ""  # the pipeline (its configured head)
     request_id: str | None = None
     head_at: str = ""  # the head's address then
-_MAX_RERUN_WAIT_S = 8.0  # longest wait before a lost request runs again
-FRONTEND_TIMEOUT_S = 60.0  # a request's longest wait for a seat, a slot, or its node's word
 
 
 def request_arrays(prompt_ids: list[int], params: GenerationParams) -> dict[str, np.ndarray]:
