@@ -79,6 +79,11 @@ def _plan_parser() -> argparse.ArgumentParser:
                     help="--slo-*: the share of requests that must meet both (DistServe's 90%%)")
     ap.add_argument("--prefill-chunks", type=int, nargs="+", default=[512, 2048],
                     metavar="TOKENS", help="--slo-*: the chunked colocated step budgets compared")
+    ap.add_argument("--step-overhead-ms", type=float, default=0.0, metavar="MS",
+                    help="--slo-*: the serving path's time per engine step beyond the "
+                    "profile's (scheduling, gRPC, the token's relay; 0: the profile alone). "
+                    "Near capacity the TTFT tail hangs on it; the emulated cluster here "
+                    "measured 0.5 ms at time scale 4 (docs/planner.md)")
     ap.add_argument("--prefill-profile", metavar="Q",
                     help="--budget: the P-nodes' machines run this engine profile "
                     "(Splitwise-HA's mixed pools: P-nodes on Q, the rest on --engine-profile)")
@@ -181,7 +186,8 @@ def _plan_slo(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         requests = wl.sample(wl.load_trace(args.trace), args.requests or 200, 0)
         depth = ModelConfig.from_dir(args.model).num_layers if args.model else None
         result = plan_for_slo(load_profile(args.engine_profile), requests,
-                              args.machines or 8, args.batch, slo, args.prefill_chunks, depth)
+                              args.machines or 8, args.batch, slo, args.prefill_chunks, depth,
+                              overhead_s=args.step_overhead_ms / 1e3)
     except (ValueError, FileNotFoundError) as e:
         ap.exit(2, f"dejavu plan: error: {e}\n")
     t = Table(title=f"{result.machines} machines on {args.trace}, {args.engine_profile}: goodput "
