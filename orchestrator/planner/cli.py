@@ -60,9 +60,10 @@ def _plan_parser() -> argparse.ArgumentParser:
                     help="with --engine-profile: score every layout by the capacity model on "
                     "this Azure trace's lengths (requests/s at saturation, what `dejavu bench "
                     "disagg` measures) instead of DejaVu's formulas at --prompt-len/--new-tokens")
-    ap.add_argument("--requests", type=int,
-                    help="--trace: requests sampled from it (default 1000; with the SLOs 200, "
-                    "each replayed by the simulator at every rate tried)")
+    ap.add_argument("--requests", type=int, default=1000,
+                    help="--trace: requests sampled from it; with the SLOs each is replayed "
+                    "by the simulator at every rate tried (200 end before a queue near "
+                    "capacity builds up: docs/planner.md)")
     ap.add_argument("--budget", type=float, metavar="B",
                     help="with --engine-profile and --trace: every layout whose machines cost "
                     "at most B per hour (the profiles' cost_per_hour unit), scored by the "
@@ -112,8 +113,6 @@ def plan_main(argv: list[str]) -> int:
         ap.error("--trace scores layouts on an engine profile: give --engine-profile")
     if args.slo_ttft is not None or args.slo_tbt is not None:
         return _plan_slo(ap, args)
-    if args.requests is None:
-        args.requests = 1000
     if args.budget is not None:
         return _plan_budget(ap, args)
     if args.prefill_profile:
@@ -183,7 +182,7 @@ def _plan_slo(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         ap.error("--slo-* compares layouts of --machines: drop --budget, --out, --Y and --t")
     try:
         slo = SLO(args.slo_ttft, args.slo_tbt, args.attainment)
-        requests = wl.sample(wl.load_trace(args.trace), args.requests or 200, 0)
+        requests = wl.sample(wl.load_trace(args.trace), args.requests, 0)
         depth = ModelConfig.from_dir(args.model).num_layers if args.model else None
         result = plan_for_slo(load_profile(args.engine_profile), requests,
                               args.machines or 8, args.batch, slo, args.prefill_chunks, depth,
