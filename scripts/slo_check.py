@@ -57,6 +57,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--machines", type=int, default=8)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--drain", type=float, default=2.0)
+    ap.add_argument("--step-overhead-ms", type=float, default=0.0,
+                    help="the serving path's time per step beyond the profile's (simulated)")
     ap.add_argument("--slo", nargs="+", default=["1:0.05", "10:0.035", "3:0.045"],
                     help="TTFT:TBT pairs, seconds")
     args = ap.parse_args(argv)
@@ -74,7 +76,8 @@ def main(argv: list[str]) -> int:
         last = max(r.arrival for r in requests)
         span, cut_at = last - min(r.arrival for r in requests), last + args.drain
         candidate = candidate_of(mode, data["layout"], args.machines)
-        simulated: list[RequestTimes] = simulate(cost, requests, candidate, args.batch)
+        simulated: list[RequestTimes] = simulate(cost, requests, candidate, args.batch,
+                                                 args.step_overhead_ms / 1e3)
         for slo in slos:
             measured = [met(slo, t[0], t, n, cut_at) for _, n, t in runs]
             sim = [met(slo, s.request.arrival, s.stamps(), s.request.output_len, cut_at)

@@ -60,9 +60,10 @@ def _plan_parser() -> argparse.ArgumentParser:
                     help="with --engine-profile: score every layout by the capacity model on "
                     "this Azure trace's lengths (requests/s at saturation, what `dejavu bench "
                     "disagg` measures) instead of DejaVu's formulas at --prompt-len/--new-tokens")
-    ap.add_argument("--requests", type=int,
-                    help="--trace: requests sampled from it (default 1000; with the SLOs 200, "
-                    "each replayed by the simulator at every rate tried)")
+    ap.add_argument("--requests", type=int, default=1000,
+                    help="--trace: requests sampled from it; with the SLOs each is replayed "
+                    "by the simulator at every rate tried (200 end before a queue near "
+                    "capacity builds up: docs/planner.md)")
     ap.add_argument("--budget", type=float, metavar="B",
                     help="with --engine-profile and --trace: every layout whose machines cost "
                     "at most B per hour (the profiles' cost_per_hour unit), scored by the "
@@ -79,6 +80,11 @@ def _plan_parser() -> argparse.ArgumentParser:
                     help="--slo-*: the share of requests that must meet both (DistServe's 90%%)")
     ap.add_argument("--prefill-chunks", type=int, nargs="+", default=[512, 2048],
                     metavar="TOKENS", help="--slo-*: the chunked colocated step budgets compared")
+    ap.add_argument("--step-overhead-ms", type=float, default=0.0, metavar="MS",
+                    help="--slo-*: the serving path's time per engine step beyond the "
+                    "profile's (scheduling, gRPC, the token's relay; 0: the profile alone). "
+                    "Near capacity the TTFT tail hangs on it; the emulated cluster here "
+                    "measured 0.5 ms at time scale 4 (docs/planner.md)")
     ap.add_argument("--prefill-profile", metavar="Q",
                     help="--budget: the P-nodes' machines run this engine profile "
                     "(Splitwise-HA's mixed pools: P-nodes on Q, the rest on --engine-profile)")
@@ -107,8 +113,6 @@ def plan_main(argv: list[str]) -> int:
         ap.error("--trace scores layouts on an engine profile: give --engine-profile")
     if args.slo_ttft is not None or args.slo_tbt is not None:
         return _plan_slo(ap, args)
-    if args.requests is None:
-        args.requests = 1000
     if args.budget is not None:
         return _plan_budget(ap, args)
     if args.prefill_profile:
@@ -178,10 +182,11 @@ def _plan_slo(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         ap.error("--slo-* compares layouts of --machines: drop --budget, --out, --Y and --t")
     try:
         slo = SLO(args.slo_ttft, args.slo_tbt, args.attainment)
-        requests = wl.sample(wl.load_trace(args.trace), args.requests or 200, 0)
+        requests = wl.sample(wl.load_trace(args.trace), args.requests, 0)
         depth = ModelConfig.from_dir(args.model).num_layers if args.model else None
         result = plan_for_slo(load_profile(args.engine_profile), requests,
-                              args.machines or 8, args.batch, slo, args.prefill_chunks, depth)
+                              args.machines or 8, args.batch, slo, args.prefill_chunks, depth,
+                              overhead_s=args.step_overhead_ms / 1e3)
     except (ValueError, FileNotFoundError) as e:
         ap.exit(2, f"dejavu plan: error: {e}\n")
     t = Table(title=f"{result.machines} machines on {args.trace}, {args.engine_profile}: goodput "

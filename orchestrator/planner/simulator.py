@@ -387,8 +387,8 @@ class _TokenPipe:
         if not chunks and not decode:
             return
         context = statistics.fmean(s.context for s in decode) if decode else 0.0
-        seconds = self.sim.cost.mixed_s(sum(n for _, _, n in chunks),
-                                        sum(c for _, c, _ in chunks), len(decode), context)
+        seconds = self.sim.step_overhead_s + self.sim.cost.mixed_s(
+            sum(n for _, _, n in chunks), sum(c for _, c, _ in chunks), len(decode), context)
         self.running[mb] = running + new
         self.in_flight[mb] = True
         prompts = [seq for seq, _, _ in chunks if seq.prefilled == seq.request.prompt_len]
@@ -438,8 +438,8 @@ class _PromptNode:
         if self.busy or not self.queue:
             return
         seq = self.queue.popleft()
-        seconds = self.sim.m * self.sim.prompt_cost.reused_prefill_s(seq.request.prompt_len,
-                                                                     self.sim.hit_rate)
+        seconds = self.sim.step_overhead_s + self.sim.m * self.sim.prompt_cost.reused_prefill_s(
+            seq.request.prompt_len, self.sim.hit_rate)
         self.busy, self.busy_seconds = True, self.busy_seconds + seconds
 
         def done() -> None:
@@ -469,19 +469,26 @@ class ServingSimulator:
     def __init__(self, cost: EngineProfile, batch: int, prompt_nodes: int, token_pipelines: int,
                  token_depth: int, m: float = 1.0, slots: int | None = None,
                  prompt_cost: EngineProfile | None = None, hit_rate: float = 0.0,
-                 prefill_chunk: int = 0) -> None:
+                 prefill_chunk: int = 0, step_overhead_s: float = 0.0) -> None:
         """``hit_rate``: the prompt tokens the prefilling nodes' prefix caches hold (the
         trace's, or measured): each prompt computes only the rest; ``prefill_chunk``:
-        colocated, a step's token budget (0: whole prompts)."""
+        colocated, a step's token budget (0: whole prompts); ``step_overhead_s``: the
+        serving path's own time per engine call (a token pipeline's step, a P-node's
+        prefill), outside the engine's profiled time: the head scheduling the step and its
+        gRPC calls, the token's relay. Near saturation the TTFT tail hangs on it: a 1.3%
+        longer step took the simulated share of requests past a 1 s TTFT from 7% to 11%
+        (0.88x a colocated layout's capacity; docs/planner.md)."""
         if batch < 1 or token_pipelines < 1 or token_depth < 1 or prompt_nodes < 0 or m < 1:
             raise ValueError("need batch, token pipelines and depth >= 1, P-nodes >= 0, m >= 1")
         if not 0 <= hit_rate <= 1:
             raise ValueError(f"a hit rate is in [0, 1], got {hit_rate}")
+        if step_overhead_s < 0:
+            raise ValueError(f"a step's overhead is >= 0 s, got {step_overhead_s}")
         if prefill_chunk and prompt_nodes:
             raise ValueError("prefill_chunk chunks colocated prompts: no P-nodes")
         check_prefill_chunk(prefill_chunk, batch)
         self.cost, self.slots, self.m, self.hit_rate = cost, batch, m, hit_rate
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk, self.step_overhead_s = prefill_chunk, step_overhead_s
         self.prompt_cost = prompt_cost or cost  # P-nodes of another machine: their own
         self.colocated = prompt_nodes == 0
         self.loop = EventLoop()

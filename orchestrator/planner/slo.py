@@ -183,19 +183,22 @@ def candidates(machines: int, chunks: Sequence[int] = CHUNKS, batch: int = 16,
     return found
 
 
-def simulate(cost: EngineProfile, requests: list[Request], candidate: Candidate, batch: int
-             ) -> list[RequestTimes]:
+def simulate(cost: EngineProfile, requests: list[Request], candidate: Candidate, batch: int,
+             overhead_s: float = 0.0) -> list[RequestTimes]:
+    """``overhead_s``: the serving path's time per step beyond the profile's
+    (:class:`~orchestrator.planner.simulator.ServingSimulator`'s ``step_overhead_s``)."""
     lay = candidate.layout
     sim = ServingSimulator(cost, batch, 0 if lay.colocated else lay.replicas, lay.token_count,
                            lay.prompt_depth if lay.colocated else lay.token_depth,
-                           prefill_chunk=candidate.prefill_chunk)
+                           prefill_chunk=candidate.prefill_chunk, step_overhead_s=overhead_s)
     return sim.run(requests)
 
 
 def missed(cost: EngineProfile, requests: list[Request], candidate: Candidate, batch: int,
-           slo: SLO, rate: float, seed: int = 0) -> tuple[float, float, float]:
+           slo: SLO, rate: float, seed: int = 0, overhead_s: float = 0.0
+           ) -> tuple[float, float, float]:
     """At ``rate``: the fractions of requests missing (either, TTFT, TBT)."""
-    times = simulate(cost, poisson(requests, rate, seed), candidate, batch)
+    times = simulate(cost, poisson(requests, rate, seed), candidate, batch, overhead_s)
     flags = [slo.misses(t) for t in times]
     n = len(flags)
     return (sum(a or b for a, b in flags) / n, sum(a for a, _ in flags) / n,
@@ -219,15 +222,17 @@ def highest_rate(meets: Callable[[float], bool], high: float, steps: int = 10
 
 
 def goodput(cost: EngineProfile, requests: list[Request], candidate: Candidate, batch: int,
-            slo: SLO, high: float, steps: int = 10, capacity: float | None = None) -> Scored:
+            slo: SLO, high: float, steps: int = 10, capacity: float | None = None,
+            overhead_s: float = 0.0) -> Scored:
     """The highest arrival rate in (0, ``high``] at which ``attainment`` of ``requests``
     meet ``slo`` (DistServe's goodput), no more than ``capacity`` (the rate the layout
     sustains) where given."""
     top = high if capacity is None else min(high, capacity)
     lo, hi = highest_rate(
-        lambda rate: missed(cost, requests, candidate, batch, slo, rate)[0]
+        lambda rate: missed(cost, requests, candidate, batch, slo, rate, 0, overhead_s)[0]
         <= 1 - slo.attainment, top, steps)
-    return Scored(candidate, lo, *missed(cost, requests, candidate, batch, slo, hi)[1:],
+    return Scored(candidate, lo,
+                  *missed(cost, requests, candidate, batch, slo, hi, 0, overhead_s)[1:],
                   capped=capacity is not None and lo == top)
 
 
@@ -255,17 +260,18 @@ def search_ceiling(cost: EngineProfile, requests: list[Request], machines: int,
 
 def plan_for_slo(cost: EngineProfile, requests: list[Request], machines: int, batch: int,
                  slo: SLO, chunks: Sequence[int] = CHUNKS, max_depth: int | None = None,
-                 high: float | None = None) -> SloPlan:
+                 high: float | None = None, overhead_s: float = 0.0) -> SloPlan:
     """Every candidate's goodput on ``requests`` (their lengths; arrivals are drawn), most
     first, each at most its capacity-model requests/s (chunked colocated: the whole
     prompts', which the mixed step matches to within a few %). ``high``: the highest rate
     tried (default: 10x what the machines serve if every one ran its prompts and tokens
-    alone, a bound no layout reaches)."""
+    alone, a bound no layout reaches); ``overhead_s``: the serving path's time per step
+    beyond the profile's (:func:`simulate`)."""
     if high is None:
         high = search_ceiling(cost, requests, machines, batch)
     capacity = Capacity.of([(r.prompt_len, r.output_len) for r in requests], cost, batch)
     scored = [goodput(cost, requests, c, batch, slo, high,
-                      capacity=predict_rps(capacity, c.layout))
+                      capacity=predict_rps(capacity, c.layout), overhead_s=overhead_s)
               for c in candidates(machines, chunks, batch, max_depth)]
     # Ties (layouts at the same capacity): fewer requests past the SLOs there, then the
     # simpler layout (colocated first, as listed).

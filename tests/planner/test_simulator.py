@@ -10,6 +10,7 @@ from orchestrator.planner.perf_model import Profile, Workload
 from orchestrator.planner.planner import Layout, plan
 from orchestrator.planner.search import exhaustive, simulate_layout
 from orchestrator.planner.simulator import (
+    RequestTimes,
     ServingSimulator,
     simulate_colocated,
     simulate_disaggregated,
@@ -172,3 +173,23 @@ def test_chunked_prefill_keeps_token_steps_short_while_a_long_prompt_runs():
     assert chunk_tokens == whole_tokens == 8 * 200 + 10
     with pytest.raises(ValueError, match="no P-nodes"):
         ServingSimulator(cost, 16, 1, 1, 1, prefill_chunk=512)
+
+
+@pytest.mark.parametrize("prompt_nodes", [0, 1])
+def test_a_step_overhead_lengthens_every_engine_call_by_it(prompt_nodes):
+    """The serving path's time per step (scheduling, gRPC, the relay) comes on top of the
+    profile's: alone on a node, a request's first token is one call later by it (the
+    colocated step that prefills it, or the P-node's prefill) and every later gap too."""
+    cost = load_profile("splitwise-llama2-70b-h100")
+    reqs = [Request(0, 0.0, 1200, 6)]
+
+    def run(overhead: float) -> RequestTimes:
+        return ServingSimulator(cost, 16, prompt_nodes, 1, 1, step_overhead_s=overhead,
+                                prefill_chunk=512 if not prompt_nodes else 0).run(reqs)[0]
+
+    bare, slowed = run(0.0), run(0.002)
+    prefill_calls = 3 if not prompt_nodes else 1  # 1,200 tokens in 512-token steps: 3
+    assert slowed.first_token == pytest.approx(bare.first_token + prefill_calls * 0.002)
+    assert slowed.tbts() == pytest.approx([gap + 0.002 for gap in bare.tbts()])
+    with pytest.raises(ValueError, match="overhead"):
+        ServingSimulator(cost, 16, prompt_nodes, 1, 1, step_overhead_s=-0.001)
