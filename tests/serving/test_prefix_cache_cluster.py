@@ -87,14 +87,13 @@ def test_multi_turn_prompts_reuse_their_prefix_token_exact(cluster, model):
         node, "dejavu_prefix_cache", what="budget_bytes")
 
 
+@pytest.mark.parametrize("cluster", ["disaggregated"], indirect=True)  # KV streamed P -> T
 def test_a_t_node_keeps_each_finished_turn_and_is_streamed_only_the_blocks_it_lacks(
         cluster, model):
     """Decode-side reuse, token-exact: each turn's T-node slot starts with the whole blocks
     of the last turn's prompt and answer (its KV, kept when it finished), and the P-node
     streams only the rest: the T-node's ``dejavu_kv_reused_bytes`` and the P-node's
     ``dejavu_kv_bytes`` say exactly that many bytes."""
-    if not cluster.role("prefill"):
-        pytest.skip("colocated: no prompt KV is streamed")
     engine = load_engine(model, max_seq_len=MAX_SEQ_LEN)
     token_bytes = engine.kv_layout.token_bytes_per_layer() * engine.kv_layout.num_layers
     p_node, t_node = cluster.role("prefill")[0].server, cluster.role("decode")[0].server
