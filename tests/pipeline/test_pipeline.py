@@ -88,8 +88,9 @@ def test_chunked_prefill_is_token_exact(model, prompts, reference, depth, swap):
     assert pipeline.kv_held() == 0
 
 
-@pytest.mark.parametrize("chunk", [0, 3], ids=["whole prompts", "chunks of 3"])
-def test_a_prefix_cache_reuses_each_turns_prefix_token_exact(model, chunk):
+@pytest.mark.parametrize(("chunk", "swap"), [(0, "off"), (3, "off"), (3, "on")],
+                         ids=["whole prompts", "chunks of 3", "chunks of 3, swapping"])
+def test_a_prefix_cache_reuses_each_turns_prefix_token_exact(model, chunk, swap):
     """Depth 1 colocated with a prefix cache of 4-token blocks: each turn's prompt is the last
     one, its answer and a new message. With chunks, its first chunk starts after the blocks
     the last turn stored (once its whole prompt was in), and the budget pays only for the
@@ -102,7 +103,7 @@ def test_a_prefix_cache_reuses_each_turns_prefix_token_exact(model, chunk):
         turns.append((prompt, answer))
         if message is not None:
             prompt = prompt + answer + message
-    with make_pipeline(model, 1, "colocated", "off", prefill_chunk=chunk) as pipeline:
+    with make_pipeline(model, 1, "colocated", swap, prefill_chunk=chunk) as pipeline:
         reuse = PrefixReuse(PrefixCache(engines[0].kv_layout, block, capacity_blocks=64))
         pipeline.nodes[0].reuse_prefixes(reuse)
         previous: list[int] = []
