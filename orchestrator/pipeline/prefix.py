@@ -83,7 +83,6 @@ class PrefixReuse:
         finally:
             self.cache.release(load.hit)
 
-
     def ran(self, seq_id: int, ids: Sequence[int], salt: str, slot: KVCache,
             complete: bool) -> None:
         """A colocated prompt chunk of ``ids`` ran into ``slot`` (a first chunk: the ids
