@@ -177,14 +177,8 @@ class PrefixCache:
     def acquire(self, hashes: Sequence[int], max_tokens: int | None = None) -> PrefixHit:
         """Hold the longest cached run of ``hashes`` from the first block (at most
         ``max_tokens`` tokens: a prefill must compute one token at least)."""
-        limit = len(hashes) if max_tokens is None else min(len(hashes),
-                                                           max_tokens // self.block_tokens)
         with self._lock:
-            found: list[int] = []
-            for h in hashes[:limit]:
-                if h not in self._blocks:
-                    break
-                found.append(h)
+            found = self._cached_run(hashes, max_tokens)
             for h in found:
                 self._blocks[h].refs += 1
             self._touch(found)
@@ -192,6 +186,11 @@ class PrefixCache:
             self.stats.lookup_tokens += len(hashes) * self.block_tokens
             self.stats.hit_tokens += len(found) * self.block_tokens
             return PrefixHit(found, [self._blocks[h].index for h in found], self.block_tokens)
+
+    def cached_tokens(self, hashes: Sequence[int], max_tokens: int | None = None) -> int:
+        """The tokens :meth:`acquire` would hold now; holds nothing and counts no lookup."""
+        with self._lock:
+            return len(self._cached_run(hashes, max_tokens)) * self.block_tokens
 
     def load(self, hit: PrefixHit, caches: Sequence[KVCache]) -> None:
         """Copy the hit's KV into the (empty) slots ``caches``, each holding some of this
@@ -257,6 +256,18 @@ class PrefixCache:
         self._emit("removed", gone)
 
     # -- inside ---------------------------------------------------------------
+
+    def _cached_run(self, hashes: Sequence[int], max_tokens: int | None) -> list[int]:
+        """The longest run of ``hashes`` held from the first block, within ``max_tokens``
+        (under the lock)."""
+        limit = len(hashes) if max_tokens is None else min(len(hashes),
+                                                           max_tokens // self.block_tokens)
+        found: list[int] = []
+        for h in hashes[:limit]:
+            if h not in self._blocks:
+                break
+            found.append(h)
+        return found
 
     def _touch(self, hashes: list[int]) -> None:
         """Most recently used: the last block first, so a prefix's tail is evicted first."""

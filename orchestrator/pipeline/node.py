@@ -72,7 +72,7 @@ from orchestrator.pipeline.head import PipelineHead
 from orchestrator.pipeline.link import Link, QueueLink
 from orchestrator.pipeline.pipeline import link_capacity, make_placement, resolve_swap
 from orchestrator.pipeline.prefill import decode_first_token
-from orchestrator.pipeline.prefix import DecodeReuse
+from orchestrator.pipeline.prefix import DecodeReuse, PrefixReuse
 from orchestrator.pipeline.sequence import Sequence
 from orchestrator.pipeline.stage import StageWorker
 from orchestrator.pipeline.transport_link import LinkTicket, TransportReceiver, TransportSender
@@ -371,6 +371,16 @@ class StageNode:
         if prompt is not None and self.decode_reuse is not None:
             fill = self.decode_reuse.fill(prompt, salt)
         return self._receiver().reserve(request_id, prompt_len, fill)
+
+    def reuse_prefixes(self, reuse: PrefixReuse) -> None:
+        """Prefill on top of the prompt KV ``reuse`` caches (a colocated pipeline's only
+        stage): the head's chunks start after the cached positions, the stage loads them."""
+        if self.config.depth != 1 or self.config.mode != "colocated" or self.worker is None:
+            raise ValueError("a prefix cache needs a colocated pipeline of depth 1")
+        self.worker.prefix = reuse
+        assert self.head is not None  # node 0, as every node of depth 1
+        self.head.scheduler.cached_prefix = lambda seq: reuse.cached_tokens(
+            seq.prompt_ids, seq.cache_salt)
 
     def keep_finished(self, reuse: DecodeReuse) -> None:
         """Keep finished requests' KV in ``reuse`` for their next turns (decode-side reuse:

@@ -7,6 +7,12 @@ are copied into its (empty) slots, and the engines compute only the rest, on top
 (:meth:`~orchestrator.engine.base.Engine.prefill`). After the prefill, the
 prompt's whole blocks go into the cache for the next request. At least one
 token is always computed: its logits give the first token.
+
+Colocated with chunked prefill, a prompt's first chunk starts after the blocks
+the cache held when it was scheduled (:meth:`PrefixReuse.cached_tokens`) and
+carries the prompt's ids from position 0: the stage loads what the cache still
+holds and computes the rest. Its blocks are stored only after its last chunk
+(:meth:`PrefixReuse.ran`), with the chained hashes of the whole prompt.
 """
 
 from __future__ import annotations
@@ -46,6 +52,15 @@ class PrefixReuse:
         self.cache = cache
         self.events = KVEventLog(cache.held_hashes, secret)
         cache.on_event = self.events.record
+        # Colocated: seq id -> the ids from position 0 of a prompt whose last chunk is to come
+        self._prompts: dict[int, list[int]] = {}
+
+    def cached_tokens(self, prompt: Sequence[int], salt: str) -> int:
+        """The leading positions of ``prompt`` (under ``salt``) the cache holds now, one
+        token at least left to compute; nothing is held (a later :meth:`load` may find
+        fewer or more)."""
+        hashes = block_hashes(prompt, self.cache.block_tokens, salt)
+        return self.cache.cached_tokens(hashes, max_tokens=len(prompt) - 1)
 
     def load(self, prompt: Sequence[int], salt: str, slots: Sequence[KVCache]) -> PrefixLoad:
         """Hold ``prompt``'s cached leading blocks (under ``salt``) and copy them into its
@@ -67,6 +82,24 @@ class PrefixReuse:
                 self.cache.store(load.hashes, slots)
         finally:
             self.cache.release(load.hit)
+
+    def ran(self, seq_id: int, ids: Sequence[int], salt: str, slot: KVCache,
+            complete: bool) -> None:
+        """A colocated prompt chunk of ``ids`` ran into ``slot`` (a first chunk: the ids
+        from position 0). Once ``complete`` (the prompt's last chunk), the whole prompt's
+        blocks are stored; until then its ids so far are kept (:meth:`forget` drops them)."""
+        so_far = self._prompts.pop(seq_id, [])[: slot.length - len(ids)] + list(ids)
+        if len(so_far) != slot.length:  # its earlier chunks unknown here: hashes would lie
+            log.warning("prompt %d holds %d positions, %d ids known: not cached", seq_id,
+                        slot.length, len(so_far))
+        elif complete:
+            self.cache.store(block_hashes(so_far, self.cache.block_tokens, salt), [slot])
+        else:
+            self._prompts[seq_id] = so_far
+
+    def forget(self, seq_id: int) -> None:
+        """A sequence's KV is freed: drop its prompt's ids if its last chunk never ran."""
+        self._prompts.pop(seq_id, None)
 
 
 class DecodeReuse(PrefixReuse):

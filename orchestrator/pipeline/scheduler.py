@@ -17,7 +17,9 @@ the budget: first the prompts this microbatch already started (in the order
 they joined), then new ones. Token steps are never held back: a step of more
 running sequences than the budget carries no chunk. A prompt's chunks run on
 top of the KV its earlier chunks left (``Engine.prefill`` on a filled slot); it
-samples its first token in the step of its last chunk.
+samples its first token in the step of its last chunk. With a prefix cache on
+the stage (``cached_prefix``), a prompt's first chunk starts after the leading
+positions the cache holds: the budget pays only for those it computes.
 
 Steps are numbered per microbatch and never restart, refills included, so a
 (microbatch, step) pair names one step for good: fault tolerance acks
@@ -27,6 +29,7 @@ replicas by it. Only :meth:`rewind` (recovery) goes back, to redo steps.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from orchestrator.engine.log_probs import TokenLogProb
@@ -41,6 +44,14 @@ class Chunk:
     seq: Sequence
     start: int
     end: int
+    # A first chunk after a prefix cache hit: the leading positions the cache held. Its ids
+    # start at position 0: the stage loads what the cache still holds and computes the rest.
+    cached: int = 0
+
+    @property
+    def tokens(self) -> int:
+        """The positions it computes (as scheduled)."""
+        return self.end - self.start
 
     @property
     def completes(self) -> bool:
@@ -49,7 +60,7 @@ class Chunk:
 
     @property
     def ids(self) -> list[int]:
-        return self.seq.prompt_ids[self.start:self.end]
+        return self.seq.prompt_ids[self.start - self.cached:self.end]
 
 
 @dataclass
@@ -90,6 +101,9 @@ class MicrobatchScheduler:
         self.joined: dict[int, int] = {}  # seq id -> step it joined its microbatch at
         # Colocated: seq id -> (step, prompt tokens prefilled after it), one per chunk.
         self.chunks: dict[int, list[tuple[int, int]]] = {}
+        # Colocated with a prefix cache on the stage (set by its node): the leading positions
+        # of a sequence's prompt the cache holds now, one token at least left to compute.
+        self.cached_prefix: Callable[[Sequence], int] | None = None
 
     def add(self, seq: Sequence) -> None:
         """Queue a sequence: a prompt (colocated) or one whose prompt KV is in place."""
@@ -116,7 +130,7 @@ class MicrobatchScheduler:
         for seq in running:  # prompts started in earlier steps go on first
             if seq.is_prefilling and (budget is None or budget > 0):
                 batch.prefill.append(self._chunk(seq, budget, batch.step))
-                budget = None if budget is None else budget - len(batch.prefill[-1].ids)
+                budget = None if budget is None else budget - batch.prefill[-1].tokens
         new: list[Sequence] = []
         while budget is None or budget > 0:
             joined = self._refill(microbatch, len(running) + len(new), limit=1)
@@ -124,7 +138,7 @@ class MicrobatchScheduler:
                 break
             new += joined
             batch.prefill.append(self._chunk(joined[0], budget, batch.step))
-            budget = None if budget is None else budget - len(batch.prefill[-1].ids)
+            budget = None if budget is None else budget - batch.prefill[-1].tokens
         return self._issued(batch, running + new)
 
     def _refill(self, microbatch: int, holding: int, limit: int | None = None
@@ -144,8 +158,11 @@ class MicrobatchScheduler:
 
     def _chunk(self, seq: Sequence, budget: int | None, step: int) -> Chunk:
         """The next ``budget`` prompt tokens of ``seq`` (None: the rest), run at ``step``."""
+        cached = 0
+        if seq.seq_id not in self.chunks and self.cached_prefix is not None:  # its first
+            cached = seq.prefilled = self.cached_prefix(seq)
         left = seq.prompt_len - seq.prefilled
-        chunk = Chunk(seq, seq.prefilled, seq.prefilled + min(left, budget or left))
+        chunk = Chunk(seq, seq.prefilled, seq.prefilled + min(left, budget or left), cached)
         seq.prefilled = chunk.end
         self.chunks.setdefault(seq.seq_id, []).append((step, chunk.end))
         return chunk

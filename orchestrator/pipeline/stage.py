@@ -260,15 +260,14 @@ class StageWorker:
 
         loads = self._load_prefixes(message, caches)
         try:
-            if loads:
-                message = replace(message, prompts=[load.rest for load in loads])
-            prompt_out, step_out = self._compute(message, caches) if seq_ids else ([], None)
-        except BaseException:
-            for load in loads:
+            computed = replace(message, prompts=[
+                loads[i].rest if i in loads else ids for i, ids in enumerate(message.prompts)]
+            ) if loads else message
+            prompt_out, step_out = self._compute(computed, caches) if seq_ids else ([], None)
+            self._prompts_ran(message, caches)
+        finally:
+            for load in loads.values():
                 self.prefix.finish(load, None)  # type: ignore[union-attr]
-            raise
-        for load, cache in zip(loads, caches, strict=False):
-            self.prefix.finish(load, [cache])  # type: ignore[union-attr]
         if self.on_step is not None and seq_ids:
             self.on_step(mb, message.step, seq_ids, caches)
         self.kv.close(mb, seq_ids)
@@ -280,31 +279,49 @@ class StageWorker:
                 zip(message.prompt_seq_ids, prompt_out, strict=True) if seq_id not in partial]
         if step_out is not None:
             rows += zip(message.seq_ids, step_out, strict=True)
-        answer = TokenMessage(mb, message.step, {},
-                              cached={s: load.cached_tokens for s, load in zip(
-                                  message.prompt_seq_ids, loads, strict=False)})
+        answer = TokenMessage(mb, message.step, {}, cached={
+            message.prompt_seq_ids[i]: load.cached_tokens for i, load in loads.items()})
         for seq_id, logits in rows:
             answer.tokens[seq_id], log_prob = self.samplers[seq_id].pick(logits[None])
             if log_prob is not None:
                 answer.log_probs[seq_id] = log_prob
         return answer
 
-    def _load_prefixes(self, message: StepMessage, caches: list[KVCache]) -> list[PrefixLoad]:
-        """A pipeline's only stage with a prefix cache: each prompt's cached blocks, loaded
-        into its slot (the first caches are the prompts'); none otherwise."""
-        if self.prefix is None or not message.prompts or not (
-                self.engine.stage.is_first and self.is_last):
-            return []
+    def _reuses_prefixes(self, message: StepMessage) -> bool:
+        """A pipeline's only stage with a prefix cache, running prompts."""
+        return self.prefix is not None and bool(message.prompts) and (
+            self.engine.stage.is_first and self.is_last)
+
+    def _load_prefixes(self, message: StepMessage, caches: list[KVCache]
+                       ) -> dict[int, PrefixLoad]:
+        """With a prefix cache: the cached blocks of each prompt starting here (its slot
+        empty: its first chunk, its ids from position 0), loaded into its slot and held,
+        by its index in the message (the first caches are the prompts')."""
+        if not self._reuses_prefixes(message):
+            return {}
         salts = message.salts or [""] * len(message.prompts)
-        loads: list[PrefixLoad] = []
+        loads: dict[int, PrefixLoad] = {}
         try:
-            for prompt, salt, cache in zip(message.prompts, salts, caches, strict=False):
-                loads.append(self.prefix.load(prompt.tolist(), salt, [cache]))
+            for i, (prompt, cache) in enumerate(zip(message.prompts, caches, strict=False)):
+                if not cache.length:
+                    loads[i] = self.prefix.load(  # type: ignore[union-attr]
+                        prompt.tolist(), salts[i], [cache])
         except BaseException:
-            for load in loads:
-                self.prefix.finish(load, None)
+            for load in loads.values():
+                self.prefix.finish(load, None)  # type: ignore[union-attr]
             raise
         return loads
+
+    def _prompts_ran(self, message: StepMessage, caches: list[KVCache]) -> None:
+        """With a prefix cache: store the blocks of each prompt whose last chunk ran."""
+        if not self._reuses_prefixes(message):
+            return
+        salts = message.salts or [""] * len(message.prompts)
+        partial = set(message.partial)
+        for seq_id, ids, salt, cache in zip(message.prompt_seq_ids, message.prompts, salts,
+                                            caches, strict=False):
+            self.prefix.ran(seq_id, ids.tolist(), salt, cache,  # type: ignore[union-attr]
+                            complete=seq_id not in partial)
 
     def _compute(
         self, message: StepMessage, caches: list[KVCache]
@@ -343,5 +360,7 @@ class StageWorker:
             if self.prompt_kv is not None:  # its request id, or its prompt KV if admitted in
                 self.prompt_kv.discard(seq_id)  # a step that failed before taking it
             self.samplers.pop(seq_id, None)
+            if self.prefix is not None:
+                self.prefix.forget(seq_id)
             if self.on_release is not None:
                 self.on_release(seq_id)

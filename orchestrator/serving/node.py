@@ -116,9 +116,10 @@ def stage_service(config: NodeConfig, metrics: Metrics | None,
         node.on_unreachable = controller.suspect
         if node.receiver is not None:  # a lost P-node's slots are free once it is declared
             controller.on_ended = node.receiver.writers_ended
-    # It prefills: reuse prompt KV (whole prompts only: a chunk's blocks hash as a prefix)
-    if config.mode is Mode.COLOCATED and config.depth == 1 and not config.prefill_chunk:
-        node.worker.prefix = prefix_reuse(config, [node.engine])
+    # It prefills: reuse prompt KV (whole prompts or chunks after the cached positions)
+    if config.mode is Mode.COLOCATED and config.depth == 1 and (
+            reuse := prefix_reuse(config, [node.engine])) is not None:
+        node.reuse_prefixes(reuse)
     # It decodes the whole model: keep finished requests' KV for their next turns
     if config.mode is not Mode.COLOCATED and config.depth == 1 and config.decode_cache_mb:
         node.keep_finished(prefix_reuse(config, [node.engine], config.decode_cache_mb,

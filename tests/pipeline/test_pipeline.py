@@ -11,9 +11,11 @@ import torch
 
 from orchestrator.engine.reference import generate, load_stages
 from orchestrator.engine.torch_engine import load_engine
+from orchestrator.kv.prefix_cache import PrefixCache
 from orchestrator.layout import StageSpec
 from orchestrator.pipeline.local import LocalPipeline
 from orchestrator.pipeline.node import PipelineConfig
+from orchestrator.pipeline.prefix import PrefixReuse
 from orchestrator.pipeline.sequence import FinishReason, Sequence
 
 MAX_SEQ = 96
@@ -83,6 +85,36 @@ def test_chunked_prefill_is_token_exact(model, prompts, reference, depth, swap):
     most run over several steps, on top of the KV their earlier chunks left."""
     with make_pipeline(model, depth, "colocated", swap, prefill_chunk=3) as pipeline:
         assert pipeline.generate(prompts, LIMITS, timeout_s=60) == reference
+    assert pipeline.kv_held() == 0
+
+
+@pytest.mark.parametrize(("chunk", "swap"), [(0, "off"), (3, "off"), (3, "on")],
+                         ids=["whole prompts", "chunks of 3", "chunks of 3, swapping"])
+def test_a_prefix_cache_reuses_each_turns_prefix_token_exact(model, chunk, swap):
+    """Depth 1 colocated with a prefix cache of 4-token blocks: each turn's prompt is the last
+    one, its answer and a new message. With chunks, its first chunk starts after the blocks
+    the last turn stored (once its whole prompt was in), and the budget pays only for the
+    rest; the tokens are the reference's and ``cached_tokens`` names exactly those blocks."""
+    block, limit = 4, 5
+    engines = load_stages(model, 1, max_seq_len=MAX_SEQ)
+    turns, prompt = [], [(7 * i + 3) % 400 + 4 for i in range(10)]
+    for message in ([9, 8, 7, 6, 5], [11] * 7, None):
+        answer = generate(engines, [prompt], limit)[0]
+        turns.append((prompt, answer))
+        if message is not None:
+            prompt = prompt + answer + message
+    with make_pipeline(model, 1, "colocated", swap, prefill_chunk=chunk) as pipeline:
+        reuse = PrefixReuse(PrefixCache(engines[0].kv_layout, block, capacity_blocks=64))
+        pipeline.nodes[0].reuse_prefixes(reuse)
+        previous: list[int] = []
+        for turn, (prompt, answer) in enumerate([*turns, turns[-1]]):  # the last, repeated
+            seq = pipeline.submit(Sequence(f"turn{turn}", prompt, limit))
+            pipeline.wait(60)
+            assert seq.output_ids == answer
+            assert seq.cached_tokens == min(len(previous), len(prompt) - 1) // block * block
+            assert len(reuse.cache) == len(prompt) // block  # every turn's prompt, a prefix
+            previous = prompt
+        assert reuse.cache.in_use() == {} and reuse.cache.stats.hit_tokens > 0
     assert pipeline.kv_held() == 0
 
 

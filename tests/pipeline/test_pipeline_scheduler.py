@@ -162,6 +162,31 @@ def test_chunked_steps_stay_within_the_budget_and_never_hold_back_a_token_step()
     assert len(long.output_ids) == len(short.output_ids) == 6 and len(late.output_ids) == 5
 
 
+def test_a_first_chunk_starts_after_the_cached_prefix_and_pays_only_for_the_rest():
+    """The stage's prefix cache holds 8 positions of ``hit``'s prompt: its first chunk runs
+    8:12 (its ids from position 0: the stage loads the cached ones), and the budget of 4
+    lets nothing else in; a rewind before it asks the cache again."""
+    sched = MicrobatchScheduler(num_microbatches=1, batch_size=2, colocated=True,
+                                prefill_chunk=4)
+    hit, other = make_seq("hit", 3, prompt_len=14), make_seq("other", 3, prompt_len=5)
+    asked: list[str] = []
+    sched.cached_prefix = lambda seq: asked.append(seq.request_id) or (
+        8 if seq is hit else 0)
+    sched.add(hit)
+    sched.add(other)
+    first = run_step(sched)
+    assert [(c.seq, c.start, c.end, c.cached, c.ids) for c in first.prefill] == [
+        (hit, 8, 12, 8, hit.prompt_ids[:12])]
+    second = run_step(sched)
+    assert [(c.seq, c.start, c.end, c.ids) for c in second.prefill] == [
+        (hit, 12, 14, hit.prompt_ids[12:]), (other, 0, 2, other.prompt_ids[:2])]
+    assert asked == ["hit", "other"] and hit.output_ids == [5]  # asked once, at its first
+    sched.rewind(0, first.step)
+    assert hit.prefilled == 0 and hit.output_ids == []
+    sched.add(hit)
+    assert run_step(sched).prefill[0].start == 8 and asked[-1] == "hit"
+
+
 def test_decode_is_never_starved_when_token_steps_fill_the_budget():
     sched = MicrobatchScheduler(num_microbatches=1, batch_size=4, colocated=True,
                                 prefill_chunk=4)

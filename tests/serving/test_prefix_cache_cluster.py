@@ -1,6 +1,7 @@
 """KV reuse on real tritonservers: the prefix cache of the node that prefills (a P-node of
-1P+1T, a colocated T-node) over a multi-turn conversation; and decode-side reuse (1P+1T's
-T-node keeps each finished turn's KV, and is streamed only the blocks it lacks).
+1P+1T, a colocated T-node, one with chunked prefill) over a multi-turn conversation; and
+decode-side reuse (1P+1T's T-node keeps each finished turn's KV, and is streamed only the
+blocks it lacks).
 
 Each turn's prompt is the last one, its answer and a new message: the node loads the
 cached blocks, prefills only the rest, and the greedy tokens are the single-process
@@ -30,11 +31,16 @@ MESSAGES = [[(11 * i + 5) % 500 + 1 for i in range(n)] for n in (21, 9, 30)]
 
 
 
-@pytest.fixture(scope="module", params=["disaggregated", "colocated"])
+# colocated-chunked: 8-token steps (4 token steps at most in them): each prompt takes
+# several chunks, its first after the blocks cached
+LAYOUTS = {"disaggregated": {}, "colocated": {"colocated": True},
+           "colocated-chunked": {"colocated": True, "max_batch": 4, "prefill_chunk": 8}}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
 def cluster(request, model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    with cluster_up(model, tmp_path_factory.mktemp(request.param),
-                    colocated=request.param == "colocated", prefix_cache_mb=4,
-                    decode_cache_mb=4, kv_block=BLOCK) as up:
+    with cluster_up(model, tmp_path_factory.mktemp(request.param), prefix_cache_mb=4,
+                    decode_cache_mb=4, kv_block=BLOCK, **LAYOUTS[request.param]) as up:
         yield up
 
 
