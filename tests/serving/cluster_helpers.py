@@ -182,8 +182,9 @@ def cancel_rounds(cluster, start, leave, rounds: int, timeout_s: float = 2.0) ->
     """``rounds`` times: ``start()`` a long request (reading its first tokens), ``leave()``
     it; the seconds from leaving to the T-nodes holding nothing, for the rounds whose
     T-node was still generating when the client left (a fast T-node may have made every
-    token by then: nothing is left to cancel in that round). The T-nodes must have
-    counted a cancellation for at least one of those rounds."""
+    token by then: nothing is left to cancel in that round; ``leave`` returns False when
+    it saw the request end whole before its leaving took). The T-nodes must have counted
+    a cancellation for at least one of those rounds."""
     stage0 = [node.server for node in cluster.role("decode") if node.config.stage == 0]
     cancelled_before = sum(metric(s, "dejavu_requests", outcome="cancelled") for s in stage0)
     seconds = []
@@ -193,7 +194,8 @@ def cancel_rounds(cluster, start, leave, rounds: int, timeout_s: float = 2.0) ->
             request = start()
             generating = t_nodes_held(cluster, control)["clients"] == 1
             left = time.monotonic()
-            leave(request)
+            if leave(request) is False:
+                generating = False
             deadline = left + timeout_s
             while any((held := t_nodes_held(cluster, control)).values()):
                 assert time.monotonic() < deadline, f"the T-nodes still hold {held}"
