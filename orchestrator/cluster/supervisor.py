@@ -344,7 +344,7 @@ class Supervisor:
         if time.monotonic() < self.spares_after:
             return
         for spare in state["nodes"]:
-            if (Role(spare["role"]).spare and not (spare.get("pid") and alive(spare["pid"]))
+            if (Role(spare["role"]).spare and not _running(spare)
                     and not stopping(self.run_dir)):
                 log.warning("starting spare %s", spare["name"])
                 try:
@@ -429,8 +429,12 @@ def _prefill_node(state: dict, name: str) -> dict:
 
 def _spare_ready(state: dict, kind: Role) -> bool:
     """Whether a warm spare of ``kind`` is on standby (loaded: its process is running)."""
-    return any(n["role"] == kind and n.get("pid") and alive(n["pid"])
-               for n in state["nodes"])
+    return any(n["role"] == kind and _running(n) for n in state["nodes"])
+
+
+def _running(node: dict) -> bool:
+    """Whether the state file's ``node`` has a process, and it is running."""
+    return bool(node.get("pid") and alive(node["pid"]))
 
 
 def _replicates(stages: list[dict]) -> bool:
