@@ -16,6 +16,12 @@ first ones (a hit needs every block from the first, so a lone parent is worth
 more than a lone child). Stored and removed blocks are reported as
 :class:`KVEvent` to a listener (the frontend's KV-aware router indexes them).
 
+The KV itself is a :class:`BlockPool` (blocks by index). A colocated token
+pipeline splits the two: its head keeps the index without KV (``keep_kv=False``)
+and plans each store (:meth:`PrefixCache.plan_store`, then :meth:`~PrefixCache.commit`
+once every stage wrote it), and each stage keeps its own layers' blocks in a
+pool under the head's block indices.
+
 Soft state: a lost cache loses hits, never a request.
 """
 
@@ -85,6 +91,61 @@ class CacheStats:
         return self.hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0
 
 
+@dataclass(frozen=True)
+class StorePlan:
+    """Blocks of one prompt to keep: (block in the prompt, its hash, its pool index) each, the
+    indices taken (evicting as needed) and not yet findable until :meth:`PrefixCache.commit`;
+    ``hashes``: the prompt's blocks it covers, held or planned (used together on commit)."""
+
+    hashes: list[int]
+    blocks: list[tuple[int, int, int]]
+
+
+class BlockPool:
+    """The KV of ``capacity_blocks`` blocks of the layers ``layout`` holds, in one tensor
+    allocated up front; which block holds what is its owner's to know."""
+
+    def __init__(self, layout: KVLayout, block_tokens: int, capacity_blocks: int,
+                 device: str | torch.device = "cpu") -> None:
+        import torch
+
+        self.layout, self.block_tokens = layout, block_tokens
+        shape = (capacity_blocks, layout.num_layers, 2, layout.num_kv_heads, block_tokens,
+                 layout.head_dim)
+        # empty: on CPU its pages are taken only as blocks are written
+        self.data = torch.empty(shape, dtype=layout.torch_dtype, device=device)
+
+    def load(self, indices: Sequence[int], cache: KVCache) -> None:
+        """Copy blocks ``indices`` (a prompt's first blocks, in order) into the empty slot
+        ``cache``, whose layers this pool holds; its length becomes theirs."""
+        if cache.length:
+            raise ValueError(f"a prefix loads into an empty slot; it holds {cache.length}")
+        rows = self._layer_rows(cache.layout)
+        for block, index in enumerate(indices):
+            start = block * self.block_tokens
+            cache.data[:, :, :, start : start + self.block_tokens] = self.data[index, rows]
+        cache.length = len(indices) * self.block_tokens
+
+    def write(self, index: int, block: int, cache: KVCache) -> None:
+        """Keep block ``block`` of the slot ``cache`` (its layers) at ``index``."""
+        start = block * self.block_tokens
+        if cache.length < start + self.block_tokens:
+            raise ValueError(f"block {block} is not whole in a slot of {cache.length} positions")
+        rows = self._layer_rows(cache.layout)
+        self.data[index, rows] = cache.data[:, :, :, start : start + self.block_tokens]
+
+    def _layer_rows(self, layout: KVLayout) -> slice:
+        mine = self.layout
+        if (layout.num_kv_heads, layout.head_dim, layout.dtype) != (
+                mine.num_kv_heads, mine.head_dim, mine.dtype):
+            raise ValueError(f"slot layout {layout} does not match the cache's {mine}")
+        first = layout.first_layer - mine.first_layer
+        if first < 0 or first + layout.num_layers > mine.num_layers:
+            raise ValueError(f"slot layers {list(layout.layer_range)} outside the cache's "
+                             f"{list(mine.layer_range)}")
+        return slice(first, first + layout.num_layers)
+
+
 @dataclass
 class _Block:
     index: int  # in the pool
@@ -106,7 +167,8 @@ class PrefixHit:
 
 
 class PrefixCache:
-    """Block-granular prompt KV of the layers ``layout`` holds, within ``capacity_blocks``."""
+    """Block-granular prompt KV of the layers ``layout`` holds, within ``capacity_blocks``.
+    ``keep_kv=False``: the index only (a pipeline head's; its stages keep the KV)."""
 
     def __init__(
         self,
@@ -115,17 +177,13 @@ class PrefixCache:
         capacity_blocks: int,
         device: str | torch.device = "cpu",
         on_event: Callable[[KVEvent], None] | None = None,
+        keep_kv: bool = True,
     ) -> None:
-        import torch
-
         if block_tokens < 1 or capacity_blocks < 1:
             raise ValueError(f"need block_tokens >= 1 and capacity_blocks >= 1, got "
                              f"{block_tokens} and {capacity_blocks}")
         self.layout, self.block_tokens, self.capacity_blocks = layout, block_tokens, capacity_blocks
-        shape = (capacity_blocks, layout.num_layers, 2, layout.num_kv_heads, block_tokens,
-                 layout.head_dim)
-        # empty: on CPU its pages are taken only as blocks are written
-        self.pool = torch.empty(shape, dtype=layout.torch_dtype, device=device)
+        self.pool = BlockPool(layout, block_tokens, capacity_blocks, device) if keep_kv else None
         self.on_event = on_event
         self.stats = CacheStats()
         self._blocks: OrderedDict[int, _Block] = OrderedDict()  # oldest use first
@@ -198,13 +256,7 @@ class PrefixCache:
         if hit.released:
             raise ValueError("the hit was released")
         for cache in caches:
-            if cache.length:
-                raise ValueError(f"a prefix loads into an empty slot; it holds {cache.length}")
-            rows = self._layer_rows(cache.layout)
-            for block, index in enumerate(hit.indices):
-                start = block * self.block_tokens
-                cache.data[:, :, :, start : start + self.block_tokens] = self.pool[index, rows]
-            cache.length = hit.tokens
+            self._kv().load(hit.indices, cache)
 
     def release(self, hit: PrefixHit) -> None:
         with self._lock:
@@ -218,34 +270,68 @@ class PrefixCache:
         """Keep every block of ``hashes`` the slots ``caches`` (together: all of this cache's
         layers) hold in full and the cache lacks, evicting unused blocks as it must; stops
         at the first block it has no room for. Returns the blocks newly stored."""
+        pool = self._kv()
         held = min((c.length for c in caches), default=0) // self.block_tokens
         covered = sorted(layer for c in caches for layer in c.layout.layer_range)
         if covered != list(self.layout.layer_range):
             raise ValueError(f"slots hold layers {covered}, the cache "
                              f"{list(self.layout.layer_range)}")
-        stored: list[int] = []
+        plan = self.plan_store(hashes[:held])
+        try:
+            for block, _, index in plan.blocks:
+                for cache in caches:
+                    pool.write(index, block, cache)
+        except BaseException:
+            self.abandon(plan)
+            raise
+        return self.commit(plan)
+
+    def plan_store(self, hashes: Sequence[int]) -> StorePlan:
+        """Take a pool index for each block of ``hashes`` the cache lacks, evicting unused
+        blocks as it must (stops at the first block it has no room for): the blocks to
+        write there, findable only once :meth:`commit` ted (:meth:`abandon`: never)."""
+        planned: list[tuple[int, int, int]] = []
         evicted: list[int] = []
+        covered = 0
         with self._lock:
             pinned: list[int] = []  # this prompt's blocks stay while its later ones go in
             try:
-                for block, h in enumerate(hashes[:held]):
-                    if h not in self._blocks:
-                        index = self._take(evicted)
-                        if index is None:
-                            break
-                        self._write(index, block, caches)
-                        self._blocks[h] = _Block(index)
-                        stored.append(h)
-                    self._blocks[h].refs += 1
-                    pinned.append(h)
+                for block, h in enumerate(hashes):
+                    if h in self._blocks:
+                        self._blocks[h].refs += 1
+                        pinned.append(h)
+                    elif (index := self._take(evicted)) is not None:
+                        planned.append((block, h, index))
+                    else:
+                        break
+                    covered += 1
             finally:
                 for h in pinned:
                     self._blocks[h].refs -= 1
                 self._touch(pinned)
-            self.stats.stored_blocks += len(stored)
         self._emit("removed", evicted)
+        return StorePlan(list(hashes[:covered]), planned)
+
+    def commit(self, plan: StorePlan) -> int:
+        """The planned blocks are written: findable from now on (one stored meanwhile under
+        the same hash keeps its index, the plan's goes back). Returns the blocks stored."""
+        stored: list[int] = []
+        with self._lock:
+            for _, h, index in plan.blocks:
+                if h in self._blocks:
+                    self._free.append(index)
+                else:
+                    self._blocks[h] = _Block(index)
+                    stored.append(h)
+            self._touch([h for h in plan.hashes if h in self._blocks])
+            self.stats.stored_blocks += len(stored)
         self._emit("stored", stored)
         return len(stored)
+
+    def abandon(self, plan: StorePlan) -> None:
+        """The planned blocks were not written: their indices go back."""
+        with self._lock:
+            self._free.extend(index for _, _, index in plan.blocks)
 
     def clear(self) -> None:
         """Drop every block no request holds."""
@@ -285,22 +371,10 @@ class PrefixCache:
                 return block.index
         return None
 
-    def _write(self, index: int, block: int, caches: Sequence[KVCache]) -> None:
-        start = block * self.block_tokens
-        for cache in caches:
-            rows = self._layer_rows(cache.layout)
-            self.pool[index, rows] = cache.data[:, :, :, start : start + self.block_tokens]
-
-    def _layer_rows(self, layout: KVLayout) -> slice:
-        mine = self.layout
-        if (layout.num_kv_heads, layout.head_dim, layout.dtype) != (
-                mine.num_kv_heads, mine.head_dim, mine.dtype):
-            raise ValueError(f"slot layout {layout} does not match the cache's {mine}")
-        first = layout.first_layer - mine.first_layer
-        if first < 0 or first + layout.num_layers > mine.num_layers:
-            raise ValueError(f"slot layers {list(layout.layer_range)} outside the cache's "
-                             f"{list(mine.layer_range)}")
-        return slice(first, first + layout.num_layers)
+    def _kv(self) -> BlockPool:
+        if self.pool is None:
+            raise ValueError("this cache keeps no KV (a pipeline head's index)")
+        return self.pool
 
     def _emit(self, kind: str, hashes: list[int]) -> None:
         if hashes and self.on_event is not None:

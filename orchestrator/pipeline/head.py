@@ -376,6 +376,8 @@ class PipelineHead:
                 self._pending_kv.clear()
             for seq in reversed(restarted):  # ahead of the waiting queue, in their old order
                 self._restart(seq)
+            if self.scheduler.prefix is not None:  # a replaced stage keeps no cached block
+                self.scheduler.prefix.reset()
             self._probe_sent_at = None  # a KV probe in flight may have died too: probe again
         return lengths
 
@@ -504,7 +506,7 @@ class PipelineHead:
             self._error(message.error)
             self.scheduler.fail(mb, message.error)
         else:
-            self.scheduler.postprocess(mb, message.tokens, message.log_probs, message.cached)
+            self.scheduler.postprocess(mb, message.tokens, message.log_probs)
         if not self._paused:
             self._issue(mb)
         if self.on_step is not None:
@@ -635,7 +637,8 @@ def _to_message(batch: Batch) -> StepMessage:
         inputs=inputs,
         prompt_seq_ids=[c.seq.seq_id for c in batch.prefill],
         prompts=[torch.tensor(c.ids) for c in batch.prefill],
-        salts=[c.seq.cache_salt for c in batch.prefill],
+        cached_blocks={c.seq.seq_id: c.load for c in batch.prefill if c.load},
+        store_blocks={c.seq.seq_id: c.store for c in batch.prefill if c.store},
         partial=[c.seq.seq_id for c in batch.prefill if not c.completes],
         admit=[s.seq_id for s in batch.admit],
         resume={s.seq_id: s.kv_kept for s in batch.admit if s.kv_kept is not None},

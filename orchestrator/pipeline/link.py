@@ -42,8 +42,12 @@ class StepMessage:
     release: list[int] = field(default_factory=list)  # free these sequences' KV first
     sampling: dict[int, SamplingParams] = field(default_factory=dict)  # sampling from here on
     error: str | None = None  # an earlier stage failed this step; pass it on
-    salts: list[str] = field(default_factory=list)  # each prompt's cache salt (a pipeline's
-    # only stage reuses cached prompt KV)
+    # Colocated with a prefix cache (its index on the head, each stage's layers in its block
+    # pool): prompt seq id -> the pool indices of its first blocks, loaded into its empty
+    # slot before its first chunk runs (the chunk starts after them) ...
+    cached_blocks: dict[int, list[int]] = field(default_factory=dict)
+    # ... and -> (block of its prompt, pool index) to keep after its last chunk ran.
+    store_blocks: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -55,7 +59,6 @@ class TokenMessage:
     tokens: dict[int, int]  # seq id -> new token
     error: str | None = None
     log_probs: dict[int, TokenLogProb] = field(default_factory=dict)  # those that asked
-    cached: dict[int, int] = field(default_factory=dict)  # prompts run here: tokens cached
 
 
 @dataclass

@@ -29,6 +29,7 @@ from orchestrator.pipeline.head import PipelineHead
 from orchestrator.pipeline.node import PipelineConfig, StageNode
 from orchestrator.pipeline.pipeline import check_chain
 from orchestrator.pipeline.prefill import stream_prefill
+from orchestrator.pipeline.prefix import PipelinePrefix
 from orchestrator.pipeline.sequence import FinishReason
 from orchestrator.pipeline.sequence import Sequence as Seq
 from orchestrator.pipeline.stage import TIMELINE_KEPT, Interval
@@ -146,6 +147,14 @@ class LocalPipeline:
                 self._queue.remove(queued)
             self._queue.append((seq, tickets))
             self._queued.notify()
+
+    def reuse_prefixes(self, block_tokens: int, capacity_blocks: int) -> PipelinePrefix:
+        """A prefix cache on every stage (colocated, before :meth:`start`); returns its
+        index, on the head (:meth:`StageNode.reuse_prefixes`)."""
+        for node in self.nodes:
+            node.reuse_prefixes(block_tokens, capacity_blocks)
+        assert self.nodes[0].prefix is not None
+        return self.nodes[0].prefix
 
     def reserve(self, request_id: str, prompt_len: int) -> list[bytes]:
         """A prompt KV slot on every stage: the tickets a P-side streams to."""

@@ -65,6 +65,7 @@ from orchestrator.engine.config import ModelConfig
 from orchestrator.engine.torch_engine import load_engine
 from orchestrator.kv.connector import KVReceiver
 from orchestrator.kv.errors import KVTransferError
+from orchestrator.kv.prefix_cache import BlockPool, PrefixCache
 from orchestrator.kv.transport.base import KVPoll, Transport
 from orchestrator.layout import KVCache, StageSpec
 from orchestrator.pipeline import DEAD_AFTER_S, HEARTBEAT_S, PROMPT_SLOTS, SwapMode
@@ -72,7 +73,7 @@ from orchestrator.pipeline.head import PipelineHead
 from orchestrator.pipeline.link import Link, QueueLink
 from orchestrator.pipeline.pipeline import link_capacity, make_placement, resolve_swap
 from orchestrator.pipeline.prefill import decode_first_token
-from orchestrator.pipeline.prefix import DecodeReuse, PrefixReuse
+from orchestrator.pipeline.prefix import DecodeReuse, PipelinePrefix
 from orchestrator.pipeline.sequence import Sequence
 from orchestrator.pipeline.stage import StageWorker
 from orchestrator.pipeline.transport_link import LinkTicket, TransportReceiver, TransportSender
@@ -214,6 +215,9 @@ class StageNode:
                                        reserve_ttl_s=config.reserve_ttl_s or config.kv_timeout_s)
             self.prompt_kv = ReceiverKVSource(self.receiver)
         self.decode_reuse: DecodeReuse | None = None  # :meth:`keep_finished`
+        self.blocks: BlockPool | None = None  # colocated: :meth:`reuse_prefixes`
+        self.prefix: PipelinePrefix | None = None  # node 0 of those: the blocks' index
+        self._secret = secret
 
         capacity = link_capacity(mbs)
         self.link_transport: Transport | None = None
@@ -372,15 +376,23 @@ class StageNode:
             fill = self.decode_reuse.fill(prompt, salt)
         return self._receiver().reserve(request_id, prompt_len, fill)
 
-    def reuse_prefixes(self, reuse: PrefixReuse) -> None:
-        """Prefill on top of the prompt KV ``reuse`` caches (a colocated pipeline's only
-        stage): the head's chunks start after the cached positions, the stage loads them."""
-        if self.config.depth != 1 or self.config.mode != "colocated" or self.worker is None:
-            raise ValueError("a prefix cache needs a colocated pipeline of depth 1")
-        self.worker.prefix = reuse
-        assert self.head is not None  # node 0, as every node of depth 1
-        self.head.scheduler.cached_prefix = lambda seq: reuse.cached_tokens(
-            seq.prompt_ids, seq.cache_salt)
+    def reuse_prefixes(self, block_tokens: int, capacity_blocks: int) -> None:
+        """Prefill on top of cached prompt KV (colocated; the same sizes on every node): this
+        stage keeps its layers of ``capacity_blocks`` blocks of ``block_tokens`` tokens, and
+        node 0's head the blocks' index (:mod:`orchestrator.pipeline.prefix`). Before the
+        pipeline starts."""
+        if self.config.mode != "colocated":
+            raise ValueError("a pipeline's prefix cache needs a colocated pipeline (a P-node "
+                             "keeps its own)")
+        self.blocks = BlockPool(self.engine.kv_layout, block_tokens, capacity_blocks,
+                                self.engine.device)
+        if self.worker is not None:
+            self.worker.blocks = self.blocks
+        if self.head is not None:
+            self.prefix = PipelinePrefix(PrefixCache(self.engine.kv_layout, block_tokens,
+                                                     capacity_blocks, keep_kv=False),
+                                         self._secret)
+            self.head.scheduler.prefix = self.prefix
 
     def keep_finished(self, reuse: DecodeReuse) -> None:
         """Keep finished requests' KV in ``reuse`` for their next turns (decode-side reuse:
@@ -415,6 +427,7 @@ class StageNode:
             self.index, self.engine, self.kv, inbox, outbox, self.config.microbatches,
             self.prompt_kv, send_timeout_s=self.config.step_timeout_s, report=self._report,
         )
+        self.worker.blocks = self.blocks
 
     def _report(self, error: str) -> None:
         if self.on_unreachable is not None:

@@ -1,18 +1,28 @@
 """Prefill on a node with a prefix cache: load each prompt's cached blocks, compute the rest;
-and a T-node's cache of finished requests' KV (:class:`DecodeReuse`).
+a colocated pipeline's cache, split between its head and its stages
+(:class:`PipelinePrefix`); and a T-node's cache of finished requests' KV
+(:class:`DecodeReuse`).
 
-The node that prefills (a P-node's prompt stages, a colocated token stage) asks
-:class:`PrefixReuse` before its engines run: each prompt's leading cached blocks
-are copied into its (empty) slots, and the engines compute only the rest, on top
-(:meth:`~orchestrator.engine.base.Engine.prefill`). After the prefill, the
-prompt's whole blocks go into the cache for the next request. At least one
-token is always computed: its logits give the first token.
+A P-node asks :class:`PrefixReuse` before its prompt engines run: each prompt's
+leading cached blocks are copied into its (empty) slots, and the engines compute
+only the rest, on top (:meth:`~orchestrator.engine.base.Engine.prefill`). After
+the prefill, the prompt's whole blocks go into the cache for the next request.
+At least one token is always computed: its logits give the first token.
 
-Colocated with chunked prefill, a prompt's first chunk starts after the blocks
-the cache held when it was scheduled (:meth:`PrefixReuse.cached_tokens`) and
-carries the prompt's ids from position 0: the stage loads what the cache still
-holds and computes the rest. Its blocks are stored only after its last chunk
-(:meth:`PrefixReuse.ran`), with the chained hashes of the whole prompt.
+A colocated token pipeline of any depth keeps one source of truth: its head
+holds the block index (hashes, salts, LRU, KV events, ``cached_tokens``) with no
+KV, and each stage keeps its own layers' KV in a
+:class:`~orchestrator.kv.prefix_cache.BlockPool` under the head's block indices.
+The step that carries a prompt's first chunk names the blocks each stage loads
+into its slot (the chunk starts after them); the step of its last chunk names
+the pool indices each stage writes the prompt's new whole blocks to. Those
+blocks become findable only once that step came back without an error (every
+stage wrote them); a failed step gives its indices back, and a repair drops
+the whole index (:meth:`PipelinePrefix.reset`: a replaced stage's pool is
+empty), so a hit never names a block a stage lacks. Steps pass each stage in
+the order the head sent them, and a stage loads a step's blocks before it
+writes any: a block evicted and planned anew is overwritten only after every
+earlier step loaded it, so the head holds no block across steps.
 """
 
 from __future__ import annotations
@@ -24,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from orchestrator.kv.events import KVEventLog
-from orchestrator.kv.prefix_cache import PrefixCache, PrefixHit, block_hashes
+from orchestrator.kv.prefix_cache import PrefixCache, PrefixHit, StorePlan, block_hashes
 from orchestrator.layout import KVCache
 
 log = logging.getLogger(__name__)
@@ -52,15 +62,6 @@ class PrefixReuse:
         self.cache = cache
         self.events = KVEventLog(cache.held_hashes, secret)
         cache.on_event = self.events.record
-        # Colocated: seq id -> the ids from position 0 of a prompt whose last chunk is to come
-        self._prompts: dict[int, list[int]] = {}
-
-    def cached_tokens(self, prompt: Sequence[int], salt: str) -> int:
-        """The leading positions of ``prompt`` (under ``salt``) the cache holds now, one
-        token at least left to compute; nothing is held (a later :meth:`load` may find
-        fewer or more)."""
-        hashes = block_hashes(prompt, self.cache.block_tokens, salt)
-        return self.cache.cached_tokens(hashes, max_tokens=len(prompt) - 1)
 
     def load(self, prompt: Sequence[int], salt: str, slots: Sequence[KVCache]) -> PrefixLoad:
         """Hold ``prompt``'s cached leading blocks (under ``salt``) and copy them into its
@@ -83,23 +84,58 @@ class PrefixReuse:
         finally:
             self.cache.release(load.hit)
 
-    def ran(self, seq_id: int, ids: Sequence[int], salt: str, slot: KVCache,
-            complete: bool) -> None:
-        """A colocated prompt chunk of ``ids`` ran into ``slot`` (a first chunk: the ids
-        from position 0). Once ``complete`` (the prompt's last chunk), the whole prompt's
-        blocks are stored; until then its ids so far are kept (:meth:`forget` drops them)."""
-        so_far = self._prompts.pop(seq_id, [])[: slot.length - len(ids)] + list(ids)
-        if len(so_far) != slot.length:  # its earlier chunks unknown here: hashes would lie
-            log.warning("prompt %d holds %d positions, %d ids known: not cached", seq_id,
-                        slot.length, len(so_far))
-        elif complete:
-            self.cache.store(block_hashes(so_far, self.cache.block_tokens, salt), [slot])
-        else:
-            self._prompts[seq_id] = so_far
 
-    def forget(self, seq_id: int) -> None:
-        """A sequence's KV is freed: drop its prompt's ids if its last chunk never ran."""
-        self._prompts.pop(seq_id, None)
+class PipelinePrefix:
+    """A colocated pipeline's prefix cache, on its head: the block index of the blocks its
+    stages keep (``cache`` keeps no KV), planned per microbatch step, and the log of its KV
+    events (what a KV-aware router reads)."""
+
+    def __init__(self, cache: PrefixCache, secret: bytes = b"") -> None:
+        """``secret``: the cluster's, which signs the events a router reads."""
+        if cache.pool is not None:
+            raise ValueError("a pipeline head's index keeps no KV (keep_kv=False)")
+        self.cache = cache
+        self.events = KVEventLog(cache.held_hashes, secret)
+        cache.on_event = self.events.record
+        self._storing: dict[int, list[StorePlan]] = {}  # microbatch -> its step's stores
+
+    @property
+    def block_tokens(self) -> int:
+        return self.cache.block_tokens
+
+    def hit(self, prompt: Sequence[int], salt: str) -> list[int]:
+        """The pool indices of ``prompt``'s leading cached blocks (under ``salt``), one token
+        at least left to compute: the stages load them with the step this is sent in, ahead
+        of any later step's writes (see the module), so nothing is held."""
+        hashes = block_hashes(prompt, self.cache.block_tokens, salt)
+        hit = self.cache.acquire(hashes, max_tokens=len(prompt) - 1)
+        self.cache.release(hit)
+        return hit.indices
+
+    def store(self, microbatch: int, prompt: Sequence[int], salt: str) -> list[tuple[int, int]]:
+        """(block, pool index) of each whole block of ``prompt`` the index lacks, for the
+        stages to write after ``microbatch``'s next step (which runs its last chunk):
+        findable once that step is :meth:`answered`."""
+        plan = self.cache.plan_store(block_hashes(prompt, self.cache.block_tokens, salt))
+        self._storing.setdefault(microbatch, []).append(plan)
+        return [(block, index) for block, _, index in plan.blocks]
+
+    def answered(self, microbatch: int) -> None:
+        """``microbatch``'s step came back whole: every stage wrote its blocks."""
+        for plan in self._storing.pop(microbatch, []):
+            self.cache.commit(plan)
+
+    def failed(self, microbatch: int) -> None:
+        """``microbatch``'s step failed (or was never answered): its blocks were not kept."""
+        for plan in self._storing.pop(microbatch, []):
+            self.cache.abandon(plan)
+
+    def reset(self) -> None:
+        """A repair: a stage may have been replaced (its pool empty), so drop every block
+        (the router hears them removed) and every store under way."""
+        for microbatch in list(self._storing):
+            self.failed(microbatch)
+        self.cache.clear()
 
 
 class DecodeReuse(PrefixReuse):

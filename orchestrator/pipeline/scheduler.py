@@ -17,9 +17,11 @@ the budget: first the prompts this microbatch already started (in the order
 they joined), then new ones. Token steps are never held back: a step of more
 running sequences than the budget carries no chunk. A prompt's chunks run on
 top of the KV its earlier chunks left (``Engine.prefill`` on a filled slot); it
-samples its first token in the step of its last chunk. With a prefix cache on
-the stage (``cached_prefix``), a prompt's first chunk starts after the leading
-positions the cache holds: the budget pays only for those it computes.
+samples its first token in the step of its last chunk. With a prefix cache
+(``prefix``, the index of the blocks the stages keep), a prompt's first chunk
+starts after its leading cached blocks, which the stages load with that step:
+the budget pays only for the positions it computes. Its last chunk's step has
+the stages keep its new whole blocks (:class:`~orchestrator.pipeline.prefix.PipelinePrefix`).
 
 Steps are numbered per microbatch and never restart, refills included, so a
 (microbatch, step) pair names one step for good: fault tolerance acks
@@ -29,11 +31,11 @@ replicas by it. Only :meth:`rewind` (recovery) goes back, to redo steps.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from orchestrator.engine.log_probs import TokenLogProb
 from orchestrator.pipeline import check_prefill_chunk
+from orchestrator.pipeline.prefix import PipelinePrefix
 from orchestrator.pipeline.sequence import FinishReason, Sequence, Status
 
 
@@ -44,9 +46,10 @@ class Chunk:
     seq: Sequence
     start: int
     end: int
-    # A first chunk after a prefix cache hit: the leading positions the cache held. Its ids
-    # start at position 0: the stage loads what the cache still holds and computes the rest.
-    cached: int = 0
+    # With a prefix cache: a first chunk's cached blocks (pool indices), loaded first ...
+    load: list[int] = field(default_factory=list)
+    # ... and a last chunk's new whole blocks, (block, pool index), kept after it ran.
+    store: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def tokens(self) -> int:
@@ -60,7 +63,7 @@ class Chunk:
 
     @property
     def ids(self) -> list[int]:
-        return self.seq.prompt_ids[self.start - self.cached:self.end]
+        return self.seq.prompt_ids[self.start:self.end]
 
 
 @dataclass
@@ -101,9 +104,8 @@ class MicrobatchScheduler:
         self.joined: dict[int, int] = {}  # seq id -> step it joined its microbatch at
         # Colocated: seq id -> (step, prompt tokens prefilled after it), one per chunk.
         self.chunks: dict[int, list[tuple[int, int]]] = {}
-        # Colocated with a prefix cache on the stage (set by its node): the leading positions
-        # of a sequence's prompt the cache holds now, one token at least left to compute.
-        self.cached_prefix: Callable[[Sequence], int] | None = None
+        # Colocated with a prefix cache (set by the head's node): the blocks' index.
+        self.prefix: PipelinePrefix | None = None
 
     def add(self, seq: Sequence) -> None:
         """Queue a sequence: a prompt (colocated) or one whose prompt KV is in place."""
@@ -129,7 +131,7 @@ class MicrobatchScheduler:
         budget = self.prefill_chunk - len(batch.decode) if self.prefill_chunk else None
         for seq in running:  # prompts started in earlier steps go on first
             if seq.is_prefilling and (budget is None or budget > 0):
-                batch.prefill.append(self._chunk(seq, budget, batch.step))
+                batch.prefill.append(self._chunk(seq, budget, batch))
                 budget = None if budget is None else budget - batch.prefill[-1].tokens
         new: list[Sequence] = []
         while budget is None or budget > 0:
@@ -137,7 +139,7 @@ class MicrobatchScheduler:
             if not joined:
                 break
             new += joined
-            batch.prefill.append(self._chunk(joined[0], budget, batch.step))
+            batch.prefill.append(self._chunk(joined[0], budget, batch))
             budget = None if budget is None else budget - batch.prefill[-1].tokens
         return self._issued(batch, running + new)
 
@@ -156,15 +158,18 @@ class MicrobatchScheduler:
                 0 if self.colocated else len(seq.output_ids) - 1)
         return new
 
-    def _chunk(self, seq: Sequence, budget: int | None, step: int) -> Chunk:
-        """The next ``budget`` prompt tokens of ``seq`` (None: the rest), run at ``step``."""
-        cached = 0
-        if seq.seq_id not in self.chunks and self.cached_prefix is not None:  # its first
-            cached = seq.prefilled = self.cached_prefix(seq)
+    def _chunk(self, seq: Sequence, budget: int | None, batch: Batch) -> Chunk:
+        """The next ``budget`` prompt tokens of ``seq`` (None: the rest), run in ``batch``."""
+        load: list[int] = []
+        if seq.seq_id not in self.chunks and self.prefix is not None:  # its first
+            load = self.prefix.hit(seq.prompt_ids, seq.cache_salt)
+            seq.prefilled = seq.cached_tokens = len(load) * self.prefix.block_tokens
         left = seq.prompt_len - seq.prefilled
-        chunk = Chunk(seq, seq.prefilled, seq.prefilled + min(left, budget or left), cached)
+        chunk = Chunk(seq, seq.prefilled, seq.prefilled + min(left, budget or left), load)
         seq.prefilled = chunk.end
-        self.chunks.setdefault(seq.seq_id, []).append((step, chunk.end))
+        if chunk.completes and self.prefix is not None:
+            chunk.store = self.prefix.store(batch.microbatch, seq.prompt_ids, seq.cache_salt)
+        self.chunks.setdefault(seq.seq_id, []).append((batch.step, chunk.end))
         return chunk
 
     def _issued(self, batch: Batch, running: list[Sequence]) -> Batch:
@@ -175,16 +180,14 @@ class MicrobatchScheduler:
         return batch
 
     def postprocess(self, microbatch: int, tokens: dict[int, int],
-                    log_probs: dict[int, TokenLogProb] | None = None,
-                    cached: dict[int, int] | None = None) -> list[Sequence]:
-        """Record one step's tokens (and the log-probs of those that asked, the cached
-        tokens of the prompts that ran); returns the sequences that ended (their KV is
-        freed next)."""
+                    log_probs: dict[int, TokenLogProb] | None = None) -> list[Sequence]:
+        """Record one step's tokens (and the log-probs of those that asked); returns the
+        sequences that ended (their KV is freed next)."""
+        if self.prefix is not None:
+            self.prefix.answered(microbatch)
         ended = []
-        log_probs, cached = log_probs or {}, cached or {}
+        log_probs = log_probs or {}
         for seq in self.running[microbatch]:
-            if seq.seq_id in cached:
-                seq.cached_tokens = cached[seq.seq_id]
             if self.colocated and seq.is_prefilling and not seq.is_finished:
                 continue  # a prompt chunk that is not its last: no token yet
             if not seq.is_finished:  # cancelled while in flight: its token is dropped
@@ -196,6 +199,8 @@ class MicrobatchScheduler:
 
     def fail(self, microbatch: int, error: str) -> list[Sequence]:
         """A step failed on some stage: end its sequences with the error, free their KV."""
+        if self.prefix is not None:
+            self.prefix.failed(microbatch)
         ended = list(self.running[microbatch])
         for seq in ended:
             seq.finish(FinishReason.ERROR, error)
@@ -246,6 +251,8 @@ class MicrobatchScheduler:
 
     def clear(self) -> None:
         """Forget every sequence (the pipeline is down or stopped; they were ended)."""
+        if self.prefix is not None:
+            self.prefix.reset()
         self.joined.clear()
         self.chunks.clear()
         self.waiting.clear()

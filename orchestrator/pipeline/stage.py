@@ -27,6 +27,7 @@ import torch
 
 from orchestrator.engine.base import Engine
 from orchestrator.engine.sampling import Sampler
+from orchestrator.kv.prefix_cache import BlockPool
 from orchestrator.kv.transport.base import KVPoll
 from orchestrator.layout import KVCache
 from orchestrator.pipeline.link import (
@@ -39,7 +40,6 @@ from orchestrator.pipeline.link import (
     StepMessage,
     TokenMessage,
 )
-from orchestrator.pipeline.prefix import PrefixLoad, PrefixReuse
 from orchestrator.pipeline.swapper import KVPlacement
 
 log = logging.getLogger(__name__)
@@ -117,8 +117,9 @@ class StageWorker:
         self._followed_by: dict[int, int] = {}  # microbatch -> the one that came after it
         self._previous: int | None = None
         self.timeline: deque[Interval] = deque(maxlen=TIMELINE_KEPT)
-        # A pipeline's only stage (colocated) may reuse cached prompt KV: set by its node.
-        self.prefix: PrefixReuse | None = None
+        # Colocated with a prefix cache: this stage's layers of the blocks the head indexes
+        # (set by its node); a step names the blocks to load and to keep.
+        self.blocks: BlockPool | None = None
         self._handling = False  # a message taken and not yet passed on
         self._handled = 0  # messages handled (the inbox counts those it gave out)
         self._last_handled = time.monotonic()
@@ -258,16 +259,9 @@ class StageWorker:
         following = self._next_microbatch(mb)
         self.kv.prefetch(following, self.members.get(following, []))
 
-        loads = self._load_prefixes(message, caches)
-        try:
-            computed = replace(message, prompts=[
-                loads[i].rest if i in loads else ids for i, ids in enumerate(message.prompts)]
-            ) if loads else message
-            prompt_out, step_out = self._compute(computed, caches) if seq_ids else ([], None)
-            self._prompts_ran(message, caches)
-        finally:
-            for load in loads.values():
-                self.prefix.finish(load, None)  # type: ignore[union-attr]
+        self._load_blocks(message, caches)
+        prompt_out, step_out = self._compute(message, caches) if seq_ids else ([], None)
+        self._keep_blocks(message, caches)
         if self.on_step is not None and seq_ids:
             self.on_step(mb, message.step, seq_ids, caches)
         self.kv.close(mb, seq_ids)
@@ -279,49 +273,30 @@ class StageWorker:
                 zip(message.prompt_seq_ids, prompt_out, strict=True) if seq_id not in partial]
         if step_out is not None:
             rows += zip(message.seq_ids, step_out, strict=True)
-        answer = TokenMessage(mb, message.step, {}, cached={
-            message.prompt_seq_ids[i]: load.cached_tokens for i, load in loads.items()})
+        answer = TokenMessage(mb, message.step, {})
         for seq_id, logits in rows:
             answer.tokens[seq_id], log_prob = self.samplers[seq_id].pick(logits[None])
             if log_prob is not None:
                 answer.log_probs[seq_id] = log_prob
         return answer
 
-    def _reuses_prefixes(self, message: StepMessage) -> bool:
-        """A pipeline's only stage with a prefix cache, running prompts."""
-        return self.prefix is not None and bool(message.prompts) and (
-            self.engine.stage.is_first and self.is_last)
+    def _load_blocks(self, message: StepMessage, caches: list[KVCache]) -> None:
+        """Each prompt's cached first blocks the head named, into its empty slot, before
+        any block of this step is kept (the first caches are the prompts')."""
+        for seq_id, cache in zip(message.prompt_seq_ids, caches, strict=False):
+            if seq_id in message.cached_blocks:
+                self._pool().load(message.cached_blocks[seq_id], cache)
 
-    def _load_prefixes(self, message: StepMessage, caches: list[KVCache]
-                       ) -> dict[int, PrefixLoad]:
-        """With a prefix cache: the cached blocks of each prompt starting here (its slot
-        empty: its first chunk, its ids from position 0), loaded into its slot and held,
-        by its index in the message (the first caches are the prompts')."""
-        if not self._reuses_prefixes(message):
-            return {}
-        salts = message.salts or [""] * len(message.prompts)
-        loads: dict[int, PrefixLoad] = {}
-        try:
-            for i, (prompt, cache) in enumerate(zip(message.prompts, caches, strict=False)):
-                if not cache.length:
-                    loads[i] = self.prefix.load(  # type: ignore[union-attr]
-                        prompt.tolist(), salts[i], [cache])
-        except BaseException:
-            for load in loads.values():
-                self.prefix.finish(load, None)  # type: ignore[union-attr]
-            raise
-        return loads
+    def _keep_blocks(self, message: StepMessage, caches: list[KVCache]) -> None:
+        """Keep the new whole blocks the head named of each prompt whose last chunk ran."""
+        for seq_id, cache in zip(message.prompt_seq_ids, caches, strict=False):
+            for block, index in message.store_blocks.get(seq_id, []):
+                self._pool().write(index, block, cache)
 
-    def _prompts_ran(self, message: StepMessage, caches: list[KVCache]) -> None:
-        """With a prefix cache: store the blocks of each prompt whose last chunk ran."""
-        if not self._reuses_prefixes(message):
-            return
-        salts = message.salts or [""] * len(message.prompts)
-        partial = set(message.partial)
-        for seq_id, ids, salt, cache in zip(message.prompt_seq_ids, message.prompts, salts,
-                                            caches, strict=False):
-            self.prefix.ran(seq_id, ids.tolist(), salt, cache,  # type: ignore[union-attr]
-                            complete=seq_id not in partial)
+    def _pool(self) -> BlockPool:
+        if self.blocks is None:
+            raise RuntimeError("told to load or keep prefix blocks, but this stage keeps none")
+        return self.blocks
 
     def _compute(
         self, message: StepMessage, caches: list[KVCache]
@@ -360,7 +335,5 @@ class StageWorker:
             if self.prompt_kv is not None:  # its request id, or its prompt KV if admitted in
                 self.prompt_kv.discard(seq_id)  # a step that failed before taking it
             self.samplers.pop(seq_id, None)
-            if self.prefix is not None:
-                self.prefix.forget(seq_id)
             if self.on_release is not None:
                 self.on_release(seq_id)

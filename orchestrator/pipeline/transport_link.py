@@ -189,6 +189,8 @@ def encode(message: Message, out: torch.Tensor) -> int:
             "prompt_seq_ids": message.prompt_seq_ids, "partial": message.partial,
             "admit": message.admit, "resume": list(message.resume.items()),
             "release": message.release, "error": message.error,
+            "cached_blocks": list(message.cached_blocks.items()),
+            "store_blocks": list(message.store_blocks.items()),
             "sampling": [[s, asdict(p)] for s, p in message.sampling.items()],
         }
     specs, offset = [], 0
@@ -236,5 +238,7 @@ def decode(slot: torch.Tensor) -> Message:
         partial=header["partial"],
         admit=header["admit"], resume=dict(header["resume"]), release=header["release"],
         error=header["error"],
+        cached_blocks=dict(header["cached_blocks"]),
+        store_blocks={s: [(b, i) for b, i in blocks] for s, blocks in header["store_blocks"]},
         sampling={s: SamplingParams(**p) for s, p in header["sampling"]},
     )

@@ -55,6 +55,21 @@ def prefix_reuse(config: NodeConfig, engines: list[Engine], budget_mb: float | N
                                    device=engines[0].device), config.secret())
 
 
+def pipeline_prefix_blocks(config: NodeConfig, engine: Engine) -> int:
+    """The blocks every stage of a colocated pipeline keeps (the same on each: they hold
+    the head's block indices) within ``prefix_cache_mb``: as many as its largest stage's
+    layers fit (the stages of a model split evenly, as :class:`StageNode` splits it)."""
+    layout = engine.kv_layout
+    stages = StageSpec.split(ModelConfig.from_dir(config.model_dir).num_layers, config.depth)
+    block_bytes = (config.kv_block * layout.step_bytes() // layout.num_layers
+                   * max(s.count for s in stages))
+    budget = int(config.prefix_cache_mb * 2**20)
+    if budget < block_bytes:
+        raise ValueError(f"a prefix cache of {config.prefix_cache_mb} MiB holds no block of "
+                         f"{config.kv_block} tokens ({block_bytes} bytes a stage)")
+    return budget // block_bytes
+
+
 def load_token_service(config: NodeConfig, metrics: Metrics | None = None,
                        controller: ControllerClient | None = None) -> TokenService:
     """``controller``: the node's controller client (replication acks go through it)."""
@@ -116,10 +131,9 @@ def stage_service(config: NodeConfig, metrics: Metrics | None,
         node.on_unreachable = controller.suspect
         if node.receiver is not None:  # a lost P-node's slots are free once it is declared
             controller.on_ended = node.receiver.writers_ended
-    # It prefills: reuse prompt KV (whole prompts or chunks after the cached positions)
-    if config.mode is Mode.COLOCATED and config.depth == 1 and (
-            reuse := prefix_reuse(config, [node.engine])) is not None:
-        node.reuse_prefixes(reuse)
+    # It prefills: reuse prompt KV (whole prompts or chunks after the cached blocks)
+    if config.mode is Mode.COLOCATED and config.prefix_cache_mb:
+        node.reuse_prefixes(config.kv_block, pipeline_prefix_blocks(config, node.engine))
     # It decodes the whole model: keep finished requests' KV for their next turns
     if config.mode is not Mode.COLOCATED and config.depth == 1 and config.decode_cache_mb:
         node.keep_finished(prefix_reuse(config, [node.engine], config.decode_cache_mb,

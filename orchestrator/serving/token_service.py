@@ -296,9 +296,9 @@ class TokenService:
             if finished and seq.finish_reason not in (FinishReason.CANCELLED,
                                                       FinishReason.ERROR):
                 self.node.keep(seq)  # before its final response: its events name the blocks
-            if self.colocated and len(seq.output_ids) == 1 and self.node.worker.prefix:
+            if self.colocated and len(seq.output_ids) == 1 and self.node.prefix:
                 client.cached_tokens = seq.cached_tokens
-                self.metrics.prefix_cache(self.node.worker.prefix.cache)
+                self.metrics.prefix_cache(self.node.prefix.cache)
             if token is None:
                 if seq.finish_reason is not FinishReason.CANCELLED:
                     self._send(client, [], seq.error or
@@ -386,9 +386,7 @@ class TokenService:
         """A request's last response's extra outputs: (cached tokens[, its router's KV
         events, signed]), or none. Disaggregated, the events are decode-side reuse's (the
         P-node says the cached tokens)."""
-        prefix = self.node.worker.prefix if self.node.worker else None
-        if not self.colocated:
-            prefix = self.node.decode_reuse
+        prefix = self.node.prefix if self.colocated else self.node.decode_reuse
         if prefix is None:
             return ()
         if client.kv_since is None:

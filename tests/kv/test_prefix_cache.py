@@ -105,7 +105,7 @@ def test_budget_sizes_the_pool_and_refuses_a_budget_below_one_block():
     block_bytes = BLOCK * LAYOUT.step_bytes()
     cache = PrefixCache.within(LAYOUT, BLOCK, budget_bytes=5 * block_bytes + 1)
     assert cache.capacity_blocks == 5 and cache.budget_bytes == 5 * block_bytes
-    assert cache.pool.numel() * cache.pool.element_size() == cache.budget_bytes
+    assert cache.pool.data.numel() * cache.pool.data.element_size() == cache.budget_bytes
     with pytest.raises(ValueError, match="holds no block"):
         PrefixCache.within(LAYOUT, BLOCK, budget_bytes=block_bytes - 1)
 
@@ -152,7 +152,7 @@ def test_memory_stays_in_budget_and_held_blocks_are_never_evicted(ops, capacity)
         for hit in held:  # held blocks stay, with their own KV
             for h, index in zip(hit.hashes, hit.indices, strict=True):
                 assert h in cache and h not in removed
-                assert torch.equal(cache.pool[index], contents[h])
+                assert torch.equal(cache.pool.data[index], contents[h])
         for h in list(contents):
             if h not in cache:
                 del contents[h]

@@ -11,11 +11,9 @@ import torch
 
 from orchestrator.engine.reference import generate, load_stages
 from orchestrator.engine.torch_engine import load_engine
-from orchestrator.kv.prefix_cache import PrefixCache
 from orchestrator.layout import StageSpec
 from orchestrator.pipeline.local import LocalPipeline
 from orchestrator.pipeline.node import PipelineConfig
-from orchestrator.pipeline.prefix import PrefixReuse
 from orchestrator.pipeline.sequence import FinishReason, Sequence
 
 MAX_SEQ = 96
@@ -88,13 +86,15 @@ def test_chunked_prefill_is_token_exact(model, prompts, reference, depth, swap):
     assert pipeline.kv_held() == 0
 
 
+@pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize(("chunk", "swap"), [(0, "off"), (3, "off"), (3, "on")],
                          ids=["whole prompts", "chunks of 3", "chunks of 3, swapping"])
-def test_a_prefix_cache_reuses_each_turns_prefix_token_exact(model, chunk, swap):
-    """Depth 1 colocated with a prefix cache of 4-token blocks: each turn's prompt is the last
-    one, its answer and a new message. With chunks, its first chunk starts after the blocks
-    the last turn stored (once its whole prompt was in), and the budget pays only for the
-    rest; the tokens are the reference's and ``cached_tokens`` names exactly those blocks."""
+def test_a_prefix_cache_reuses_each_turns_prefix_token_exact(model, chunk, swap, depth):
+    """Colocated with a prefix cache of 4-token blocks (its index on the head, each stage's
+    layers in its pool): each turn's prompt is the last one, its answer and a new message.
+    Its first chunk starts after the blocks the last turn stored (once its whole prompt was
+    in), and with chunks the budget pays only for the rest; the tokens are the reference's
+    and ``cached_tokens`` names exactly those blocks."""
     block, limit = 4, 5
     engines = load_stages(model, 1, max_seq_len=MAX_SEQ)
     turns, prompt = [], [(7 * i + 3) % 400 + 4 for i in range(10)]
@@ -103,9 +103,9 @@ def test_a_prefix_cache_reuses_each_turns_prefix_token_exact(model, chunk, swap)
         turns.append((prompt, answer))
         if message is not None:
             prompt = prompt + answer + message
-    with make_pipeline(model, 1, "colocated", swap, prefill_chunk=chunk) as pipeline:
-        reuse = PrefixReuse(PrefixCache(engines[0].kv_layout, block, capacity_blocks=64))
-        pipeline.nodes[0].reuse_prefixes(reuse)
+    pipeline = make_pipeline(model, depth, "colocated", swap, prefill_chunk=chunk)
+    reuse = pipeline.reuse_prefixes(block, capacity_blocks=64)
+    with pipeline:
         previous: list[int] = []
         for turn, (prompt, answer) in enumerate([*turns, turns[-1]]):  # the last, repeated
             seq = pipeline.submit(Sequence(f"turn{turn}", prompt, limit))
