@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from orchestrator.kv.prefix_cache import PrefixCache
+from orchestrator.layout import KVLayout
+from orchestrator.pipeline.prefix import PipelinePrefix
 from orchestrator.pipeline.scheduler import Batch, MicrobatchScheduler
 from orchestrator.pipeline.sequence import FinishReason, Sequence, Status
 
@@ -162,29 +165,36 @@ def test_chunked_steps_stay_within_the_budget_and_never_hold_back_a_token_step()
     assert len(long.output_ids) == len(short.output_ids) == 6 and len(late.output_ids) == 5
 
 
-def test_a_first_chunk_starts_after_the_cached_prefix_and_pays_only_for_the_rest():
-    """The stage's prefix cache holds 8 positions of ``hit``'s prompt: its first chunk runs
-    8:12 (its ids from position 0: the stage loads the cached ones), and the budget of 4
-    lets nothing else in; a rewind before it asks the cache again."""
+def test_a_first_chunk_starts_after_the_cached_blocks_and_pays_only_for_the_rest():
+    """The index holds two blocks (8 positions) of ``hit``'s prompt: its first chunk runs
+    8:12 and names them for the stages to load; the budget of 4 lets nothing else in. Its
+    last chunk names its new third block for the stages to keep, findable only once that
+    step came back; a rewind before its first chunk asks the index again."""
     sched = MicrobatchScheduler(num_microbatches=1, batch_size=2, colocated=True,
                                 prefill_chunk=4)
-    hit, other = make_seq("hit", 3, prompt_len=14), make_seq("other", 3, prompt_len=5)
-    asked: list[str] = []
-    sched.cached_prefix = lambda seq: asked.append(seq.request_id) or (
-        8 if seq is hit else 0)
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, max_seq_len=64)
+    prefix = sched.prefix = PipelinePrefix(PrefixCache(layout, 4, 8, keep_kv=False))
+    hit, other = make_seq("hit", 3, prompt_len=14), Sequence("other", list(range(100, 105)), 3)
+    prefix.store(0, hit.prompt_ids[:8], "")
+    prefix.answered(0)
+    cached = prefix.hit(hit.prompt_ids, "")
     sched.add(hit)
     sched.add(other)
     first = run_step(sched)
-    assert [(c.seq, c.start, c.end, c.cached, c.ids) for c in first.prefill] == [
-        (hit, 8, 12, 8, hit.prompt_ids[:12])]
-    second = run_step(sched)
-    assert [(c.seq, c.start, c.end, c.ids) for c in second.prefill] == [
-        (hit, 12, 14, hit.prompt_ids[12:]), (other, 0, 2, other.prompt_ids[:2])]
-    assert asked == ["hit", "other"] and hit.output_ids == [5]  # asked once, at its first
+    assert [(c.seq, c.start, c.end, c.load, c.store, c.ids) for c in first.prefill] == [
+        (hit, 8, 12, cached, [], hit.prompt_ids[8:12])]
+    assert len(cached) == 2 and hit.cached_tokens == 8
+    second = sched.schedule(0)
+    assert [(c.seq, c.start, c.end, c.load, c.ids) for c in second.prefill] == [
+        (hit, 12, 14, [], hit.prompt_ids[12:]), (other, 0, 2, [], other.prompt_ids[:2])]
+    assert [block for block, _ in second.prefill[0].store] == [2]  # its new block only
+    assert prefix.hit(hit.prompt_ids, "") == cached  # not before the step came back
+    sched.postprocess(0, {hit.seq_id: 5})
+    assert len(prefix.hit(hit.prompt_ids, "")) == 3 and hit.output_ids == [5]
     sched.rewind(0, first.step)
     assert hit.prefilled == 0 and hit.output_ids == []
     sched.add(hit)
-    assert run_step(sched).prefill[0].start == 8 and asked[-1] == "hit"
+    assert run_step(sched).prefill[0].start == 12 and hit.cached_tokens == 12
 
 
 def test_decode_is_never_starved_when_token_steps_fill_the_budget():
