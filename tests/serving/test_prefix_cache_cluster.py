@@ -1,5 +1,6 @@
 """KV reuse on real tritonservers: the prefix cache of the node that prefills (a P-node of
-1P+1T, a colocated T-node, one with chunked prefill) over a multi-turn conversation; and
+1P+1T, a colocated T-node, one with chunked prefill, a colocated pipeline of two T-nodes:
+its head's index, each stage's layers) over a multi-turn conversation; and
 decode-side reuse (1P+1T's T-node keeps each finished turn's KV, and is streamed only the
 blocks it lacks).
 
@@ -32,9 +33,12 @@ MESSAGES = [[(11 * i + 5) % 500 + 1 for i in range(n)] for n in (21, 9, 30)]
 
 
 # colocated-chunked: 8-token steps (4 token steps at most in them): each prompt takes
-# several chunks, its first after the blocks cached
+# several chunks, its first after the blocks cached. colocated-depth-2: 48-token steps, so
+# most prompts' uncached rest runs whole in one step and the longer ones in two.
 LAYOUTS = {"disaggregated": {}, "colocated": {"colocated": True},
-           "colocated-chunked": {"colocated": True, "max_batch": 4, "prefill_chunk": 8}}
+           "colocated-chunked": {"colocated": True, "max_batch": 4, "prefill_chunk": 8},
+           "colocated-depth-2": {"colocated": True, "decode_depth": 2, "max_batch": 4,
+                                 "prefill_chunk": 48}}
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
