@@ -109,7 +109,7 @@ class BlockPool:
                  device: str | torch.device = "cpu") -> None:
         import torch
 
-        self.layout, self.block_tokens = layout, block_tokens
+        self.layout, self.block_tokens, self.capacity_blocks = layout, block_tokens, capacity_blocks
         shape = (capacity_blocks, layout.num_layers, 2, layout.num_kv_heads, block_tokens,
                  layout.head_dim)
         # empty: on CPU its pages are taken only as blocks are written

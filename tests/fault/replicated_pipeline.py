@@ -325,6 +325,8 @@ class ReplicatedPipeline:
         spare = StageNode(None, x, self.pipeline.config, secret=self.pipeline.secret,
                           engine=old.node.engine, make_transport=self.pipeline.transport,
                           name=f"{self.name}-{x}-spare{self.spares}")
+        if old.node.blocks is not None:  # a prefix cache: the spare keeps an (empty) pool
+            spare.reuse_prefixes(old.node.blocks.block_tokens, old.node.blocks.capacity_blocks)
         self.pipeline.nodes[x] = spare
         self.members[x] = _Member(self, spare)
 

@@ -19,9 +19,11 @@ MAX_SEQ = 64
 LIMITS = [12, 5, 14, 9, 3, 12, 7, 10]
 
 
-def make_prompts(seed: int = 0) -> list[list[int]]:
+def make_prompts(seed: int = 0, shared: int = 0) -> list[list[int]]:
+    """``shared``: a system prompt of that many tokens before each."""
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(4, 500, (int(n),), generator=g).tolist()
+    system = list(range(7, 7 + shared))
+    return [system + torch.randint(4, 500, (int(n),), generator=g).tolist()
             for n in torch.randint(2, 12, (len(LIMITS),), generator=g)]
 
 
@@ -37,12 +39,16 @@ def config(depth: int, **fields) -> PipelineConfig:
 
 
 def run(controller: str, model, depth: int, kills: list[Kill], name: str, swap: str = "off",
-        replicate: bool = True, mode: str = "colocated"):
+        replicate: bool = True, mode: str = "colocated", prompts: list[list[int]] | None = None,
+        prefix_block: int = 0):
     """Returns (outputs, finish events per request, the wrapper, replicas left) once every
-    request ended. Disaggregated, an in-process P-side prefills."""
+    request ended. Disaggregated, an in-process P-side prefills. ``prompts``: default
+    :func:`make_prompts`; ``prefix_block``: a prefix cache of blocks of that many tokens."""
     engines = load_stages(str(model), depth, max_seq_len=MAX_SEQ)
     prompt = load_stages(str(model), 1, max_seq_len=MAX_SEQ) if mode != "colocated" else None
     pipeline = LocalPipeline(engines, config(depth, mode=mode, swap=swap), prompt_engines=prompt)
+    if prefix_block:
+        pipeline.reuse_prefixes(prefix_block, capacity_blocks=64)
     ft = ReplicatedPipeline(pipeline, controller, name, replicate=replicate, kills=kills,
                             heartbeat_s=0.03)
     finishes: dict[str, int] = {}
@@ -52,7 +58,7 @@ def run(controller: str, model, depth: int, kills: list[Kill], name: str, swap: 
 
     # Log-probs asked for: a recovery redoes them with the tokens.
     seqs = [Sequence(f"r{i}", p, m, on_token=on_token, sampling=SamplingParams(log_probs=True))
-            for i, (p, m) in enumerate(zip(make_prompts(), LIMITS, strict=True))]
+            for i, (p, m) in enumerate(zip(prompts or make_prompts(), LIMITS, strict=True))]
     with ft:
         for seq in seqs:
             pipeline.submit(seq)
@@ -126,6 +132,25 @@ def test_holder_also_lost_falls_back_to_recompute(controller, tiny_model, mode) 
     (recovery,) = ft.recoveries
     assert recovery.recompute and recovery.stages == [1, 2] and recovery.restarted > 0
     assert held == 0
+
+
+@pytest.mark.parametrize("kill", [Kill(stage=1, microbatch=0, step=6),
+                                  Kill(stage=1, microbatch=0, step=4, also=(2,))],
+                         ids=["from replicas", "holder also lost: recompute"])
+def test_recovery_with_a_prefix_cache_is_token_exact(controller, tiny_model, kill) -> None:
+    """Colocated, prompts after an 8-token system prompt, a prefix cache of 4-token blocks
+    (the head's index, each stage's pool): later prompts load the shared blocks. A spare's
+    pool is empty, so the repair drops the whole index (no hit names a block it lacks),
+    and the outputs stay the reference's."""
+    model = tiny_model("gpt2")
+    prompts = make_prompts(shared=8)
+    outputs, finishes, ft, held, _ = run(controller, model, 3, [kill], f"tp-prefix-{kill.step}",
+                                         prompts=prompts, prefix_block=4)
+    assert outputs == reference(model, prompts)
+    assert set(finishes.values()) == {1} and held == 0
+    (recovery,) = ft.recoveries
+    assert recovery.stages == [1, *kill.also]
+    assert ft.pipeline.nodes[0].prefix.cache.stats.hit_tokens > 0
 
 
 def test_restart_from_scratch_baseline_is_token_exact(controller, tiny_model) -> None:
