@@ -4,7 +4,9 @@
 of the same model), samples each first token, and streams each layer as it is
 made through the KV library's ``KVSender`` into every token stage's
 ``KVReceiver`` (the library routes layers to the stage holding them: DejaVu's
-stream_out/stream_in), with the first token as the transfer's ``extra``. Asked
+stream_out/stream_in), with the first token as the transfer's ``extra``. A
+prompt whose leading blocks the node's prefix cache held sends those positions
+of every layer at once, before its rest computes (``KVSender.save_ahead``). Asked
 to stop (its client left), it stops after the layer in progress and gives every
 staging block back, as on any other exit. A P-node runs it
 (:class:`~orchestrator.serving.prefill_worker.PrefillWorker`), and so does an in-process pipeline
@@ -58,6 +60,7 @@ def stream_prefill(
     salts: Mapping[str, str] | None = None,
     cached: dict[str, int] | None = None,
     sent: dict[str, int] | None = None,
+    ahead: dict[str, int] | None = None,
 ) -> dict[str, int]:
     """Prefill ``prompts`` (request id -> ids) on the prompt stages ``engines`` (one
     ``KVSender`` each), streaming every layer's KV while the next computes to the token
@@ -67,10 +70,12 @@ def stream_prefill(
     ``PrefillCancelled`` when ``stop()`` says so (asked after every layer).
 
     With ``prefix`` (the node's prefix cache), each prompt's cached leading blocks (under
-    ``salts[request_id]``) are loaded into its slots and only the rest is computed; every
-    layer still streams the whole prompt's KV. ``cached`` gets each prompt's cached tokens,
+    ``salts[request_id]``) are loaded into its slots and only the rest is computed; the
+    cached positions of every layer stream at once, before the rest computes, and each
+    layer then streams its computed positions. ``cached`` gets each prompt's cached tokens,
     ``sent`` the KV bytes streamed for it (less than its whole KV where a token stage held
-    its leading positions: decode-side reuse)."""
+    its leading positions: decode-side reuse), ``ahead`` those of them that went before
+    the compute."""
     sampling, salts = sampling or {}, salts or {}
     rids = list(prompts)
     slots = [[engine.new_cache() for _ in rids] for engine in engines]
@@ -94,6 +99,9 @@ def stream_prefill(
             for rid in rids:
                 handles[-1].append(sender.start(rid, list(tickets[rid])))
                 taken.append((sender, handles[-1][-1]))
+        for sender, stage_handles, caches in zip(senders, handles, slots, strict=True):
+            for handle, cache, load in zip(stage_handles, caches, loads, strict=False):
+                sender.save_ahead(handle, cache, load.cached_tokens)  # moves while we compute
         for engine, sender, stage_handles, caches in zip(engines, senders, handles, slots,
                                                          strict=True):
 
@@ -115,8 +123,9 @@ def stream_prefill(
             sender.finish(handle, extra=encode_first_token(first[handle.request_id]))
         for sender, handle in taken:
             sender.wait_for_save(handle, save_timeout_s)
-            if sent is not None:
-                sent[handle.request_id] = sent.get(handle.request_id, 0) + handle.sent_bytes
+            for counts, nbytes in ((sent, handle.sent_bytes), (ahead, handle.ahead_bytes)):
+                if counts is not None:
+                    counts[handle.request_id] = counts.get(handle.request_id, 0) + nbytes
     finally:
         for sender, handle in taken:
             sender.release(handle)
