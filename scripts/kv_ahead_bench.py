@@ -5,10 +5,11 @@ the emulated engine timed by a shipped profile (Llama-2-70B on an H100, its KV s
 ``--kv-heads``: the emulated KV is float32 in the config's layout). A prompt of
 ``--prompt`` tokens is prefilled once (stored in the P-node's prefix cache); then
 ``--runs`` prompts that share its first ``--cached`` fraction are each prefilled through
-``stream_prefill``, and for each the script records when the engine's compute ended and
-when the T-node's receiver had the whole prompt KV (``poll`` says SUCCESS, watched from a
-thread). Run it with the checkout to measure on ``PYTHONPATH``: the branch, and the
-commit before it (``git archive <commit> orchestrator | tar -x -C DIR``), alternately.
+``stream_prefill``, and for each the script records when the engine's compute began and
+when its last layer's compute ended, and when the T-node's receiver had the whole prompt KV
+(``poll`` says SUCCESS, watched from a thread). Run it with the checkout to measure on
+``PYTHONPATH``: the branch, and the commit before it
+(``git archive <commit> orchestrator | tar -x -C DIR``), alternately.
 
     PYTHONPATH=. .venv/bin/python scripts/kv_ahead_bench.py --label after
 """
@@ -46,18 +47,25 @@ def llama2_70b(kv_heads: int) -> ModelConfig:
 
 
 class Timed:
-    """The engine, noting when its prefill (the compute) ended."""
+    """The engine, noting when it started and when its last layer's compute ended (before
+    that layer's KV is packed and posted: the stream's cost after the compute)."""
 
     def __init__(self, engine: EmulatedEngine) -> None:
-        self.engine, self.ended = engine, 0.0
+        self.engine, self.started, self.ended = engine, 0.0, 0.0
 
     def __getattr__(self, name: str):
         return getattr(self.engine, name)
 
     def prefill(self, inputs, caches, on_layer=None):
-        out = self.engine.prefill(inputs, caches, on_layer=on_layer)
-        self.ended = time.perf_counter()
-        return out
+        last = self.engine.kv_layout.layer_range[-1]
+
+        def hook(layer, caches):
+            if layer == last:
+                self.ended = time.perf_counter()
+            on_layer(layer, caches)
+
+        self.started = time.perf_counter()
+        return self.engine.prefill(inputs, caches, on_layer=hook)
 
 
 def watch(receiver: KVReceiver, rid: str, done: dict) -> None:
@@ -100,8 +108,9 @@ def main() -> None:
                        cached=cached)
         watcher.join()
         receiver.release(rid)
-        return {"cached": cached[rid], "compute_s": engine.ended - start,
-                "ready_s": done["at"] - start, "tail_s": done["at"] - engine.ended}
+        return {"cached": cached[rid], "before_compute_s": engine.started - start,
+                "compute_s": engine.ended - engine.started, "ready_s": done["at"] - start,
+                "tail_s": done["at"] - engine.ended}
 
     prefill("warm", base.tolist())
     runs = []
@@ -114,7 +123,7 @@ def main() -> None:
         "label": args.label, "prompt": args.prompt, "cached": runs[0]["cached"],
         "kv_bytes_per_token": token_bytes, "kv_scale": engine.engine.kv_scale,
         **{f"{k}_median_ms": round(1e3 * statistics.median(r[k] for r in runs), 2)
-           for k in ("compute_s", "ready_s", "tail_s")},
+           for k in ("before_compute_s", "compute_s", "ready_s", "tail_s")},
         "tail_ms": [round(1e3 * r["tail_s"], 2) for r in runs]}))
 
 

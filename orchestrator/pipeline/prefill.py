@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import struct
+import threading
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -25,6 +26,7 @@ from orchestrator.engine.base import Engine
 from orchestrator.engine.log_probs import TokenLogProb
 from orchestrator.engine.sampling import Sampler, SamplingParams
 from orchestrator.kv.connector import KVSender, SendHandle
+from orchestrator.kv.errors import KVTransferError
 from orchestrator.layout import KVCache
 from orchestrator.pipeline.prefix import PrefixLoad, PrefixReuse
 
@@ -45,6 +47,41 @@ def decode_first_token(extra: bytes) -> int:
         raise ValueError(f"expected a {_FIRST_TOKEN.size}-byte first token after the prompt KV, "
                          f"got {len(extra)} bytes")
     return _FIRST_TOKEN.unpack(extra)[0]
+
+
+class _AheadPosts:
+    """Posts the cached positions of every layer of the prompts that hit (``save_ahead``)
+    from a thread of its own: packing them into staging overlaps the rest's compute, and
+    the first computed layer waits for them (they go first)."""
+
+    def __init__(self, senders: Sequence[KVSender], handles: Sequence[Sequence[SendHandle]],
+                 slots: Sequence[Sequence[KVCache]], loads: Sequence[PrefixLoad],
+                 timeout_s: float) -> None:
+        self._error: BaseException | None = None
+        self._timeout_s = timeout_s
+        self._thread = threading.Thread(target=self._post, args=(senders, handles, slots, loads),
+                                        name="kv-ahead", daemon=True)
+        self._thread.start()
+
+    def _post(self, senders, handles, slots, loads) -> None:
+        try:
+            for sender, stage_handles, caches in zip(senders, handles, slots, strict=True):
+                for handle, cache, load in zip(stage_handles, caches, loads, strict=True):
+                    sender.save_ahead(handle, cache, load.cached_tokens)
+        except BaseException as error:  # noqa: BLE001  (raised in the prefill's thread)
+            self._error = error
+
+    def wait(self, check: bool = True) -> None:
+        """Until every cached part is posted (bounded); ``check``: raises what posting
+        raised, or that it did not end in time (else a handle released meanwhile makes
+        what is left of it post nothing)."""
+        self._thread.join(self._timeout_s)
+        if not check:
+            return
+        if self._thread.is_alive():
+            raise KVTransferError("<local>", f"cached KV not posted in {self._timeout_s}s")
+        if self._error is not None:
+            raise self._error
 
 
 def stream_prefill(
@@ -71,17 +108,19 @@ def stream_prefill(
 
     With ``prefix`` (the node's prefix cache), each prompt's cached leading blocks (under
     ``salts[request_id]``) are loaded into its slots and only the rest is computed; the
-    cached positions of every layer stream at once, before the rest computes, and each
-    layer then streams its computed positions. ``cached`` gets each prompt's cached tokens,
+    cached positions of every layer stream at once while the rest computes, and each
+    layer then streams its computed positions (the first waits for the cached ones).
+    ``cached`` gets each prompt's cached tokens,
     ``sent`` the KV bytes streamed for it (less than its whole KV where a token stage held
-    its leading positions: decode-side reuse), ``ahead`` those of them that went before
-    the compute."""
+    its leading positions: decode-side reuse), ``ahead`` those of them that went ahead
+    of the computed ones."""
     sampling, salts = sampling or {}, salts or {}
     rids = list(prompts)
     slots = [[engine.new_cache() for _ in rids] for engine in engines]
     loads: list[PrefixLoad] = []
     x: list[torch.Tensor] = [torch.tensor(prompts[r], dtype=torch.long) for r in rids]
     taken: list[tuple[KVSender, SendHandle]] = []  # every staging block, given back on any exit
+    ahead_posts: _AheadPosts | None = None
     done = False
     try:
         if prefix is not None:
@@ -99,14 +138,15 @@ def stream_prefill(
             for rid in rids:
                 handles[-1].append(sender.start(rid, list(tickets[rid])))
                 taken.append((sender, handles[-1][-1]))
-        for sender, stage_handles, caches in zip(senders, handles, slots, strict=True):
-            for handle, cache, load in zip(stage_handles, caches, loads, strict=False):
-                sender.save_ahead(handle, cache, load.cached_tokens)  # moves while we compute
+        if any(load.cached_tokens for load in loads):
+            ahead_posts = _AheadPosts(senders, handles, slots, loads, save_timeout_s)
         for engine, sender, stage_handles, caches in zip(engines, senders, handles, slots,
                                                          strict=True):
 
             def save(layer: int, caches: Sequence[KVCache], sender=sender,
                      hs=stage_handles) -> None:
+                if ahead_posts is not None:  # every layer's cached part goes first
+                    ahead_posts.wait()
                 for handle, cache in zip(hs, caches, strict=True):
                     sender.save_layer(handle, layer, cache)
                 if stop is not None and stop():
@@ -127,6 +167,8 @@ def stream_prefill(
                 if counts is not None:
                     counts[handle.request_id] = counts.get(handle.request_id, 0) + nbytes
     finally:
+        if ahead_posts is not None:  # nothing posts into a staging block given back
+            ahead_posts.wait(check=False)
         for sender, handle in taken:
             sender.release(handle)
         for i, load in enumerate(loads):  # a prefill that stopped early stores nothing
