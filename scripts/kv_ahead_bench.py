@@ -2,7 +2,7 @@
 
 One P-node prompt stage and one T-node receiver in this process, over NIXL (loopback),
 the emulated engine timed by a shipped profile (Llama-2-70B on an H100, its KV scaled by
-``--kv-heads``: the emulated KV is float32 in the config's layout). A prompt of
+``--kv-heads`` and ``--head-dim``: the emulated KV is float32 in the config's layout). A prompt of
 ``--prompt`` tokens is prefilled once (stored in the P-node's prefix cache); then
 ``--runs`` prompts that share its first ``--cached`` fraction are each prefilled through
 ``stream_prefill``, and for each the script records when the engine's compute began and
@@ -39,10 +39,10 @@ SECRET = b"kv-ahead-bench"
 BLOCK = 32
 
 
-def llama2_70b(kv_heads: int) -> ModelConfig:
+def llama2_70b(kv_heads: int, head_dim: int) -> ModelConfig:
     return ModelConfig.from_dict({
         "model_type": "llama", "num_hidden_layers": 80, "hidden_size": 8192,
-        "num_attention_heads": 64, "num_key_value_heads": kv_heads, "head_dim": 128,
+        "num_attention_heads": 64, "num_key_value_heads": kv_heads, "head_dim": head_dim,
         "intermediate_size": 28672, "max_position_embeddings": 4096, "vocab_size": 32000})
 
 
@@ -85,9 +85,11 @@ def main() -> None:
     parser.add_argument("--cached", type=float, default=0.9)
     parser.add_argument("--runs", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=1)
+    parser.add_argument("--head-dim", type=int, default=128)
     args = parser.parse_args()
 
-    config, profile = llama2_70b(args.kv_heads), load_profile("splitwise-llama2-70b-h100")
+    config = llama2_70b(args.kv_heads, args.head_dim)
+    profile = load_profile("splitwise-llama2-70b-h100")
     engine = Timed(EmulatedEngine(config, StageSpec.whole(config.num_layers), profile,
                                   args.prompt + 8))
     layout = engine.kv_layout
