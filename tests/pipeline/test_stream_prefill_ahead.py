@@ -34,8 +34,12 @@ class Recorder(LocalTransport):
         super().__init__(fabric, name)
         self.events = events
 
+    fail_ahead = False  # a write of the cached part (its positions from 0) raises
+
     def write(self, peer: str, pairs: Sequence[Pair], notify: bytes = b"") -> TransferHandle:
         header = decode_header(notify, SECRET, self.name)
+        if self.fail_ahead and header.num_layers > 1:
+            raise ConnectionError(f"{peer} went away")
         self.events.append(("write", peer, list(header.layer_range), header.positions))
         return super().write(peer, pairs, notify)
 
@@ -145,3 +149,18 @@ def test_a_hit_cancelled_after_its_first_layer_gives_everything_back(model):
         receiver.progress()
         receiver.release("longer")
         receiver.reserve("a", 4), receiver.reserve("b", 4)  # both slots
+
+
+def test_a_hit_whose_cached_part_fails_to_post_fails_and_gives_everything_back(model):
+    """Posting the cached part raises (in its own thread): the prefill raises it before any
+    computed layer is written, and gives back its staging and its cached blocks."""
+    node = Node(model)
+    node.prefill("first", FIRST)
+    for receiver in node.receivers:
+        receiver.wait("first")
+        receiver.release("first")
+    node.sender.transport.fail_ahead = True
+    with pytest.raises(ConnectionError, match="went away"):
+        node.prefill("longer", LONGER)
+    assert [e for e in node.events if e[0] == "write"] == []
+    assert node.sender.in_flight() == 0 and node.prefix.cache.in_use() == {}
