@@ -88,6 +88,10 @@ def _pieces(cache: KVCache, layers: range, positions: range) -> list[torch.Tenso
     ]
 
 
+def _overlaps(positions: range, parts: list[range]) -> bool:
+    return any(p.start < positions.stop and positions.start < p.stop for p in parts)
+
+
 # An expired ticket's slot is reused after this: a layer posted just before the deadline
 # has landed by then (and the nodes' clocks agree to well within it).
 _LATE_WRITE_GRACE_S = 2.0
@@ -114,6 +118,9 @@ class _Incoming:
     )  # (peer, pos, crc)
     abandoned: set[int] = field(default_factory=set)  # layers whose prefill stage gave up
     held: int = 0  # leading positions the slot held at reservation: no sender writes them
+    # layer -> the positions of it landed so far, while it is missing (a layer may come in
+    # parts: the sender's cached positions ahead of its computed ones)
+    landed: dict[int, list[range]] = field(default_factory=dict)
 
     def writers_done(self) -> bool:
         """No sender will write into the slot again: each layer landed or was given up."""
@@ -400,14 +407,24 @@ class KVReceiver:
                     f"{header.seq_len}, reserved {incoming.prompt_len}",
                     rid,
                 )
-            layers = header.layer_range
-            if not incoming.missing.issuperset(layers):
-                raise KVTransferError(peer, f"layers {list(layers)} received twice", rid)
-            sent = incoming.prompt_len - incoming.held
-            expected = len(layers) * sent * self.layout.token_bytes_per_layer()
+            layers, positions = header.layer_range, header.positions
+            if not incoming.held <= positions.start < positions.stop <= incoming.prompt_len:
+                raise KVTransferError(
+                    peer, f"positions [{positions.start}, {positions.stop}) outside the "
+                    f"[{incoming.held}, {incoming.prompt_len}) this slot lacks", rid)
+            if not incoming.missing.issuperset(layers) or any(
+                    _overlaps(positions, incoming.landed.get(layer, [])) for layer in layers):
+                raise KVTransferError(peer, f"layers {list(layers)} positions [{positions.start}"
+                                      f", {positions.stop}) received twice", rid)
+            expected = len(layers) * len(positions) * self.layout.token_bytes_per_layer()
             check_payload(header, expected, peer)
             self._check_crc(peer, header, incoming, layers)
-            incoming.missing.difference_update(layers)
+            for layer in layers:
+                parts = incoming.landed.setdefault(layer, [])
+                parts.append(positions)
+                if sum(map(len, parts)) == incoming.prompt_len - incoming.held:
+                    incoming.missing.discard(layer)
+                    del incoming.landed[layer]
             incoming.state = KVPoll.TRANSFERRING
         else:
             raise KVTransferError(peer, f"unexpected {header.kind.name} block", rid)
@@ -526,7 +543,7 @@ class KVReceiver:
                 )
             return
         cache = KVCache(self.layout, self.pool[incoming.slot], incoming.prompt_len)
-        got = crc32_of(_pieces(cache, layers, range(incoming.held, incoming.prompt_len)))
+        got = crc32_of(_pieces(cache, layers, header.positions))
         if got != header.crc32:
             raise KVTransferError(
                 peer,
@@ -552,6 +569,8 @@ class SendHandle:
     error: KVTransferError | None = None
     released: bool = False  # its staging block is given back (or drains to be)
     sent_bytes: int = 0  # KV posted (a ticket's held positions are not)
+    ahead: int = 0  # leading positions of every layer posted before any layer (save_ahead)
+    ahead_bytes: int = 0  # of sent_bytes, those posted by save_ahead
 
 
 class KVSender:
@@ -643,44 +662,74 @@ class KVSender:
                 request_id,
             )
 
+    def save_ahead(self, handle: SendHandle, cache: KVCache, positions: int) -> None:
+        """Post the leading ``positions`` of every layer at once (a prompt's KV the node had
+        cached, before its rest is computed): one write per token stage, of the positions
+        its ticket does not hold. ``save_layer`` then posts only each layer's later
+        positions. Call it before any ``save_layer``; never blocks, errors surface at wait."""
+        if handle.transfers or handle.ahead:
+            raise ValueError("save_ahead goes before any layer of the request is posted")
+        if not 0 <= positions < handle.prompt_len:
+            raise ValueError(f"{positions} positions ahead of a {handle.prompt_len}-token "
+                             "prompt: one at least is left to its layers")
+        handle.ahead = positions
+        for index, ticket in enumerate(handle.tickets):
+            layers = [layer for layer, owner in handle.owner.items() if owner == index]
+            if layers and ticket.held < positions:
+                before = handle.sent_bytes
+                self._post(handle, index, range(min(layers), max(layers) + 1),
+                           range(ticket.held, positions), cache)
+                handle.ahead_bytes += handle.sent_bytes - before
+
     def save_layer(self, handle: SendHandle, global_layer: int, cache: KVCache) -> None:
-        """Post layer ``global_layer``'s prompt KV; never blocks, errors surface at wait."""
-        if handle.error is not None or handle.finished:
-            return
+        """Post layer ``global_layer``'s prompt KV (the positions after those its token
+        stage holds and those ``save_ahead`` posted); never blocks, errors surface at wait."""
         ticket_index = handle.owner.get(global_layer)
         if ticket_index is None:
             raise ValueError(f"layer {global_layer} is not on this prompt stage")
+        start = max(handle.tickets[ticket_index].held, handle.ahead)
+        self._post(handle, ticket_index, range(global_layer, global_layer + 1),
+                   range(start, handle.prompt_len), cache)
+
+    def _post(self, handle: SendHandle, ticket_index: int, layers: range, positions: range,
+              cache: KVCache) -> None:
+        """Pack ``positions`` of ``layers`` into their places in the staging block and write
+        them into the ticket's slot as one transfer, its checked header in the notification."""
+        if handle.error is not None or handle.finished:
+            return
         ticket = handle.tickets[ticket_index]
         if ticket.expired:  # its slot may be someone else's by now: write nothing
-            handle.error = KVTransferError(ticket.node, f"ticket expired before layer "
-                                           f"{global_layer} was sent", handle.request_id)
+            handle.error = KVTransferError(ticket.node, f"ticket expired before layers "
+                                           f"{list(layers)} were sent", handle.request_id)
             handle.state = KVPoll.FAILED
             return
-        layers = range(global_layer, global_layer + 1)
-        positions = range(ticket.held, handle.prompt_len)  # the rest the receiver lacks
         row = self.layout.token_bytes_per_layer()
-        nbytes = len(positions) * row
-        offset = (global_layer - self.layout.first_layer) * handle.prompt_len * row
-        staging = self.staging[handle.staging, offset : offset + nbytes]
-        pack(cache, layers, positions, staging)
-        crc = None
-        if self.checksum or ticket.checksum:
-            crc = crc32_of([staging])
+        nbytes = len(positions) * row  # of each layer
+        local, packed = [], []
+        for layer in layers:
+            # a layer's positions [held, prompt_len) have their place in its staging area
+            offset = ((layer - self.layout.first_layer) * handle.prompt_len
+                      + positions.start - ticket.held) * row
+            packed.append(self.staging[handle.staging, offset : offset + nbytes])
+            pack(cache, range(layer, layer + 1), positions, packed[-1])
+            local.append(self._staging_region(handle, offset, nbytes))
+        crc = crc32_of(packed) if self.checksum or ticket.checksum else None
         header = BlockHeader.for_layout(
             BlockKind.LAYERS,
             handle.request_id,
-            self.layout.layers(global_layer, 1),
+            self.layout.layers(layers.start, len(layers)),
             seq_len=handle.prompt_len,
-            payload_bytes=nbytes,
+            payload_bytes=nbytes * len(layers),
             crc32=crc,
+            first_position=positions.start,
+            end_position=positions.stop,
         )
         remote = kv_spans(ticket.layout, ticket.slot_addr, layers, positions)
-        local = self._staging_region(handle, offset, nbytes)
         transfer = scatter(
             self.transport, ticket.node, local, remote, encode_header(header, self.secret)
         )
         handle.transfers.append(transfer)
-        handle.sent_bytes += nbytes
+        handle.sent_bytes += nbytes * len(layers)
         handle.state = KVPoll.TRANSFERRING
         self.poll(handle)
 

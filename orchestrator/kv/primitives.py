@@ -1,8 +1,8 @@
 """DejaVuLib's KV movement (DejaVu §4.1), as the P/T connector uses it.
 
 - ``scatter``: a non-contiguous KV region (positions of some layers of a slot,
-  as the contiguous runs :func:`kv_spans` lists) written from one contiguous
-  staging block in one transfer; :func:`pack` fills that block from a cache.
+  as the contiguous runs :func:`kv_spans` lists) written from packed staging
+  blocks in one transfer; :func:`pack` fills that block from a cache.
 - ``stream_out``: which token stage each of a prompt stage's layers go to
   (split at the source when a prompt stage spans several token stages; a token
   stage that takes layers from several prompt stages is filled by each of them).
@@ -63,12 +63,13 @@ def pair_spans(local: Sequence[Region], remote: Sequence[Region]) -> list[Pair]:
 def scatter(
     transport: Transport,
     peer: str,
-    local: Region,
+    local: Sequence[Region],
     remote_spans: Sequence[Region],
     notify: bytes = b"",
 ) -> TransferHandle:
-    """Write a packed local block into a non-contiguous remote region, as one transfer."""
-    return transport.write(peer, pair_spans([local], remote_spans), notify)
+    """Write packed local blocks (in order) into a non-contiguous remote region, as one
+    transfer."""
+    return transport.write(peer, pair_spans(local, remote_spans), notify)
 
 
 def region_view(cache: KVCache, layers: range, positions: range) -> torch.Tensor:

@@ -32,13 +32,14 @@ from orchestrator.kv.errors import KVTransferError
 from orchestrator.layout import DTYPE_BYTES, KVLayout
 
 MAGIC = b"DJKV"
-VERSION = 1
+VERSION = 2  # 2: a LAYERS block names its positions (a prompt's layer goes in parts)
 _DTYPE_CODES = {name: code for code, name in enumerate(DTYPE_BYTES)}
 _DTYPE_NAMES = {code: name for name, code in _DTYPE_CODES.items()}
 _HAS_CRC = 1
 # magic, version, kind, flags, first_layer, num_layers, num_heads, head_dim, dtype,
-# seq_len, payload_bytes, crc32, batch, total_layers, len(request_id), len(extra)
-_FIXED = struct.Struct("!4sHBBIIIIBIQIIIHI")
+# seq_len, payload_bytes, crc32, batch, total_layers, len(request_id), len(extra),
+# first_position, end_position
+_FIXED = struct.Struct("!4sHBBIIIIBIQIIIHIII")
 
 
 class BlockKind(enum.IntEnum):
@@ -66,10 +67,18 @@ class BlockHeader:
     batch: int = 1
     total_layers: int = 0  # FINISH: the model's layer count
     extra: bytes = b""
+    # LAYERS: the prompt positions [first_position, end_position) the payload holds (a
+    # layer's KV may come in parts: positions cached at the sender go ahead of the rest)
+    first_position: int = 0
+    end_position: int = 0
 
     @property
     def layer_range(self) -> range:
         return range(self.first_layer, self.first_layer + self.num_layers)
+
+    @property
+    def positions(self) -> range:
+        return range(self.first_position, self.end_position)
 
     @classmethod
     def for_layout(cls, kind: BlockKind, request_id: str, layout: KVLayout, **fields):
@@ -105,6 +114,8 @@ def encode_header(header: BlockHeader, secret: bytes) -> bytes:
             header.total_layers,
             len(rid),
             len(header.extra),
+            header.first_position,
+            header.end_position,
         )
         + rid
         + header.extra
@@ -125,7 +136,7 @@ def decode_header(data: bytes, secret: bytes, peer: str) -> BlockHeader:
     if len(data) < _FIXED.size + MAC_BYTES or data[:4] != MAGIC:
         raise KVTransferError(peer, f"not a KV block header ({len(data)} bytes)")
     fields = _FIXED.unpack_from(data)
-    _, version, kind, flags, *_, rid_len, extra_len = fields
+    _, version, kind, flags, *_, rid_len, extra_len, first_position, end_position = fields
     rid_at = _FIXED.size
     rid = data[rid_at : rid_at + rid_len].decode(errors="replace")
     if version != VERSION:
@@ -135,9 +146,8 @@ def decode_header(data: bytes, secret: bytes, peer: str) -> BlockHeader:
         raise KVTransferError(peer, f"malformed header: {len(data)} bytes for {body_len}", rid)
     if not hmac.compare_digest(data[body_len:], mac(secret, data[:body_len])):
         raise KVTransferError(peer, "bad secret: header MAC does not verify", rid)
-    (_, _, _, _, first, count, heads, head_dim, dtype, seq_len, nbytes, crc, batch, total, _, _) = (
-        fields
-    )
+    (_, _, _, _, first, count, heads, head_dim, dtype, seq_len, nbytes, crc, batch, total,
+     *_) = fields
     if dtype not in _DTYPE_NAMES or kind not in set(BlockKind):
         raise KVTransferError(peer, f"unknown dtype code {dtype} or block kind {kind}", rid)
     return BlockHeader(
@@ -154,6 +164,8 @@ def decode_header(data: bytes, secret: bytes, peer: str) -> BlockHeader:
         batch,
         total,
         data[rid_at + rid_len : body_len],
+        first_position,
+        end_position,
     )
 
 

@@ -4,7 +4,9 @@
 of the same model), samples each first token, and streams each layer as it is
 made through the KV library's ``KVSender`` into every token stage's
 ``KVReceiver`` (the library routes layers to the stage holding them: DejaVu's
-stream_out/stream_in), with the first token as the transfer's ``extra``. Asked
+stream_out/stream_in), with the first token as the transfer's ``extra``. A
+prompt whose leading blocks the node's prefix cache held sends those positions
+of every layer at once, before its rest computes (``KVSender.save_ahead``). Asked
 to stop (its client left), it stops after the layer in progress and gives every
 staging block back, as on any other exit. A P-node runs it
 (:class:`~orchestrator.serving.prefill_worker.PrefillWorker`), and so does an in-process pipeline
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import struct
+import threading
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -23,6 +26,7 @@ from orchestrator.engine.base import Engine
 from orchestrator.engine.log_probs import TokenLogProb
 from orchestrator.engine.sampling import Sampler, SamplingParams
 from orchestrator.kv.connector import KVSender, SendHandle
+from orchestrator.kv.errors import KVTransferError
 from orchestrator.layout import KVCache
 from orchestrator.pipeline.prefix import PrefixLoad, PrefixReuse
 
@@ -45,6 +49,41 @@ def decode_first_token(extra: bytes) -> int:
     return _FIRST_TOKEN.unpack(extra)[0]
 
 
+class _AheadPosts:
+    """Posts the cached positions of every layer of the prompts that hit (``save_ahead``)
+    from a thread of its own: packing them into staging overlaps the rest's compute, and
+    the first computed layer waits for them (they go first)."""
+
+    def __init__(self, senders: Sequence[KVSender], handles: Sequence[Sequence[SendHandle]],
+                 slots: Sequence[Sequence[KVCache]], loads: Sequence[PrefixLoad],
+                 timeout_s: float) -> None:
+        self._error: BaseException | None = None
+        self._timeout_s = timeout_s
+        self._thread = threading.Thread(target=self._post, args=(senders, handles, slots, loads),
+                                        name="kv-ahead", daemon=True)
+        self._thread.start()
+
+    def _post(self, senders, handles, slots, loads) -> None:
+        try:
+            for sender, stage_handles, caches in zip(senders, handles, slots, strict=True):
+                for handle, cache, load in zip(stage_handles, caches, loads, strict=True):
+                    sender.save_ahead(handle, cache, load.cached_tokens)
+        except BaseException as error:  # noqa: BLE001  (raised in the prefill's thread)
+            self._error = error
+
+    def wait(self, check: bool = True) -> None:
+        """Until every cached part is posted (bounded); ``check``: raises what posting
+        raised, or that it did not end in time (else a handle released meanwhile makes
+        what is left of it post nothing)."""
+        self._thread.join(self._timeout_s)
+        if not check:
+            return
+        if self._thread.is_alive():
+            raise KVTransferError("<local>", f"cached KV not posted in {self._timeout_s}s")
+        if self._error is not None:
+            raise self._error
+
+
 def stream_prefill(
     engines: Sequence[Engine],
     senders: Sequence[KVSender],
@@ -58,6 +97,7 @@ def stream_prefill(
     salts: Mapping[str, str] | None = None,
     cached: dict[str, int] | None = None,
     sent: dict[str, int] | None = None,
+    ahead: dict[str, int] | None = None,
 ) -> dict[str, int]:
     """Prefill ``prompts`` (request id -> ids) on the prompt stages ``engines`` (one
     ``KVSender`` each), streaming every layer's KV while the next computes to the token
@@ -67,16 +107,20 @@ def stream_prefill(
     ``PrefillCancelled`` when ``stop()`` says so (asked after every layer).
 
     With ``prefix`` (the node's prefix cache), each prompt's cached leading blocks (under
-    ``salts[request_id]``) are loaded into its slots and only the rest is computed; every
-    layer still streams the whole prompt's KV. ``cached`` gets each prompt's cached tokens,
+    ``salts[request_id]``) are loaded into its slots and only the rest is computed; the
+    cached positions of every layer stream at once while the rest computes, and each
+    layer then streams its computed positions (the first waits for the cached ones).
+    ``cached`` gets each prompt's cached tokens,
     ``sent`` the KV bytes streamed for it (less than its whole KV where a token stage held
-    its leading positions: decode-side reuse)."""
+    its leading positions: decode-side reuse), ``ahead`` those of them that went ahead
+    of the computed ones."""
     sampling, salts = sampling or {}, salts or {}
     rids = list(prompts)
     slots = [[engine.new_cache() for _ in rids] for engine in engines]
     loads: list[PrefixLoad] = []
     x: list[torch.Tensor] = [torch.tensor(prompts[r], dtype=torch.long) for r in rids]
     taken: list[tuple[KVSender, SendHandle]] = []  # every staging block, given back on any exit
+    ahead_posts: _AheadPosts | None = None
     done = False
     try:
         if prefix is not None:
@@ -94,11 +138,15 @@ def stream_prefill(
             for rid in rids:
                 handles[-1].append(sender.start(rid, list(tickets[rid])))
                 taken.append((sender, handles[-1][-1]))
+        if any(load.cached_tokens for load in loads):
+            ahead_posts = _AheadPosts(senders, handles, slots, loads, save_timeout_s)
         for engine, sender, stage_handles, caches in zip(engines, senders, handles, slots,
                                                          strict=True):
 
             def save(layer: int, caches: Sequence[KVCache], sender=sender,
                      hs=stage_handles) -> None:
+                if ahead_posts is not None:  # every layer's cached part goes first
+                    ahead_posts.wait()
                 for handle, cache in zip(hs, caches, strict=True):
                     sender.save_layer(handle, layer, cache)
                 if stop is not None and stop():
@@ -115,9 +163,12 @@ def stream_prefill(
             sender.finish(handle, extra=encode_first_token(first[handle.request_id]))
         for sender, handle in taken:
             sender.wait_for_save(handle, save_timeout_s)
-            if sent is not None:
-                sent[handle.request_id] = sent.get(handle.request_id, 0) + handle.sent_bytes
+            for counts, nbytes in ((sent, handle.sent_bytes), (ahead, handle.ahead_bytes)):
+                if counts is not None:
+                    counts[handle.request_id] = counts.get(handle.request_id, 0) + nbytes
     finally:
+        if ahead_posts is not None:  # nothing posts into a staging block given back
+            ahead_posts.wait(check=False)
         for sender, handle in taken:
             sender.release(handle)
         for i, load in enumerate(loads):  # a prefill that stopped early stores nothing

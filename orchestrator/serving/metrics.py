@@ -28,8 +28,9 @@ class Metrics:
     def queue_length(self, requests: int) -> None:
         """Requests the node holds right now (running or waiting)."""
 
-    def kv_streamed(self, nbytes: int, seconds: float) -> None:
-        """One prompt's KV: bytes moved and how long its transfer was open."""
+    def kv_streamed(self, nbytes: int, seconds: float, ahead: int = 0) -> None:
+        """One prompt's KV: bytes moved and how long its transfer was open; ``ahead`` of
+        those bytes, a P-node's cached positions, sent before the rest was computed."""
 
     def kv_reused(self, nbytes: int) -> None:
         """Prompt KV a T-node already held (decode-side reuse): not streamed to it."""
@@ -79,8 +80,9 @@ class PublishedMetrics(Metrics):
     def queue_length(self, requests: int) -> None:
         self._set(("queue_length", ""), requests)
 
-    def kv_streamed(self, nbytes: int, seconds: float) -> None:
-        self._add({("kv_bytes", ""): nbytes, ("kv_seconds", ""): seconds})
+    def kv_streamed(self, nbytes: int, seconds: float, ahead: int = 0) -> None:
+        self._add({("kv_bytes", ""): nbytes, ("kv_seconds", ""): seconds,
+                   ("kv_ahead_bytes", ""): ahead})
 
     def kv_reused(self, nbytes: int) -> None:
         self._add({("kv_reused_bytes", ""): nbytes})

@@ -183,6 +183,8 @@ class TritonMetrics(PublishedMetrics):
         "queue_length": ("dejavu_queue_length", "requests held", True, ""),
         "kv_bytes": ("dejavu_kv_bytes", "KV bytes streamed", False, ""),
         "kv_seconds": ("dejavu_kv_transfer_seconds", "time KV transfers were open", False, ""),
+        "kv_ahead_bytes": ("dejavu_kv_ahead_bytes", "of the KV bytes streamed, a P-node's "
+                           "cached positions, sent before the rest was computed", False, ""),
         "kv_reused_bytes": ("dejavu_kv_reused_bytes", "prompt KV a T-node already held: not "
                             "streamed (decode-side reuse)", False, ""),
         "held": ("dejavu_held", "request resources held", True, "what"),

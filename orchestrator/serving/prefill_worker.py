@@ -139,6 +139,7 @@ class PrefillWorker:
         log_probs: dict[str, TokenLogProb] = {}
         cached: dict[str, int] = {}
         sent: dict[str, int] = {}
+        ahead: dict[str, int] = {}
         try:
             first = stream_prefill(
                 self.engines, self.senders,
@@ -152,6 +153,7 @@ class PrefillWorker:
                 {rid: job.params.cache_salt for rid, job in todo.items()},
                 cached,
                 sent,
+                ahead,
             )
         except Exception as exc:  # one transfer failed (stream_prefill cannot tell which),
             # or every job's client left
@@ -162,7 +164,8 @@ class PrefillWorker:
             if job.request_id in todo:
                 results[i] = First(first[job.request_id], log_probs.get(job.request_id),
                                    cached.get(job.request_id, 0))
-                self.metrics.kv_streamed(sent.get(job.request_id, 0), seconds)
+                self.metrics.kv_streamed(sent.get(job.request_id, 0), seconds,
+                                         ahead.get(job.request_id, 0))
         if self.prefix is not None:
             self.metrics.prefix_cache(self.prefix.cache)
         return results

@@ -113,6 +113,93 @@ def test_a_receiver_holding_a_prefix_is_sent_only_the_rest(depth_p, depth_t, che
         assert torch.equal(cache.data[:, :, :, 5:11], full[layers.start : layers.stop, :, :, 5:11])
 
 
+@pytest.mark.parametrize(("depth_p", "depth_t"), [(1, 1), (2, 3), (3, 2)])
+@pytest.mark.parametrize(("held", "ahead"), [(0, 8), (5, 8), (8, 5)])
+@pytest.mark.parametrize("checksum", [False, True])
+def test_cached_positions_go_ahead_of_every_layer_then_each_layer_sends_the_rest(
+        depth_p, depth_t, held, ahead, checksum) -> None:
+    """A prompt whose first ``ahead`` positions the sender had cached: ``save_ahead`` posts
+    them for every layer at once (one write per token stage, of the positions its slot does
+    not hold), before any layer's ``save_layer``, which then posts only the later positions.
+    The slot ends whole, and no byte more is sent than without it."""
+    cluster = Cluster(depth_p, depth_t, checksum)
+    full, mine = torch.randn(MODEL.shape), torch.randn(MODEL.shape)
+
+    def fill(slot: KVCache) -> int:
+        first = slot.layout.first_layer
+        slot.data[:, :, :, :held] = mine[first : first + slot.layout.num_layers, :, :, :held]
+        return held
+
+    tickets = [r.reserve("r1", 11, fill) for r in cluster.receivers]
+    row = MODEL.token_bytes_per_layer()
+    sent = ahead_sent = 0
+    for stage, (sender, cache) in enumerate(
+            zip(cluster.senders, cluster.prompt_caches(full), strict=True)):
+        handle = sender.start("r1", tickets)
+        sender.save_ahead(handle, cache, ahead)
+        stage_layers = len(cluster.p_ranges[stage])
+        assert handle.ahead_bytes == handle.sent_bytes == max(ahead - held, 0) * stage_layers * row
+        for layer in cluster.p_ranges[stage]:
+            sender.save_layer(handle, layer, cache)
+        with pytest.raises(ValueError, match="before any layer"):
+            sender.save_ahead(handle, cache, ahead)
+        sender.finish(handle, b"\x2a" if stage == len(cluster.senders) - 1 else b"")
+        sender.wait_for_save(handle, timeout_s=1)
+        sent, ahead_sent = sent + handle.sent_bytes, ahead_sent + handle.ahead_bytes
+    assert sent == (11 - held) * MODEL.num_layers * row  # what the plain path sends
+    assert ahead_sent == max(ahead - held, 0) * MODEL.num_layers * row
+    for receiver, layers in zip(cluster.receivers, cluster.t_ranges, strict=True):
+        cache, extra = receiver.wait("r1")
+        assert extra == b"\x2a" and cache.length == 11
+        want = full[layers.start : layers.stop, :, :, :11].clone()
+        want[:, :, :, :held] = mine[layers.start : layers.stop, :, :, :held]
+        assert torch.equal(cache.data[:, :, :, :11], want)
+        receiver.release("r1")
+
+
+def test_a_receiver_waits_for_every_part_of_a_layer_and_takes_none_twice() -> None:
+    """A layer sent in parts is whole only once its positions all landed; a part that
+    overlaps one landed fails the request, naming it."""
+    cluster = Cluster(1, 1)
+    sender, receiver = cluster.senders[0], cluster.receivers[0]
+    cache = cluster.prompt_caches(torch.randn(MODEL.shape))[0]
+    handle = sender.start("r1", cluster.reserve("r1", 11))
+    sender.save_ahead(handle, cache, 6)
+    sender.finish(handle, b"\x01")  # every layer's positions [6, 11) never sent
+    assert receiver.poll("r1") == KVPoll.TRANSFERRING
+    sender.release(handle)
+    receiver.release("r1")
+
+    handle = sender.start("r2", cluster.reserve("r2", 11))
+    sender.save_ahead(handle, cache, 6)
+    handle.ahead = 5  # a sender that would send position 5 twice
+    sender.save_layer(handle, 0, cache)
+    with pytest.raises(KVTransferError, match=r"layers \[0\] positions \[5, 11\) received twice"):
+        receiver.wait("r2")
+    sender.release(handle)
+
+
+def test_nothing_ahead_is_the_plain_path() -> None:
+    """A prompt with no cached positions: ``save_ahead(..., 0)`` posts nothing, and each
+    layer carries all its positions, as without it."""
+    cluster = Cluster(1, 2)
+    sender = cluster.senders[0]
+    full = torch.randn(MODEL.shape)
+    cache = cluster.prompt_caches(full)[0]
+    tickets = cluster.reserve("r1", 11)
+    handle = sender.start("r1", tickets)
+    sender.save_ahead(handle, cache, 0)
+    assert handle.transfers == [] and handle.ahead_bytes == 0
+    for layer in cluster.p_ranges[0]:
+        sender.save_layer(handle, layer, cache)
+    assert len(handle.transfers) == MODEL.num_layers
+    sender.finish(handle, b"\x01")
+    sender.wait_for_save(handle, timeout_s=1)
+    for receiver, layers in zip(cluster.receivers, cluster.t_ranges, strict=True):
+        got, _ = receiver.wait("r1")
+        assert torch.equal(got.data[:, :, :, :11], full[layers.start : layers.stop, :, :, :11])
+
+
 def test_a_fill_that_fails_or_holds_the_whole_prompt_holds_nothing() -> None:
     cluster = Cluster(1, 1)
     receiver = cluster.receivers[0]
@@ -190,7 +277,8 @@ def forge(cluster: Cluster, **fields) -> KVTransferError:
     sender.add_peer("t0", b"t0")
     nbytes = 4 * MODEL.token_bytes_per_layer()
     header = BlockHeader.for_layout(
-        BlockKind.LAYERS, "r1", MODEL.layers(0, 1), seq_len=4, payload_bytes=nbytes
+        BlockKind.LAYERS, "r1", MODEL.layers(0, 1), seq_len=4, payload_bytes=nbytes,
+        first_position=0, end_position=4,
     )
     header = dataclasses.replace(header, **fields)
     sender.notify("t0", encode_header(header, SECRET))
@@ -210,6 +298,8 @@ def forge(cluster: Cluster, **fields) -> KVTransferError:
         ({"head_dim": 2}, "head size mismatch"),
         ({"dtype": "float16"}, "dtype mismatch"),
         ({"num_layers": 7}, "layers mismatch"),
+        ({"end_position": 5}, "positions [0, 5) outside the [0, 4) this slot lacks"),
+        ({"first_position": 4}, "positions [4, 4) outside"),
     ],
 )
 def test_receiver_names_each_mismatch(fields: dict, message: str) -> None:
@@ -485,7 +575,7 @@ def test_an_expired_ticket_writes_nothing(clock) -> None:
     sender.save_layer(handle, 0, cache)
     clock.now += 11
     sender.save_layer(handle, 1, cache)
-    with pytest.raises(KVTransferError, match="ticket expired before layer 1"):
+    with pytest.raises(KVTransferError, match=r"ticket expired before layers \[1\]"):
         sender.wait_for_save(handle, timeout_s=1)
 
 

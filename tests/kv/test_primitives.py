@@ -96,7 +96,7 @@ def test_scatter_and_read_back_a_kv_region(pair) -> None:
     nbytes = packed.numel() * 4
     spans = kv_spans(LAYOUT, remote.data.data_ptr(), layers, positions)
     local = tensor_region(staging).sub(0, nbytes)
-    assert a.poll(scatter(a, "b", local, spans)) == KVPoll.SUCCESS
+    assert a.poll(scatter(a, "b", [local], spans)) == KVPoll.SUCCESS
     assert torch.equal(remote.data[:, :, :, :6], source.data[:, :, :, :6])
     assert remote.data[:, :, :, 6:].abs().sum() == 0
     staging.zero_()

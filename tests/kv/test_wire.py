@@ -24,7 +24,8 @@ LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=8, max_seq_len=32, firs
 
 
 def header(**changes) -> BlockHeader:
-    fields = dict(seq_len=10, payload_bytes=1280, crc32=0xDEADBEEF, extra=b"tok")
+    fields = dict(seq_len=10, payload_bytes=1280, crc32=0xDEADBEEF, extra=b"tok",
+                  first_position=2, end_position=10)
     fields.update(changes)
     return BlockHeader.for_layout(BlockKind.LAYERS, "req-1", LAYOUT.layers(5, 2), **fields)
 

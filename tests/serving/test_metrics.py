@@ -52,7 +52,7 @@ def test_updates_made_during_a_slow_publish_are_coalesced_into_the_next():
     for outcome in ("finished", "finished", "cancelled"):
         metrics.request_done(outcome)
     metrics.kv_streamed(100, 0.5)
-    metrics.kv_streamed(28, 0.25)
+    metrics.kv_streamed(28, 0.25, ahead=20)
     metrics.held("prompts", 3)
     metrics.held("prompts", 0)
     metrics.queue_length(0)
@@ -62,7 +62,7 @@ def test_updates_made_during_a_slow_publish_are_coalesced_into_the_next():
     assert metrics.published[0] == ({}, {("queue_length", ""): 1})
     assert metrics.published[1] == (
         {("requests", "finished"): 2, ("requests", "cancelled"): 1,
-         ("kv_bytes", ""): 128, ("kv_seconds", ""): 0.75},
+         ("kv_bytes", ""): 128, ("kv_seconds", ""): 0.75, ("kv_ahead_bytes", ""): 20},
         {("held", "prompts"): 0, ("queue_length", ""): 0})
 
 

@@ -2,7 +2,8 @@
 1P+1T, a colocated T-node, one with chunked prefill, a colocated pipeline of two T-nodes:
 its head's index, each stage's layers) over a multi-turn conversation; and
 decode-side reuse (1P+1T's T-node keeps each finished turn's KV, and is streamed only the
-blocks it lacks).
+blocks it lacks). Disaggregated, a P-node's hit streams its cached positions of every layer
+ahead of the rest's compute (those the T-node lacks: none where it kept the last turn).
 
 Each turn's prompt is the last one, its answer and a new message: the node loads the
 cached blocks, prefills only the rest, and the greedy tokens are the single-process
@@ -32,10 +33,13 @@ MESSAGES = [[(11 * i + 5) % 500 + 1 for i in range(n)] for n in (21, 9, 30)]
 
 
 
+# disaggregated: the T-node keeps finished turns too (decode-side reuse); p-cache-only: it
+# does not, so each hit's cached positions stream to it ahead of the rest's compute.
 # colocated-chunked: 8-token steps (4 token steps at most in them): each prompt takes
 # several chunks, its first after the blocks cached. colocated-depth-2: 48-token steps, so
 # most prompts' uncached rest runs whole in one step and the longer ones in two.
-LAYOUTS = {"disaggregated": {}, "colocated": {"colocated": True},
+LAYOUTS = {"disaggregated": {}, "disaggregated-p-cache-only": {"decode_cache_mb": 0},
+           "colocated": {"colocated": True},
            "colocated-chunked": {"colocated": True, "max_batch": 4, "prefill_chunk": 8},
            "colocated-depth-2": {"colocated": True, "decode_depth": 2, "max_batch": 4,
                                  "prefill_chunk": 48}}
@@ -44,7 +48,7 @@ LAYOUTS = {"disaggregated": {}, "colocated": {"colocated": True},
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def cluster(request, model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     with cluster_up(model, tmp_path_factory.mktemp(request.param), prefix_cache_mb=4,
-                    decode_cache_mb=4, kv_block=BLOCK, **LAYOUTS[request.param]) as up:
+                    kv_block=BLOCK, **{"decode_cache_mb": 4, **LAYOUTS[request.param]}) as up:
         yield up
 
 
@@ -76,17 +80,31 @@ def conversation(engine) -> list[tuple[list[int], list[int]]]:
     return turns
 
 
-def test_multi_turn_prompts_reuse_their_prefix_token_exact(cluster, model):
+def test_multi_turn_prompts_reuse_their_prefix_token_exact(cluster, model, request):
+    """Disaggregated, ``dejavu_kv_ahead_bytes`` says the P-node sent each hit's cached
+    positions ahead of the compute, exactly: all of them where the T-node keeps nothing,
+    none where it kept the last turn's KV (it holds them already)."""
     engine = load_engine(model, max_seq_len=MAX_SEQ_LEN)
+    token_bytes = engine.kv_layout.token_bytes_per_layer() * engine.kv_layout.num_layers
+    t_node_keeps = LAYOUTS[request.node.callspec.params["cluster"]].get("decode_cache_mb", 4)
+    p_node = cluster.role("prefill")[0].server if cluster.role("prefill") else None
     url = cluster.frontend.grpc_url
     previous: list[int] = []
-    for prompt, answer in conversation(engine):
+    turns = conversation(engine)
+    ahead = 0
+    for prompt, answer in [*turns, turns[-1]]:  # the last, repeated
+        before = metric(p_node, "dejavu_kv_ahead_bytes") if p_node else 0
         got, cached = ask(url, prompt)
         assert got == answer
         # every whole block the last prompt stored, one token at least left to compute
-        assert cached == min(len(previous) // BLOCK, (len(prompt) - 1) // BLOCK) * BLOCK
+        assert cached == min(len(previous), len(prompt) - 1) // BLOCK * BLOCK
+        if p_node is not None:
+            want = 0 if t_node_keeps else cached * token_bytes
+            assert eventually(lambda b=before: metric(p_node, "dejavu_kv_ahead_bytes") - b,
+                              lambda v, w=want: v >= w) == want
+            ahead += want
         previous = prompt
-    assert ask(url, previous) == (answer, (len(previous) - 1) // BLOCK * BLOCK)  # a repeat
+    assert p_node is None or t_node_keeps or ahead > 0
 
     node = (cluster.role("prefill") or cluster.role("decode"))[0].server  # the one prefilling
     hit = eventually(lambda: metric(node, "dejavu_prefix_cache", what="hit_tokens"),
@@ -190,6 +208,10 @@ def test_the_kv_router_sends_each_next_turn_to_the_node_holding_its_prefix(model
         nodes = up.role("prefill") or up.role("decode")
         eventually(lambda: sum(metric(n.server, "dejavu_prefix_cache", what="hit_tokens")
                                for n in nodes), lambda hits: hits == 4 * 32)
+        if layout == {"prefill": 2}:  # each hit's 32 positions went to the T-node ahead
+            token_bytes = engine.kv_layout.token_bytes_per_layer() * engine.kv_layout.num_layers
+            eventually(lambda: sum(metric(n.server, "dejavu_kv_ahead_bytes") for n in nodes),
+                       lambda ahead: ahead == 4 * 32 * token_bytes)
         if "decode_cache_mb" in layout:  # each T-node held the first turn's 2 whole blocks
             token_bytes = engine.kv_layout.token_bytes_per_layer() * engine.kv_layout.num_layers
             eventually(lambda: sum(metric(n.server, "dejavu_kv_reused_bytes")
