@@ -19,7 +19,10 @@ reused over all) against the offline ideal at the same total cache capacity (one
 that large under Belady's eviction: :func:`~orchestrator.planner.mooncake.ideal_hit_rate`)
 and bytes of KV moved P->T (and, with decode-side reuse, those not moved: the T-nodes held
 them); and the simulator's TTFT for the layout at its measured hit
-rate (:class:`~orchestrator.planner.simulator.ServingSimulator`). Output: ``kv_reuse.csv``,
+rate (:class:`~orchestrator.planner.simulator.ServingSimulator`) and, disaggregated, its
+measured dispatch: a request's mean time on the hops to its first token outside the
+P-node's queue and prefill (the frontend's T-node admission and P-node calls, less the
+P-nodes' own queue and execute times, from their counters). Output: ``kv_reuse.csv``,
 ``kv_reuse.png``, a table. ``--predict-from CSV``: only the simulator's figures, at the hit
 rates of an earlier run's CSV (no cluster).
 """
@@ -84,7 +87,8 @@ COLUMNS = {"layout": "layout", "requests": "requests", "ttft_p50_s": "TTFT p50 s
            "e2e_p99_s": "E2E p99 s", "prefill_tokens": "prefill tokens computed",
            "hit_rate": "hit rate", "ideal_hit_rate": "ideal", "hit_vs_ideal": "of ideal",
            "p_to_t_gb": "P->T GB (x kv_scale)", "p_to_t_saved_gb": "P->T saved GB"}
-PREDICTED = {"layout": "layout", "hit_rate": "hit rate", "ttft_p50_s": "TTFT p50 s",
+PREDICTED = {"layout": "layout", "hit_rate": "hit rate", "dispatch_ms": "dispatch ms",
+             "ttft_p50_s": "TTFT p50 s",
              "sim_ttft_p50_s": "simulated", "sim_vs_measured_p50": "sim / measured",
              "ttft_p99_s": "TTFT p99 s", "sim_ttft_p99_s": "simulated p99"}
 
@@ -106,21 +110,24 @@ class Result:
     p_to_t_gb: float  # KV bytes the P-nodes streamed (the emulated model's: x kv_scale)
     unfinished: int
     p_to_t_saved_gb: float = 0.0  # not streamed: the T-nodes held it (decode-side reuse)
+    dispatch_ms: float = 0.0  # disaggregated, measured: the simulator's ``dispatch_s``
     sim_ttft_p50_s: float = math.nan  # the simulator's, at the measured hit rate
     sim_ttft_p99_s: float = math.nan
     sim_vs_measured_p50: float = math.nan
 
     def simulate(self, layout: Layout, jobs, args) -> Result:
         """With the simulator's TTFT for ``layout`` at this row's hit rate."""
-        self.sim_ttft_p50_s, self.sim_ttft_p99_s = simulated_ttft(layout, jobs, self.hit_rate,
-                                                                  args)
+        self.sim_ttft_p50_s, self.sim_ttft_p99_s = simulated_ttft(
+            layout, jobs, self.hit_rate, self.dispatch_ms / 1e3 if layout.prefill else 0.0,
+            args)
         self.sim_vs_measured_p50 = self.sim_ttft_p50_s / self.ttft_p50_s
         return self
 
 
-def simulated_ttft(layout: Layout, jobs, hit_rate: float, args) -> tuple[float, float]:
+def simulated_ttft(layout: Layout, jobs, hit_rate: float, dispatch_s: float, args
+                   ) -> tuple[float, float]:
     """TTFT p50, p99 the simulator gives ``layout`` on ``jobs`` with prefix caches that hold
-    ``hit_rate`` of every prompt (profile time)."""
+    ``hit_rate`` of every prompt and, disaggregated, ``dispatch_s`` (profile time)."""
     from orchestrator.planner.simulator import ServingSimulator
     from orchestrator.planner.workload import Request
     from orchestrator.profiles.profile import load_profile
@@ -128,7 +135,7 @@ def simulated_ttft(layout: Layout, jobs, hit_rate: float, args) -> tuple[float, 
     requests = [Request(i, j.arrival, len(j.prompt_ids), j.max_tokens)
                 for i, j in enumerate(jobs)]
     sim = ServingSimulator(load_profile(args.profile), args.batch, layout.prefill,
-                           layout.decode, 1, hit_rate=hit_rate)
+                           layout.decode, 1, hit_rate=hit_rate, dispatch_s=dispatch_s)
     ttft = [t.first_token - t.request.arrival for t in sim.run(requests)]
     return statistics.median(ttft), percentile(ttft, 99)
 
@@ -170,6 +177,23 @@ def node_sum(nodes, name: str, **labels: str) -> float:
     return sum(metric(f"127.0.0.1:{n.server.metrics_port}", name, **labels) for n in nodes)
 
 
+def dispatch_ms(cluster) -> float:
+    """A disaggregated request's mean time on the hops to its first token outside the
+    P-node's queue and prefill: the frontends' T-node admissions and P-node calls, less
+    the P-nodes' queue and execute times (Triton's counters, microseconds)."""
+    frontends = [f"127.0.0.1:{s.metrics_port}" for s in cluster.frontends]
+    calls = sum(metric(f, "dejavu_legs", what="prefill_call") for f in frontends)
+    if not calls:
+        return 0.0
+    waited = sum(metric(f, "dejavu_leg_seconds", what=what) for f in frontends
+                 for what in ("admission", "prefill_call"))
+    p_nodes = [f"127.0.0.1:{n.server.metrics_port}" for n in cluster.role("prefill")]
+    served_us = sum(metric(p, name, model="prefill") for p in p_nodes
+                    for name in ("nv_inference_queue_duration_us",
+                                 "nv_inference_compute_infer_duration_us"))
+    return (waited - served_us / 1e6) / calls * 1e3
+
+
 def run_layout(layout: Layout, model_dir: Path, jobs, prompts_hashes, lengths, args,
                run_dir: Path, progress=None) -> Result:
     from clients.disagg import replay, wait_idle
@@ -196,13 +220,14 @@ def run_layout(layout: Layout, model_dir: Path, jobs, prompts_hashes, lengths, a
         hit = node_sum(prefilling, "dejavu_prefix_cache", what="hit_tokens") if cache_mb else 0
         streamed = node_sum(cluster.role("prefill"), "dejavu_kv_bytes")
         saved = node_sum(cluster.role("decode"), "dejavu_kv_reused_bytes")
+        dispatch = dispatch_ms(cluster) / args.time_scale if layout.prefill else 0.0
     blocks = int(cache_mb * 2**20 // (args.kv_block * KV_BYTES_PER_TOKEN)) * layout.prefilling
     ideal = ideal_hit_rate(prompts_hashes, lengths, blocks, args.kv_block) if blocks else 0.0
     total = sum(lengths)
     return Result(layout.name, len(jobs), **latencies(times), prompt_tokens=total,
                   prefill_tokens=int(total - hit), hit_rate=hit / total, ideal_hit_rate=ideal,
                   hit_vs_ideal=hit / total / ideal if ideal else math.nan,
-                  p_to_t_gb=streamed / 1e9, p_to_t_saved_gb=saved / 1e9,
+                  p_to_t_gb=streamed / 1e9, p_to_t_saved_gb=saved / 1e9, dispatch_ms=dispatch,
                   unfinished=sum(len(t) - 1 < j.max_tokens for j, t in zip(jobs, times,
                                                                             strict=True))
                   ).simulate(layout, jobs, args)

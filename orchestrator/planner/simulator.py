@@ -469,7 +469,8 @@ class ServingSimulator:
     def __init__(self, cost: EngineProfile, batch: int, prompt_nodes: int, token_pipelines: int,
                  token_depth: int, m: float = 1.0, slots: int | None = None,
                  prompt_cost: EngineProfile | None = None, hit_rate: float = 0.0,
-                 prefill_chunk: int = 0, step_overhead_s: float = 0.0) -> None:
+                 prefill_chunk: int = 0, step_overhead_s: float = 0.0,
+                 dispatch_s: float = 0.0) -> None:
         """``hit_rate``: the prompt tokens the prefilling nodes' prefix caches hold (the
         trace's, or measured): each prompt computes only the rest; ``prefill_chunk``:
         colocated, a step's token budget (0: whole prompts); ``step_overhead_s``: the
@@ -477,18 +478,27 @@ class ServingSimulator:
         prefill), outside the engine's profiled time: the head scheduling the step and its
         gRPC calls, the token's relay. Near saturation the TTFT tail hangs on it: a 1.3%
         longer step took the simulated share of requests past a 1 s TTFT from 7% to 11%
-        (0.88x a colocated layout's capacity; docs/planner.md)."""
+        (0.88x a colocated layout's capacity; docs/planner.md). ``dispatch_s``:
+        disaggregated, a request's time on the serving path's hops to its first token
+        outside the P-node's queue and prefill: the frontend's T-node admission (the KV
+        ticket its prompt needs, a round trip before the prompt goes out) and the P-node
+        call's way there and back; a request joins a P-node's queue that long after its
+        seat (``dejavu bench disagg --trace mooncake`` measures it: docs/bench-kv-reuse.md)."""
         if batch < 1 or token_pipelines < 1 or token_depth < 1 or prompt_nodes < 0 or m < 1:
             raise ValueError("need batch, token pipelines and depth >= 1, P-nodes >= 0, m >= 1")
         if not 0 <= hit_rate <= 1:
             raise ValueError(f"a hit rate is in [0, 1], got {hit_rate}")
-        if step_overhead_s < 0:
-            raise ValueError(f"a step's overhead is >= 0 s, got {step_overhead_s}")
+        if step_overhead_s < 0 or dispatch_s < 0:
+            raise ValueError(f"a step's overhead and a dispatch are >= 0 s, got "
+                             f"{step_overhead_s}, {dispatch_s}")
+        if dispatch_s and not prompt_nodes:
+            raise ValueError("dispatch_s is the way to a P-node: no P-nodes, colocated")
         if prefill_chunk and prompt_nodes:
             raise ValueError("prefill_chunk chunks colocated prompts: no P-nodes")
         check_prefill_chunk(prefill_chunk, batch)
         self.cost, self.slots, self.m, self.hit_rate = cost, batch, m, hit_rate
         self.prefill_chunk, self.step_overhead_s = prefill_chunk, step_overhead_s
+        self.dispatch_s = dispatch_s
         self.prompt_cost = prompt_cost or cost  # P-nodes of another machine: their own
         self.colocated = prompt_nodes == 0
         self.loop = EventLoop()
@@ -530,5 +540,12 @@ class ServingSimulator:
             if self.colocated:
                 pipe.waiting.append(seq)
                 pipe.issue_idle()
+            elif self.dispatch_s:
+                self.loop.after(self.dispatch_s, lambda seq=seq: self._to_prompt_node(seq))
             else:
-                min(self.prompt_nodes, key=lambda n: n.queued_tokens).add(seq)
+                self._to_prompt_node(seq)
+
+    def _to_prompt_node(self, seq: _Seq) -> None:
+        """The P-node with the fewest queued prompt tokens when the prompt gets there (the
+        frontend picks it once the T-node admitted the request)."""
+        min(self.prompt_nodes, key=lambda n: n.queued_tokens).add(seq)

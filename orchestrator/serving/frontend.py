@@ -510,9 +510,11 @@ class Frontend:
             return self._admit(url, rid, prompt_ids, params, reserved, is_cancelled)
 
         try:
+            asked = time.perf_counter()
             stream, tickets = admit(request_id)
             admitted = True
             if not self.colocated:
+                self.metrics.leg("admission", time.perf_counter() - asked)
                 try:
                     first = self._prefill(request_id, prompt_ids, params, tickets, is_cancelled)
                 except PrefillLost as lost:
@@ -674,6 +676,7 @@ class Frontend:
             arrays = {**request_arrays(prompt_ids, params), "kv_ticket": tickets,
                       **self._kv_since(self.prefill, url)}
             answers: queue.Queue = queue.Queue()
+            asked = time.perf_counter()
             try:
                 self.prefill_clients[url].async_infer(
                     "prefill", [tensor(k, v) for k, v in arrays.items()],
@@ -706,6 +709,7 @@ class Frontend:
                     self.prefill.mark_down(url)
                     raise PrefillLost(str(exc)) from exc
                 raise Refused(str(exc)) from exc
+            self.metrics.leg("prefill_call", time.perf_counter() - asked)
             events = result.as_numpy("kv_events")
             if events is not None:
                 self._index_kv_events(self.prefill, url, events.reshape(-1)[0])

@@ -49,6 +49,11 @@ class Metrics:
     def prefix_cache(self, cache: PrefixCache) -> None:
         """The node's prefix cache after a prefill: its counters since start, its bytes."""
 
+    def leg(self, what: str, seconds: float) -> None:
+        """The frontend's wait on one leg of a disaggregated request's way to its first
+        token (``what``: ``admission``, the T-node's KV ticket; ``prefill_call``, the
+        P-node's answer, its queue and prefill included)."""
+
 
 class PublishedMetrics(Metrics):
     """Metrics that one background thread publishes, coalesced: counters add up, gauges keep
@@ -98,6 +103,9 @@ class PublishedMetrics(Metrics):
                             ("hit_rate", stats.hit_rate), ("bytes", cache.used_bytes),
                             ("budget_bytes", cache.budget_bytes)):
             self._set(("prefix_cache", what), value)
+
+    def leg(self, what: str, seconds: float) -> None:
+        self._add({("leg_seconds", what): seconds, ("legs", what): 1})
 
     def _add(self, amounts: dict[Series, float]) -> None:
         """Counter increments, published together."""

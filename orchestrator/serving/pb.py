@@ -193,6 +193,10 @@ class TritonMetrics(PublishedMetrics):
         # since start: lookup_tokens, hit_tokens, evicted_blocks, hit_rate (hit / lookup
         # tokens); now: bytes held, budget_bytes
         "prefix_cache": ("dejavu_prefix_cache", "the node's prefix cache", True, "what"),
+        # the frontend, disaggregated: admission (the T-node's KV ticket), prefill_call
+        "leg_seconds": ("dejavu_leg_seconds", "time on a leg of the way to the first token",
+                        False, "what"),
+        "legs": ("dejavu_legs", "legs of the way to the first token", False, "what"),
     }
 
     def __init__(self, node: str, model: str = "", instance: str = "") -> None:

@@ -193,3 +193,27 @@ def test_a_step_overhead_lengthens_every_engine_call_by_it(prompt_nodes):
     assert slowed.tbts() == pytest.approx([gap + 0.002 for gap in bare.tbts()])
     with pytest.raises(ValueError, match="overhead"):
         ServingSimulator(cost, 16, prompt_nodes, 1, 1, step_overhead_s=-0.001)
+
+
+def test_a_dispatch_delays_each_prompt_on_its_way_to_a_p_node_and_its_queue_with_it():
+    """Disaggregated, the hops before and after a prefill (the T-node's KV ticket, the
+    P-node call's way there and back) come on top of the prefill and its queue: a lone
+    request's first token is that much later, its later gaps unchanged; two prompts at
+    once on one P-node: the second still waits the first's whole prefill (the hops do not
+    hold the P-node), both first tokens later by the dispatch alone."""
+    cost = load_profile("splitwise-llama2-70b-h100")
+    reqs = [Request(0, 0.0, 4000, 6), Request(1, 0.0, 4000, 6)]
+
+    def run(dispatch: float) -> list[RequestTimes]:
+        return ServingSimulator(cost, 16, 1, 1, 1, dispatch_s=dispatch).run(reqs)
+
+    bare, dispatched = run(0.0), run(0.05)
+    for b, d in zip(bare, dispatched, strict=True):
+        assert d.first_token == pytest.approx(b.first_token + 0.05)
+    assert dispatched[1].first_token - dispatched[0].first_token == pytest.approx(
+        cost.prefill_s(4000))
+    assert dispatched[0].tbts() == pytest.approx(bare[0].tbts())
+    with pytest.raises(ValueError, match="dispatch"):
+        ServingSimulator(cost, 16, 1, 1, 1, dispatch_s=-0.01)
+    with pytest.raises(ValueError, match="colocated"):
+        ServingSimulator(cost, 16, 0, 1, 1, dispatch_s=0.05)

@@ -212,6 +212,27 @@ def test_kv_bytes_streamed_agree_on_both_sides(cluster, model, expected):
     assert metric(decode, "dejavu_kv_transfer_seconds") > 0
 
 
+def test_the_frontend_times_each_admission_and_p_node_call(cluster, expected):
+    """The legs the simulator's dispatch is measured from (docs/bench-kv-reuse.md): a
+    request adds a T-node admission and a P-node call on the frontend, and the calls' wait
+    holds at least the P-node's own queue and execute time (Triton's counters)."""
+    frontend, prefill = cluster.frontend, cluster.role("prefill")[0].server
+
+    def legs() -> tuple[float, float, float, float]:
+        return (metric(frontend, "dejavu_legs", what="admission"),
+                metric(frontend, "dejavu_legs", what="prefill_call"),
+                metric(frontend, "dejavu_leg_seconds", what="prefill_call"),
+                sum(metric(prefill, name, model="prefill") for name in (
+                    "nv_inference_queue_duration_us", "nv_inference_compute_infer_duration_us")))
+
+    before = legs()
+    good_request_works(cluster, expected)
+    after = eventually(legs, lambda now: now[1] > before[1])
+    admissions, calls, waited, served_us = (a - b for a, b in zip(after, before, strict=True))
+    assert admissions >= 1 and calls >= 1
+    assert waited >= served_us / 1e6 > 0
+
+
 def test_http_infer_on_the_decoupled_ensemble_says_so(cluster):
     import tritonclient.http as httpclient
 
