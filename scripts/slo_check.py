@@ -9,6 +9,11 @@ that met both, and **SLO req/s**, those requests over the span of the arrivals (
 cut at the drain met nothing); then the same from the serving simulator replaying the
 very requests (arrivals, lengths, the drain's cut): what ``dejavu plan --slo-*`` ranks
 layouts by, at this one rate. Markdown on stdout.
+
+Then each run's **step overhead**, the serving path's time per step that ``dejavu plan
+--step-overhead-ms`` takes: the measured mean gap between tokens minus the simulator's
+(profile alone) on the same requests, averaged over requests (as the SLO judges them)
+and over every gap (docs/planner.md).
 """
 
 from __future__ import annotations
@@ -50,6 +55,25 @@ def met(slo: SLO, arrival: float, stamps: list[float], asked: int, cut_at: float
             and (not gaps or statistics.fmean(gaps) <= slo.tbt_s))
 
 
+def mean_gap(stamps: list[float]) -> float | None:
+    gaps = [b - a for a, b in zip(stamps[1:], stamps[2:], strict=False)]
+    return statistics.fmean(gaps) if gaps else None
+
+
+def step_overhead(runs: list, alone: list[RequestTimes]) -> tuple[float, float]:
+    """(per request, per gap) mean of the measured gaps minus the simulated ones, seconds."""
+    by_request, measured_sum, simulated_sum, gaps = [], 0.0, 0.0, 0
+    for (_, _, stamps), sim in zip(runs, alone, strict=True):
+        m, s = mean_gap(stamps), mean_gap(sim.stamps())
+        if m is None or s is None:
+            continue
+        by_request.append(m - s)
+        measured_sum += stamps[-1] - stamps[1]
+        simulated_sum += sim.stamps()[-1] - sim.stamps()[1]
+        gaps += len(stamps) - 2
+    return statistics.fmean(by_request), (measured_sum - simulated_sum) / gaps
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("folder", type=Path)
@@ -67,7 +91,7 @@ def main(argv: list[str]) -> int:
     print("| SLO TTFT / TBT | layout | rate req/s | measured met | measured SLO req/s "
           "| simulated met | simulated SLO req/s | simulated / measured |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
-    rows = []
+    rows, overheads = [], []
     for path in sorted(args.folder.glob("times-*.json")):
         mode, rate = path.stem.removeprefix("times-").rsplit("-", 1)
         data = json.loads(path.read_text())
@@ -78,6 +102,9 @@ def main(argv: list[str]) -> int:
         candidate = candidate_of(mode, data["layout"], args.machines)
         simulated: list[RequestTimes] = simulate(cost, requests, candidate, args.batch,
                                                  args.step_overhead_ms / 1e3)
+        alone = (simulate(cost, requests, candidate, args.batch) if args.step_overhead_ms
+                 else simulated)
+        overheads.append((str(candidate), float(rate), *step_overhead(runs, alone)))
         for slo in slos:
             measured = [met(slo, t[0], t, n, cut_at) for _, n, t in runs]
             sim = [met(slo, s.request.arrival, s.stamps(), s.request.output_len, cut_at)
@@ -89,6 +116,9 @@ def main(argv: list[str]) -> int:
         ratio = f"{s_rps / m_rps:.2f}" if m_rps else "-"
         print(f"| {ttft:g} s / {tbt * 1e3:g} ms | {name} | {rate:.2f} | {m_met:.0%} | "
               f"{m_rps:.2f} | {s_met:.0%} | {s_rps:.2f} | {ratio} |")
+    print("\n| layout | rate req/s | step overhead ms, by request | by gap |\n|---|---:|---:|---:|")
+    for name, rate, by_request, by_gap in sorted(overheads):
+        print(f"| {name} | {rate:.2f} | {by_request * 1e3:.2f} | {by_gap * 1e3:.2f} |")
     return 0
 
 
