@@ -91,6 +91,16 @@ class CacheStats:
         return self.hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0
 
 
+def blocks_within(layout: KVLayout, block_tokens: int, budget_bytes: int) -> int:
+    """The blocks of ``block_tokens`` tokens of ``layout``'s layers that ``budget_bytes``
+    holds (at least one, else ValueError)."""
+    block = block_tokens * layout.step_bytes()
+    if budget_bytes < block:
+        raise ValueError(f"a budget of {budget_bytes} bytes holds no block of "
+                         f"{block_tokens} tokens ({block} bytes)")
+    return budget_bytes // block
+
+
 @dataclass(frozen=True)
 class StorePlan:
     """Blocks of one prompt to keep: (block in the prompt, its hash, its pool index) each, the
@@ -195,11 +205,8 @@ class PrefixCache:
                device: str | torch.device = "cpu",
                on_event: Callable[[KVEvent], None] | None = None) -> PrefixCache:
         """As many blocks as ``budget_bytes`` holds (at least one)."""
-        block = block_tokens * layout.step_bytes()
-        if budget_bytes < block:
-            raise ValueError(f"a budget of {budget_bytes} bytes holds no block of "
-                             f"{block_tokens} tokens ({block} bytes)")
-        return cls(layout, block_tokens, budget_bytes // block, device, on_event)
+        return cls(layout, block_tokens, blocks_within(layout, block_tokens, budget_bytes),
+                   device, on_event)
 
     # -- sizes ----------------------------------------------------------------
 

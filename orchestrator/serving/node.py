@@ -59,15 +59,11 @@ def pipeline_prefix_blocks(config: NodeConfig, engine: Engine) -> int:
     """The blocks every stage of a colocated pipeline keeps (the same on each: they hold
     the head's block indices) within ``prefix_cache_mb``: as many as its largest stage's
     layers fit (the stages of a model split evenly, as :class:`StageNode` splits it)."""
-    layout = engine.kv_layout
+    from orchestrator.kv.prefix_cache import blocks_within
+
     stages = StageSpec.split(ModelConfig.from_dir(config.model_dir).num_layers, config.depth)
-    block_bytes = (config.kv_block * layout.step_bytes() // layout.num_layers
-                   * max(s.count for s in stages))
-    budget = int(config.prefix_cache_mb * 2**20)
-    if budget < block_bytes:
-        raise ValueError(f"a prefix cache of {config.prefix_cache_mb} MiB holds no block of "
-                         f"{config.kv_block} tokens ({block_bytes} bytes a stage)")
-    return budget // block_bytes
+    largest = replace(engine.kv_layout, num_layers=max(s.count for s in stages))
+    return blocks_within(largest, config.kv_block, int(config.prefix_cache_mb * 2**20))
 
 
 def load_token_service(config: NodeConfig, metrics: Metrics | None = None,
