@@ -12,8 +12,13 @@ it runs the same on node 0 of a pipeline whose stages are other processes
 Admission of requests prefilled elsewhere: ``submit_prefilled(seq)`` without a
 first token parks the request; the head sends a
 :class:`~orchestrator.pipeline.link.KVProbe` down the pipeline, and each stage
-keeps only the requests whose prompt KV it holds complete. When the probe
-comes back, the head admits those every stage has (with the first token the
+keeps only the requests whose prompt KV it holds complete. The probe rides on
+every step issued while requests wait (each stage answers it after the step's
+layers), so a prompt whose KV landed during a step joins the next one; alone
+only while no step is in flight (a probe queued behind a step came back after
+that microbatch's next step was issued: every request joined a step late, on
+a decode step's time). When the probe comes back, the head admits those every
+stage has (with the first token the
 prompt worker put in the transfer's ``extra``), fails those a stage reports
 failed, and fails with the stage's name those still missing after
 ``kv_timeout_s``. Prompt KV that will never be used (cancel, failure) is
@@ -459,6 +464,7 @@ class PipelineHead:
                         self._markers[message.release[-1]] = True
                         self._done.notify_all()
                     elif isinstance(message, KVProbe):
+                        self._probe_sent_at = None
                         self._probed(message)
                     self._check_health()
                     if not self._paused:  # a paused head waits on a repair, not a stall
@@ -472,7 +478,8 @@ class PipelineHead:
         wait for their KV (a second token then waits for its admission ~0.5 ms, not
         ~``poll_s`` / 2), else ``poll_s``."""
         with self._lock:
-            if not (self._pending_kv or self._unreleased) or self._probe_sent_at is not None:
+            if (not (self._pending_kv or self._unreleased) or self._probe_sent_at is not None
+                    or any(self._in_flight)):
                 return self.poll_s
             due = self._last_probe + self.probe_interval_s - time.monotonic()
         return min(self.poll_s, max(0.0, due))
@@ -481,9 +488,13 @@ class PipelineHead:
         batch = self.scheduler.schedule(mb)
         if batch.is_empty:
             return
+        message = _to_message(batch)
+        message.probe = self._next_probe()
         try:
-            self.to_first.send(_to_message(batch), self.step_timeout_s)
+            self.to_first.send(message, self.step_timeout_s)
         except LinkTimeout as exc:
+            if message.probe is not None:
+                self._unreleased |= message.probe.release
             self._error(str(exc))
             self.scheduler.fail(mb, f"first stage not taking work: {exc}")
             return
@@ -507,6 +518,8 @@ class PipelineHead:
             self.scheduler.fail(mb, message.error)
         else:
             self.scheduler.postprocess(mb, message.tokens, message.log_probs)
+        if message.probe is not None:  # before the next step is issued: they join it
+            self._probed(message.probe)
         if not self._paused:
             self._issue(mb)
         if self.on_step is not None:
@@ -514,25 +527,32 @@ class PipelineHead:
 
     # -- admission of requests prefilled elsewhere ------------------------------------------
 
-    def _probe(self) -> None:
-        """One probe in flight at most, for every pending request and release."""
-        now = time.monotonic()
-        if self._probe_sent_at is not None or now - self._last_probe < self.probe_interval_s:
-            return
+    def _next_probe(self) -> KVProbe | None:
+        """A probe for every pending request and release (None: nothing to ask)."""
         if not (self._pending_kv or self._unreleased):
-            return
+            return None
         probe = KVProbe({s: seq.request_id for s, (seq, _) in self._pending_kv.items()},
                         release=self._unreleased)
+        self._unreleased = {}
+        return probe
+
+    def _probe(self) -> None:
+        """A probe alone while no step is in flight to carry one; one at a time."""
+        now = time.monotonic()
+        if (self._probe_sent_at is not None or now - self._last_probe < self.probe_interval_s
+                or any(self._in_flight)):
+            return
+        if (probe := self._next_probe()) is None:
+            return
         try:
             self.to_first.send(probe, self.step_timeout_s)
         except LinkTimeout as exc:
+            self._unreleased |= probe.release
             self._error(f"first stage not taking a KV probe: {exc}")
             return
-        self._unreleased = {}
         self._probe_sent_at = self._last_probe = now
 
     def _probed(self, probe: KVProbe) -> None:
-        self._probe_sent_at = None
         self._waiting_at = probe.waiting_at
         for seq_id, token in probe.ready.items():
             # gone if cancelled or timed out while the probe was out (its release is queued)

@@ -1,11 +1,12 @@
 """What flows between pipeline stages, and the link it flows over.
 
 Stage ``i`` sends each microbatch step to stage ``i + 1``; the last stage sends
-the step's tokens back to the head. A :class:`KVProbe` takes the same path to
-ask every stage whether the prompt KV of requests prefilled elsewhere has
-landed. In one process a :class:`QueueLink` (bounded, so a slow stage
-back-pressures the one before it); across processes the same messages go over
-a transport behind the same two calls
+the step's tokens back to the head. A :class:`KVProbe` asks every stage whether
+the prompt KV of requests prefilled elsewhere has landed: it rides on a step
+(each stage answers it after its layers, the last in the step's tokens), or
+takes the same path alone while no step is in flight. In one process a
+:class:`QueueLink` (bounded, so a slow stage back-pressures the one before it);
+across processes the same messages go over a transport behind the same two calls
 (:mod:`orchestrator.pipeline.transport_link`).
 """
 
@@ -20,6 +21,22 @@ import torch
 
 from orchestrator.engine.log_probs import TokenLogProb
 from orchestrator.engine.sampling import SamplingParams
+
+
+@dataclass
+class KVProbe:
+    """Has the prompt KV of these requests landed on every stage? (prefilled elsewhere)
+
+    Each stage keeps in ``requests`` only those whose KV it holds complete and
+    moves the others to ``failed`` or ``waiting_at``; the last stage answers
+    with each complete request's first token (the prompt worker's ``extra``).
+    """
+
+    requests: dict[int, str]  # seq id -> request id (the KV receivers' key)
+    release: dict[int, str] = field(default_factory=dict)  # drop these (never admitted)
+    ready: dict[int, int] = field(default_factory=dict)  # seq id -> first token
+    failed: dict[int, str] = field(default_factory=dict)  # seq id -> error naming the stage
+    waiting_at: dict[int, int] = field(default_factory=dict)  # seq id -> first stage lacking it
 
 
 @dataclass
@@ -48,6 +65,7 @@ class StepMessage:
     cached_blocks: dict[int, list[int]] = field(default_factory=dict)
     # ... and -> (block of its prompt, pool index) to keep after its last chunk ran.
     store_blocks: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    probe: KVProbe | None = None  # answered by each stage after its layers
 
 
 @dataclass
@@ -59,22 +77,7 @@ class TokenMessage:
     tokens: dict[int, int]  # seq id -> new token
     error: str | None = None
     log_probs: dict[int, TokenLogProb] = field(default_factory=dict)  # those that asked
-
-
-@dataclass
-class KVProbe:
-    """Has the prompt KV of these requests landed on every stage? (prefilled elsewhere)
-
-    Each stage keeps in ``requests`` only those whose KV it holds complete and
-    moves the others to ``failed`` or ``waiting_at``; the last stage answers
-    with each complete request's first token (the prompt worker's ``extra``).
-    """
-
-    requests: dict[int, str]  # seq id -> request id (the KV receivers' key)
-    release: dict[int, str] = field(default_factory=dict)  # drop these (never admitted)
-    ready: dict[int, int] = field(default_factory=dict)  # seq id -> first token
-    failed: dict[int, str] = field(default_factory=dict)  # seq id -> error naming the stage
-    waiting_at: dict[int, int] = field(default_factory=dict)  # seq id -> first stage lacking it
+    probe: KVProbe | None = None  # the step's probe, answered by every stage
 
 
 class Shutdown:

@@ -9,8 +9,9 @@ are. The worker does not care where its neighbours run: its links are
 in-process queues or transport links into other processes.
 
 A :class:`~orchestrator.pipeline.link.KVProbe` asks each stage whether prompt
-KV prefilled elsewhere has landed in its :class:`PromptKVSource`; the head
-admits a request only once every stage said yes.
+KV prefilled elsewhere has landed in its :class:`PromptKVSource` (alone, or riding on a
+step: answered after the step's layers); the head admits a request only once every
+stage said yes.
 """
 
 from __future__ import annotations
@@ -178,6 +179,8 @@ class StageWorker:
                 log.warning("stage %d lost at microbatch %d step %d", self.index,
                             message.microbatch, message.step)
                 return False
+            if message.probe is not None:  # after the layers: KV landed meanwhile counts
+                out.probe = self._probe_safely(message.probe)
         try:
             self.outbox.send(out, self.send_timeout_s)
         except (LinkTimeout, LinkError) as exc:

@@ -177,10 +177,10 @@ def encode(message: Message, out: torch.Tensor) -> int:
     elif isinstance(message, TokenMessage):
         header = {"type": "tokens", "microbatch": message.microbatch, "step": message.step,
                   "tokens": [[s, t] for s, t in message.tokens.items()], "error": message.error,
-                  "log_probs": [[s, p.to_list()] for s, p in message.log_probs.items()]}
+                  "log_probs": [[s, p.to_list()] for s, p in message.log_probs.items()],
+                  "probe": _probe_fields(message.probe)}
     elif isinstance(message, KVProbe):
-        header = {"type": "probe", **{key: list(getattr(message, key).items())
-                                      for key in _PROBE_FIELDS}}
+        header = {"type": "probe", **_probe_fields(message)}
     else:
         tensors = ([] if message.inputs is None else [message.inputs]) + list(message.prompts)
         header = {
@@ -192,6 +192,7 @@ def encode(message: Message, out: torch.Tensor) -> int:
             "cached_blocks": list(message.cached_blocks.items()),
             "store_blocks": list(message.store_blocks.items()),
             "sampling": [[s, asdict(p)] for s, p in message.sampling.items()],
+            "probe": _probe_fields(message.probe),
         }
     specs, offset = [], 0
     for t in tensors:
@@ -222,9 +223,10 @@ def decode(slot: torch.Tensor) -> Message:
     if header["type"] == "tokens":
         return TokenMessage(header["microbatch"], header["step"],
                             {s: t for s, t in header["tokens"]}, header["error"],
-                            {s: TokenLogProb.from_list(p) for s, p in header["log_probs"]})
+                            {s: TokenLogProb.from_list(p) for s, p in header["log_probs"]},
+                            _probe_of(header["probe"]))
     if header["type"] == "probe":
-        return KVProbe(**{key: dict(header[key]) for key in _PROBE_FIELDS})
+        return _probe_of(header)
     start = -(-(_LENGTH.size + length) // _ALIGN) * _ALIGN
     tensors = [
         slot[start + s["offset"] : start + s["offset"] + s["nbytes"]].clone()
@@ -241,4 +243,17 @@ def decode(slot: torch.Tensor) -> Message:
         cached_blocks=dict(header["cached_blocks"]),
         store_blocks={s: [(b, i) for b, i in blocks] for s, blocks in header["store_blocks"]},
         sampling={s: SamplingParams(**p) for s, p in header["sampling"]},
+        probe=_probe_of(header["probe"]),
     )
+
+
+def _probe_fields(probe: KVProbe | None) -> dict | None:
+    """A probe's dicts as JSON pairs (JSON keys are strings; seq ids stay ints)."""
+    if probe is None:
+        return None
+    return {key: list(getattr(probe, key).items()) for key in _PROBE_FIELDS}
+
+
+def _probe_of(fields: dict | None) -> KVProbe | None:
+    return None if fields is None else KVProbe(**{key: dict(fields[key])
+                                                  for key in _PROBE_FIELDS})

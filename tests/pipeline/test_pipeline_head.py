@@ -1,5 +1,6 @@
 """The head alone, its stages played by the test over in-process links: a step that fails
-while the head waits for a repair is redone after it, not taken as answered."""
+while the head waits for a repair is redone after it, not taken as answered; a request
+whose prompt KV landed during a step joins the next."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import threading
 import pytest
 
 from orchestrator.pipeline.head import NotKept, PipelineHead
-from orchestrator.pipeline.link import QueueLink, StepMessage, TokenMessage
+from orchestrator.pipeline.link import KVProbe, QueueLink, StepMessage, TokenMessage
 from orchestrator.pipeline.sequence import Sequence
 
 
@@ -40,6 +41,33 @@ def test_a_step_failed_during_a_repair_is_redone():
         head.resume()
         assert next_step(to_first).step == step1.step
         assert seq.output_ids == [7, 8] and seq.error is None
+    finally:
+        head.stop(1.0)
+
+
+def test_a_prompt_whose_kv_landed_during_a_step_joins_the_next_step():
+    """The KV probe rides on the running steps and is answered with their tokens, so a
+    prefilled request is admitted before its microbatch's next step goes out (a probe
+    answered after that step was issued made every request wait out one more step)."""
+    to_first, from_last = QueueLink("to-first", 4), QueueLink("from-last", 4)
+    head = PipelineHead(to_first, from_last, num_microbatches=1, batch_size=2,
+                        max_seq_len=64).start()
+    try:
+        running = head.submit_prefilled(Sequence("a", [1, 2, 3], 8, None), first_token=7)
+        step0 = next_step(to_first)
+        assert step0.probe is None  # nothing waits for its KV
+        waiting = head.submit_prefilled(Sequence("b", [4, 5], 8, None))
+        # Step 0 answered: step 1 goes out carrying the probe for "b".
+        from_last.send(TokenMessage(0, step0.step, {running.seq_id: 8}), 1.0)
+        step1 = next_step(to_first)
+        assert step1.probe is not None and step1.probe.requests == {waiting.seq_id: "b"}
+        # The stages found its KV complete by the end of step 1's layers.
+        answer = KVProbe({}, ready={waiting.seq_id: 9})
+        from_last.send(TokenMessage(0, step1.step, {running.seq_id: 10}, probe=answer), 1.0)
+        step2 = next_step(to_first)
+        assert step2.admit == [waiting.seq_id]
+        assert sorted(step2.seq_ids) == sorted([running.seq_id, waiting.seq_id])
+        assert waiting.output_ids == [9] and step2.probe is None
     finally:
         head.stop(1.0)
 

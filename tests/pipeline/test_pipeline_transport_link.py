@@ -46,6 +46,10 @@ def test_messages_survive_the_wire_format():
     probe = KVProbe({4: "a", 9: "b"}, release={2: "c"}, ready={1: 77}, failed={3: "stage 1: x"},
                     waiting_at={5: 2})
     assert decode(buf[: encode(probe, buf)]) == probe
+    riding = decode(buf[: encode(StepMessage(0, 1, [4], torch.tensor([3]), probe=probe), buf)])
+    assert isinstance(riding, StepMessage) and riding.probe == probe
+    answered = TokenMessage(0, 1, {4: 8}, probe=probe)
+    assert decode(buf[: encode(answered, buf)]) == answered
     with pytest.raises(ValueError, match="does not fit a link slot"):
         encode(StepMessage(0, 0, [1], torch.zeros(1, 1 << 20)), buf)
 
