@@ -12,8 +12,10 @@ layouts by, at this one rate. Markdown on stdout.
 
 Then each run's **step overhead**, the serving path's time per step that ``dejavu plan
 --step-overhead-ms`` takes: the measured mean gap between tokens minus the simulator's
-(profile alone) on the same requests, averaged over requests (as the SLO judges them)
-and over every gap (docs/planner.md).
+(profile alone) on the same requests, averaged over requests (as the SLO judges them),
+over every gap, and over every gap but each request's first; and the first gap's own
+excess (disaggregated: the hand-off from the P-node's first token to the T-node's first
+step), which a short request's mean gap carries whole (docs/planner.md).
 """
 
 from __future__ import annotations
@@ -60,18 +62,24 @@ def mean_gap(stamps: list[float]) -> float | None:
     return statistics.fmean(gaps) if gaps else None
 
 
-def step_overhead(runs: list, alone: list[RequestTimes]) -> tuple[float, float]:
-    """(per request, per gap) mean of the measured gaps minus the simulated ones, seconds."""
-    by_request, measured_sum, simulated_sum, gaps = [], 0.0, 0.0, 0
-    for (_, _, stamps), sim in zip(runs, alone, strict=True):
-        m, s = mean_gap(stamps), mean_gap(sim.stamps())
+def step_overhead(runs: list, alone: list[RequestTimes]) -> tuple[float, float, float, float]:
+    """Mean of the measured gaps minus the simulated ones, seconds: per request, per gap,
+    per gap after each request's first; and the first gaps' mean excess."""
+    by_request, first, excess, later_excess, gaps, later = [], [], 0.0, 0.0, 0, 0
+    for (_, _, measured), sim in zip(runs, alone, strict=True):
+        simulated = sim.stamps()
+        m, s = mean_gap(measured), mean_gap(simulated)
         if m is None or s is None:
             continue
         by_request.append(m - s)
-        measured_sum += stamps[-1] - stamps[1]
-        simulated_sum += sim.stamps()[-1] - sim.stamps()[1]
-        gaps += len(stamps) - 2
-    return statistics.fmean(by_request), (measured_sum - simulated_sum) / gaps
+        excess += (measured[-1] - measured[1]) - (simulated[-1] - simulated[1])
+        gaps += len(measured) - 2
+        first.append((measured[2] - measured[1]) - (simulated[2] - simulated[1]))
+        if len(measured) > 3:
+            later_excess += (measured[-1] - measured[2]) - (simulated[-1] - simulated[2])
+            later += len(measured) - 3
+    return (statistics.fmean(by_request), excess / gaps, later_excess / max(1, later),
+            statistics.fmean(first))
 
 
 def main(argv: list[str]) -> int:
@@ -116,9 +124,10 @@ def main(argv: list[str]) -> int:
         ratio = f"{s_rps / m_rps:.2f}" if m_rps else "-"
         print(f"| {ttft:g} s / {tbt * 1e3:g} ms | {name} | {rate:.2f} | {m_met:.0%} | "
               f"{m_rps:.2f} | {s_met:.0%} | {s_rps:.2f} | {ratio} |")
-    print("\n| layout | rate req/s | step overhead ms, by request | by gap |\n|---|---:|---:|---:|")
-    for name, rate, by_request, by_gap in sorted(overheads):
-        print(f"| {name} | {rate:.2f} | {by_request * 1e3:.2f} | {by_gap * 1e3:.2f} |")
+    print("\n| layout | rate req/s | step overhead ms, by request | by gap | by gap after the "
+          "first | first gap's excess ms |\n|---|---:|---:|---:|---:|---:|")
+    for name, rate, *overhead in sorted(overheads):
+        print(f"| {name} | {rate:.2f} | " + " | ".join(f"{o * 1e3:.2f}" for o in overhead) + " |")
     return 0
 
 
