@@ -474,9 +474,9 @@ class PipelineHead:
                 self._prune()
 
     def _wait_s(self) -> float:
-        """How long to wait for an answer: until the next KV probe is due while prompts
-        wait for their KV (a second token then waits for its admission ~0.5 ms, not
-        ~``poll_s`` / 2), else ``poll_s``."""
+        """How long to wait for an answer: until the next probe alone is due while prompts
+        wait for their KV and no step is in flight to carry it (an idle node's second token
+        then waits for its admission ~0.5 ms, not ~``poll_s`` / 2), else ``poll_s``."""
         with self._lock:
             if (not (self._pending_kv or self._unreleased) or self._probe_sent_at is not None
                     or any(self._in_flight)):
