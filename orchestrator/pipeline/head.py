@@ -478,8 +478,7 @@ class PipelineHead:
         wait for their KV and no step is in flight to carry it (an idle node's second token
         then waits for its admission ~0.5 ms, not ~``poll_s`` / 2), else ``poll_s``."""
         with self._lock:
-            if (not (self._pending_kv or self._unreleased) or self._probe_sent_at is not None
-                    or any(self._in_flight)):
+            if not (self._pending_kv or self._unreleased) or not self._may_probe_alone():
                 return self.poll_s
             due = self._last_probe + self.probe_interval_s - time.monotonic()
         return min(self.poll_s, max(0.0, due))
@@ -536,11 +535,14 @@ class PipelineHead:
         self._unreleased = {}
         return probe
 
+    def _may_probe_alone(self) -> bool:
+        """No probe alone is out, and no step is in flight to carry one."""
+        return self._probe_sent_at is None and not any(self._in_flight)
+
     def _probe(self) -> None:
         """A probe alone while no step is in flight to carry one; one at a time."""
         now = time.monotonic()
-        if (self._probe_sent_at is not None or now - self._last_probe < self.probe_interval_s
-                or any(self._in_flight)):
+        if not self._may_probe_alone() or now - self._last_probe < self.probe_interval_s:
             return
         if (probe := self._next_probe()) is None:
             return

@@ -16,6 +16,7 @@ from orchestrator.fault.client import ControllerClient, NodeSpec
 from orchestrator.fault.disk_replication import DiskReplication
 from orchestrator.fault.node_replication import NodeReplication
 from orchestrator.fault.stage_recovery import RecoveryOps
+from orchestrator.kv.prefix_cache import blocks_within
 from orchestrator.kv.transport.base import Transport
 from orchestrator.layout import StageSpec
 from orchestrator.pipeline.node import PipelineConfig, StageNode
@@ -59,8 +60,6 @@ def pipeline_prefix_blocks(config: NodeConfig, engine: Engine) -> int:
     """The blocks every stage of a colocated pipeline keeps (the same on each: they hold
     the head's block indices) within ``prefix_cache_mb``: as many as its largest stage's
     layers fit (the stages of a model split evenly, as :class:`StageNode` splits it)."""
-    from orchestrator.kv.prefix_cache import blocks_within
-
     stages = StageSpec.split(ModelConfig.from_dir(config.model_dir).num_layers, config.depth)
     largest = replace(engine.kv_layout, num_layers=max(s.count for s in stages))
     return blocks_within(largest, config.kv_block, int(config.prefix_cache_mb * 2**20))
